@@ -1,0 +1,185 @@
+"""Landing files → bronze (accepted events, once each) and quarantine (everything else, with a reason).
+
+Every input line ends in exactly one of: the bronze table, the quarantine table, or the count of
+recognised duplicates recorded on the bronze commit (`userMetadata`). Both appends of a micro-batch
+carry Delta transaction identifiers, so a batch replayed after a crash writes nothing twice.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import datetime, timedelta
+from functools import partial
+
+from delta.tables import DeltaTable
+from pyspark.sql import DataFrame, SparkSession, Window
+from pyspark.sql import functions as F
+from pyspark.sql.types import (
+    BinaryType, DecimalType, LongType, StringType, StructField, StructType, TimestampType,
+)
+
+from pipelines.layout import StorageLayout
+from pipelines.source import arrival_order, read_landing_files, split_lines
+from pipelines.streaming import (
+    StreamRunResult, TableVersions, checkpoint_app_id, commits_since, run_available_now, table_version,
+    writer_lock,
+)
+from pipelines.streams import StreamSpec
+from pipelines.validate import validate_lines
+
+DEFAULT_DEDUP_HORIZON = timedelta(days=7)
+DEFAULT_MAX_FILES_PER_TRIGGER = 100
+_SPARK_TYPES = {"string": StringType(), "decimal": DecimalType(18, 2), "timestamp": TimestampType()}
+
+QUARANTINE_SCHEMA = StructType([
+    StructField("raw_line", StringType()),  # the line as text (invalid UTF-8 bytes replaced)
+    StructField("raw_bytes", BinaryType()),  # the line exactly as received
+    StructField("source_file", StringType()),
+    StructField("line_number", LongType()),
+    StructField("reason", StringType()),
+    StructField("reason_field", StringType()),
+    StructField("detail", StringType()),
+    StructField("record_id", StringType()),
+    StructField("ingest_batch_id", LongType()),
+    StructField("ingested_at", TimestampType()),
+])
+
+
+def bronze_schema(spec: StreamSpec) -> StructType:
+    return StructType(
+        [StructField(rule.name, _SPARK_TYPES[rule.kind], nullable=not rule.required) for rule in spec.fields]
+        + [
+            StructField("content_hash", StringType()),
+            StructField("source_file", StringType()),
+            StructField("line_number", LongType()),
+            StructField("ingest_batch_id", LongType()),
+            StructField("ingested_at", TimestampType()),
+        ]
+    )
+
+
+def ensure_bronze_tables(spark: SparkSession, layout: StorageLayout, spec: StreamSpec) -> None:
+    for name, schema in ((spec.bronze_table, bronze_schema(spec)), (spec.quarantine_table, QUARANTINE_SCHEMA)):
+        (
+            DeltaTable.createIfNotExists(spark)
+            .location(str(layout.table(name)))
+            .addColumns(schema)
+            .property("delta.enableChangeDataFeed", "true")
+            .execute()
+        )
+
+
+def _classify_duplicates(accepted: DataFrame, bronze: DataFrame, spec: StreamSpec, batch_id: int,
+                         horizon: timedelta) -> tuple[DataFrame, DataFrame, DataFrame]:
+    """Split valid lines into (new events, recognised duplicates, conflicting duplicates).
+
+    An id already in bronze keeps the content it was accepted with; otherwise the first arrival
+    in the batch wins. Bronze is searched among events whose event time lies within `horizon` of
+    the batch's event times. Rows this same batch wrote on an earlier, crashed attempt are
+    excluded, so a replayed batch is classified exactly as on its first attempt.
+    """
+    id_col, ts_col = spec.id_field, spec.event_time_field
+    by_arrival = Window.partitionBy(id_col).orderBy(*arrival_order())
+    ranked = accepted.withColumns({
+        "_rank": F.row_number().over(by_arrival),
+        "_first_hash": F.first("content_hash").over(by_arrival),
+    })
+    bounds = accepted.agg(F.min(ts_col).alias("lo"), F.max(ts_col).alias("hi")).first()
+    lo = bounds["lo"] or datetime(1970, 1, 1)
+    hi = bounds["hi"] or datetime(1970, 1, 1)
+    prior = (
+        bronze.where(F.col("ingest_batch_id") < batch_id)
+        .where(F.col(ts_col).between(F.lit(lo - horizon), F.lit(hi + horizon)))
+        .groupBy(F.col(id_col).alias("_prior_id"))
+        .agg(F.collect_set("content_hash").alias("_prior_hashes"))
+    )
+    looked_up = ranked.join(prior, ranked[id_col] == prior["_prior_id"], "left")
+    seen = F.col("_prior_id").isNotNull()
+    known_content = F.when(seen, F.array_contains("_prior_hashes", F.col("content_hash"))).otherwise(
+        F.col("content_hash") == F.col("_first_hash"))
+    is_new = ~seen & (F.col("_rank") == 1)
+    columns = accepted.columns
+    return (
+        looked_up.where(is_new).select(*columns),
+        looked_up.where(~is_new & known_content).select(*columns),
+        looked_up.where(~is_new & ~known_content).select(*columns),
+    )
+
+
+def ingest_batch(files: DataFrame, batch_id: int, *, spec: StreamSpec, bronze_path: str, quarantine_path: str,
+                 app_id: str, horizon: timedelta) -> None:
+    """foreachBatch body: validate, dedup, append to quarantine then bronze, both idempotently."""
+    spark = files.sparkSession
+    stamped = validate_lines(split_lines(files), spec).withColumns(
+        {"ingest_batch_id": F.lit(batch_id).cast("bigint"), "ingested_at": F.current_timestamp()}
+    ).persist()
+    try:
+        bronze = spark.read.format("delta").load(bronze_path)
+        new, duplicates, conflicts = _classify_duplicates(
+            stamped.where(F.col("reason").isNull()), bronze, spec, batch_id, horizon)
+        conflicts = conflicts.withColumns({
+            "reason": F.lit("conflicting_duplicate"),
+            "reason_field": F.lit(spec.id_field),
+            "detail": F.concat(F.lit(f"{spec.id_field} "), F.col(spec.id_field),
+                               F.lit(" was already accepted with different content")),
+        })
+        quarantine = stamped.where(F.col("reason").isNotNull()).unionByName(
+            conflicts.select(*stamped.columns)).select(*QUARANTINE_SCHEMA.fieldNames())
+        bronze_rows = new.select(*bronze_schema(spec).fieldNames())
+
+        counts = {
+            "ingest_batch_id": batch_id,
+            "files": stamped.select("source_file").distinct().count(),
+            "lines": stamped.count(),
+            "accepted": bronze_rows.count(),
+            "quarantined": quarantine.count(),
+            "duplicates": duplicates.count(),
+        }
+        if counts["lines"] != counts["accepted"] + counts["quarantined"] + counts["duplicates"]:
+            raise AssertionError(f"line accounting broken in batch {batch_id}: {counts}")
+        for frame, path in ((quarantine, quarantine_path), (bronze_rows, bronze_path)):
+            (
+                frame.write.format("delta").mode("append")
+                .option("txnAppId", app_id).option("txnVersion", batch_id)
+                .option("userMetadata", json.dumps(counts))
+                .save(path)
+            )
+    finally:
+        stamped.unpersist()
+
+
+def ingest_stream(spark: SparkSession, layout: StorageLayout, spec: StreamSpec, *,
+                  max_files_per_trigger: int = DEFAULT_MAX_FILES_PER_TRIGGER,
+                  dedup_horizon: timedelta = DEFAULT_DEDUP_HORIZON,
+                  lock_timeout_s: float = 60.0) -> StreamRunResult:
+    """Ingest every landing file not yet ingested into the stream's bronze and quarantine tables.
+
+    >>> result = ingest_stream(spark, StorageLayout.under("data"), MOVIE_TICKET_SALES)
+    >>> result.commits["bronze"][-1]["user"]["accepted"]
+    """
+    started = time.monotonic()
+    bronze_path, quarantine_path = layout.table(spec.bronze_table), layout.table(spec.quarantine_table)
+    with writer_lock(layout.locks, spec.ingest_query, lock_timeout_s):
+        ensure_bronze_tables(spark, layout, spec)
+        before = {"bronze": table_version(spark, bronze_path), "quarantine": table_version(spark, quarantine_path)}
+        checkpoint = layout.checkpoint(spec.ingest_query)
+        on_batch = partial(ingest_batch, spec=spec, bronze_path=str(bronze_path), quarantine_path=str(quarantine_path),
+                           app_id=checkpoint_app_id(checkpoint, spec.ingest_query), horizon=dedup_horizon)
+        batches, rows = run_available_now(
+            read_landing_files(spark, layout.landing(spec.name), max_files_per_trigger),
+            query_name=spec.ingest_query, checkpoint_dir=checkpoint, on_batch=on_batch)
+        return StreamRunResult(
+            query_name=spec.ingest_query,
+            micro_batches=batches,
+            rows_read=rows,
+            duration_s=time.monotonic() - started,
+            versions={
+                "bronze": TableVersions(before["bronze"], table_version(spark, bronze_path)),
+                "quarantine": TableVersions(before["quarantine"], table_version(spark, quarantine_path)),
+            },
+            commits={
+                "bronze": commits_since(spark, bronze_path, before["bronze"]),
+                "quarantine": commits_since(spark, quarantine_path, before["quarantine"]),
+            },
+        )

@@ -1,0 +1,89 @@
+"""Where everything lives under the storage root ($STATETABLES_HOME, default ./data).
+
+    landing/<stream>/*.jsonl         input files (written once, `_`/`.` prefix while in flight)
+    tables/<stream>_bronze           accepted events
+    tables/<stream>_quarantine       malformed lines and conflicting duplicates, with reasons
+    tables/<state table>             movie_tickets_sold, payments_per_customer
+    checkpoints/<query name>/        Structured Streaming checkpoints
+    locks/<writer>.lock              one writer per stream (kernel file locks)
+    dagster/                         the Dagster instance (runs, schedules, sensors)
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipelines.errors import ConfigurationError
+
+HOME_ENV = "STATETABLES_HOME"
+DEFAULT_HOME = "data"
+
+
+def _inside(root: Path, path: Path) -> bool:
+    return path == root or root in path.parents
+
+
+@dataclass(frozen=True)
+class StorageLayout:
+    """Absolute paths of every folder the project reads or writes.
+
+    >>> layout = StorageLayout.under("/srv/statetables")
+    >>> layout.table("movie_tickets_sold")
+    PosixPath('/srv/statetables/tables/movie_tickets_sold')
+    """
+
+    home: Path
+    landing_root: Path
+    tables_root: Path
+    checkpoints_root: Path
+
+    @classmethod
+    def under(
+        cls,
+        home: str | os.PathLike | None = None,
+        *,
+        landing: str = "landing",
+        tables: str = "tables",
+        checkpoints: str = "checkpoints",
+    ) -> "StorageLayout":
+        """Resolve the layout below `home` (default: $STATETABLES_HOME or ./data).
+
+        Sub-folders may be relative (to home) or absolute, but must stay inside home:
+        everything the project writes lives under one root that can be backed up or wiped.
+        """
+        root = Path(home or os.environ.get(HOME_ENV) or DEFAULT_HOME).expanduser().resolve()
+        resolved = {}
+        for name, sub in (("landing", landing), ("tables", tables), ("checkpoints", checkpoints)):
+            path = (root / sub).resolve()
+            if not _inside(root, path):
+                raise ConfigurationError(
+                    f"The {name} folder {path} is outside the storage root {root}. "
+                    f"Fix: give a path inside {root} (or relative to it), or move the root with "
+                    f"{HOME_ENV}=<folder that contains it>."
+                )
+            resolved[name] = path
+        return cls(
+            home=root,
+            landing_root=resolved["landing"],
+            tables_root=resolved["tables"],
+            checkpoints_root=resolved["checkpoints"],
+        )
+
+    def landing(self, stream: str) -> Path:
+        return self.landing_root / stream
+
+    def table(self, name: str) -> Path:
+        return self.tables_root / name
+
+    def checkpoint(self, query_name: str) -> Path:
+        return self.checkpoints_root / query_name
+
+    @property
+    def locks(self) -> Path:
+        return self.home / "locks"
+
+    @property
+    def dagster_home(self) -> Path:
+        return self.home / "dagster"

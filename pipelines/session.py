@@ -1,0 +1,94 @@
+"""The one place a SparkSession is built: Delta extension and catalog, local jars, small-machine defaults.
+
+Three engines, one code path:
+- embedded local JVM (default, `master="local[2]"`), Delta jars loaded from the local cache;
+- a Spark standalone cluster (`master="spark://host:7077"`), same jars shipped to executors;
+- a Spark Connect server (`remote="sc://host:15002"`), whose server must carry Delta itself.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pyspark.sql import SparkSession
+
+from pipelines.errors import ConfigurationError
+
+JARS_ENV = "STATETABLES_JARS_DIR"
+DEFAULT_JARS_DIR = Path(__file__).resolve().parent.parent / ".jars"
+DELTA_JAR_PREFIX = "delta-spark_"
+
+# Sized for a 2-core, 24 GiB machine; any key can be overridden through `SparkSettings.conf`.
+LOCAL_DEFAULTS = {
+    "spark.sql.extensions": "io.delta.sql.DeltaSparkSessionExtension",
+    "spark.sql.catalog.spark_catalog": "org.apache.spark.sql.delta.catalog.DeltaCatalog",
+    "spark.sql.session.timeZone": "UTC",
+    "spark.sql.shuffle.partitions": "4",
+    "spark.default.parallelism": "4",
+    # Delta reconstructs table state with 50 partitions by default: far too many for 2 cores.
+    "spark.databricks.delta.snapshotPartitions": "2",
+    "spark.ui.enabled": "false",
+    "spark.ui.showConsoleProgress": "false",
+    "spark.driver.memory": "4g",
+    "spark.sql.streaming.stopGracefullyOnShutdown": "true",
+}
+
+
+@dataclass(frozen=True)
+class SparkSettings:
+    master: str = "local[2]"
+    remote: str | None = None
+    jars_dir: str | None = None
+    app_name: str = "statetables"
+    conf: dict[str, str] = field(default_factory=dict)
+
+
+def delta_jars(jars_dir: str | os.PathLike | None = None) -> list[Path]:
+    """The cached Delta jars; fails with the command that fetches them when they are missing."""
+    folder = Path(jars_dir or os.environ.get(JARS_ENV) or DEFAULT_JARS_DIR)
+    jars = sorted(folder.glob("*.jar")) if folder.is_dir() else []
+    if not any(j.name.startswith(DELTA_JAR_PREFIX) for j in jars):
+        raise ConfigurationError(
+            f"No Delta jars ({DELTA_JAR_PREFIX}*.jar) in {folder}. "
+            f"Fix: run `make jars` once (resolves them with Maven into .jars/), "
+            f"or point {JARS_ENV} at a folder that holds them."
+        )
+    return jars
+
+
+def require_java() -> None:
+    java_home = os.environ.get("JAVA_HOME")
+    if java_home and (Path(java_home) / "bin" / "java").exists():
+        return
+    if shutil.which("java"):
+        return
+    raise ConfigurationError(
+        "Java was not found (no JAVA_HOME/bin/java and no `java` on PATH); the embedded Spark "
+        "engine needs Java 17. Fix: install it (`apt-get install openjdk-17-jdk-headless`) or set "
+        "JAVA_HOME, or connect to a Spark Connect server with `remote`."
+    )
+
+
+def build_spark_session(settings: SparkSettings | None = None) -> SparkSession:
+    """Return the process's SparkSession with Delta, creating it (and its JVM) once.
+
+    >>> spark = build_spark_session(SparkSettings(master="local[2]"))
+    """
+    settings = settings or SparkSettings()
+    if settings.remote:
+        # Spark Connect: the server holds Delta's jars and extensions; no local JVM is started.
+        builder = SparkSession.builder.remote(settings.remote)
+        for key, value in settings.conf.items():
+            builder = builder.config(key, value)
+        return builder.getOrCreate()
+
+    require_java()
+    jars = delta_jars(settings.jars_dir)
+    conf = {**LOCAL_DEFAULTS, "spark.jars": ",".join(str(j) for j in jars), **settings.conf}
+    builder = SparkSession.builder.master(settings.master).appName(settings.app_name)
+    for key, value in conf.items():
+        builder = builder.config(key, value)
+    return builder.getOrCreate()

@@ -1,0 +1,133 @@
+"""Running one streaming query to the end of its input, as one writer, with a stable idempotency id.
+
+Spark's checkpoint makes a query resume where it stopped; Delta's transaction identifiers
+(`txnAppId`, `txnVersion` = micro-batch id) make a replayed micro-batch a no-op. The app id must
+change when the checkpoint is replaced (batch ids restart at 0), so it lives inside the checkpoint.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import time
+import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+from delta.tables import DeltaTable
+from pyspark.sql import DataFrame, SparkSession
+
+from pipelines.errors import StreamBusyError
+
+APP_ID_FILE = "statetables_app_id"
+
+
+@dataclass
+class TableVersions:
+    before: int | None
+    after: int | None
+
+
+@dataclass
+class StreamRunResult:
+    """What one availableNow run of a streaming query did; becomes Dagster metadata."""
+
+    query_name: str
+    micro_batches: int
+    rows_read: int
+    duration_s: float
+    versions: dict[str, TableVersions] = field(default_factory=dict)
+    commits: dict[str, list[dict]] = field(default_factory=dict)
+
+
+def checkpoint_app_id(checkpoint_dir: Path, query_name: str) -> str:
+    """The Delta txnAppId of this checkpoint, created with it and deleted with it."""
+    checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    id_file = checkpoint_dir / APP_ID_FILE
+    if not id_file.exists():
+        tmp = checkpoint_dir / f".{APP_ID_FILE}.{os.getpid()}"
+        tmp.write_text(f"statetables/{query_name}/{uuid.uuid4()}\n")
+        os.replace(tmp, id_file)
+    return id_file.read_text().strip()
+
+
+@contextmanager
+def writer_lock(locks_dir: Path, writer: str, timeout_s: float) -> Iterator[None]:
+    """Hold the exclusive writer lock of `writer`, waiting at most `timeout_s`.
+
+    Dagster pools keep the daemon from launching two runs of a stream, but a run started by hand
+    or from a second instance bypasses them. A kernel file lock covers every path and is released
+    by the kernel when the holder dies, even by kill -9, so a crash never leaves a stale lock.
+    """
+    locks_dir.mkdir(parents=True, exist_ok=True)
+    path = locks_dir / f"{writer}.lock"
+    handle = open(path, "a+")
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    handle.seek(0)
+                    holder = handle.read().strip() or "unknown"
+                    raise StreamBusyError(
+                        f"Another run is advancing {writer} (lock {path} held by {holder}); "
+                        f"waited {timeout_s:.0f}s. Nothing was written. Fix: let that run finish, "
+                        f"then run again."
+                    ) from None
+                time.sleep(0.5)
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()} since {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n")
+        handle.flush()
+        yield
+    finally:
+        handle.close()  # closing the descriptor releases the lock
+
+
+def table_version(spark: SparkSession, path: Path) -> int | None:
+    if not DeltaTable.isDeltaTable(spark, str(path)):
+        return None
+    return DeltaTable.forPath(spark, str(path)).history(1).select("version").first()[0]
+
+
+def commits_since(spark: SparkSession, path: Path, version: int | None) -> list[dict]:
+    """Commits after `version`, oldest first: version, operation, metrics, userMetadata."""
+    history = DeltaTable.forPath(spark, str(path)).history()
+    if version is not None:
+        history = history.where(history.version > version)
+    rows = history.select("version", "operation", "operationMetrics", "userMetadata").orderBy("version").collect()
+    return [
+        {
+            "version": r["version"],
+            "operation": r["operation"],
+            "metrics": dict(r["operationMetrics"] or {}),
+            "user": json.loads(r["userMetadata"]) if r["userMetadata"] else {},
+        }
+        for r in rows
+    ]
+
+
+def run_available_now(
+    stream: DataFrame,
+    *,
+    query_name: str,
+    checkpoint_dir: Path,
+    on_batch: Callable[[DataFrame, int], None],
+) -> tuple[int, int]:
+    """Process everything available now in micro-batches, then stop. Returns (batches, rows read)."""
+    query = (
+        stream.writeStream.queryName(query_name)
+        .option("checkpointLocation", str(checkpoint_dir))
+        .trigger(availableNow=True)
+        .foreachBatch(on_batch)
+        .start()
+    )
+    query.awaitTermination()
+    progress = [p for p in query.recentProgress if p.numInputRows]
+    return len(progress), sum(p.numInputRows for p in progress)
