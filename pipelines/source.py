@@ -40,11 +40,15 @@ def split_lines(files: DataFrame) -> DataFrame:
     The newline that ends a file is a terminator, not an empty last line; any other empty line is
     a line (and will be quarantined as not JSON).
     """
-    exploded = files.select(
+    # The array is built (and counted) below the explode, so each output row does not drag the
+    # whole file along with it: Spark copies every column an explode's parent still needs per row.
+    arrays = files.select(
         "source_file",
         "file_modified_at",
-        F.size(F.split(F.decode("content", "ISO-8859-1"), "\n", -1)).alias("_line_count"),
-        F.posexplode(F.split(F.decode("content", "ISO-8859-1"), "\n", -1)).alias("_pos", "_latin1"),
+        F.split(F.decode("content", "ISO-8859-1"), "\n", -1).alias("_lines"),
+    ).withColumn("_line_count", F.size("_lines"))
+    exploded = arrays.select(
+        "source_file", "file_modified_at", "_line_count", F.posexplode("_lines").alias("_pos", "_latin1")
     )
     is_final_terminator = (F.col("_pos") == F.col("_line_count") - 1) & (F.col("_latin1") == "")
     return exploded.where(~is_final_terminator).select(

@@ -1,0 +1,48 @@
+# statetables — see README.md. Every target bootstraps what it needs, once.
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+INSTALLED := $(VENV)/.installed
+JARS := .jars/.resolved
+export STATETABLES_HOME ?= $(CURDIR)/data
+
+.PHONY: install jars demo run dev test bench clean
+
+install: $(INSTALLED)
+$(INSTALLED): setup.py
+	@command -v $(PYTHON) >/dev/null || { echo "$(PYTHON) not found: install Python 3.11 (or make PYTHON=/path/to/python3.11)"; exit 2; }
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[test]'
+	@touch $@
+
+# Delta's jars, resolved once with Maven into .jars/; runs and tests load them from there, offline.
+jars: $(JARS)
+$(JARS): build/delta-jars.pom.xml
+	@command -v mvn >/dev/null || { echo "mvn not found: install Maven (apt-get install maven) to fetch the Delta jars once"; exit 2; }
+	@command -v java >/dev/null || { echo "java not found: install Java 17 (apt-get install openjdk-17-jdk-headless)"; exit 2; }
+	rm -rf .jars && mkdir -p .jars
+	# Spark already ships Hadoop, Parquet, Scala, Jackson, logging and compression: only Delta's own jars are copied.
+	mvn -B -q -f build/delta-jars.pom.xml dependency:copy-dependencies -DoutputDirectory=$(CURDIR)/.jars \
+	  -DincludeScope=runtime \
+	  -DexcludeGroupIds=org.apache.hadoop,org.apache.parquet,org.scala-lang,com.fasterxml.jackson.core,org.apache.logging.log4j,org.slf4j,org.xerial.snappy,com.github.luben,org.roaringbitmap,commons-logging,io.airlift,org.locationtech.jts,com.google.code.findbugs
+	@touch $@
+
+demo: install jars
+	$(BIN)/statetables generate --stream all --events 20000 --malformed 0.005 --duplicates 0.01 --late 0.02 --seed $$(date +%s)
+	$(BIN)/statetables run --show
+
+run: install jars
+	$(BIN)/statetables run
+
+dev: install jars
+	DAGSTER_HOME=$$($(BIN)/statetables instance) $(BIN)/dagster dev -w workspace.yaml -h 127.0.0.1 -p 3000
+
+test: install jars
+	$(BIN)/pytest -q tests
+
+bench: install jars
+	$(BIN)/python -m benchmarks.run_wall_time
+
+clean:
+	rm -rf data

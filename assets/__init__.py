@@ -1,0 +1,1 @@
+"""Dagster assets, checks, jobs, schedule and sensors of statetables (thin: they call pipelines/)."""

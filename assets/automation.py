@@ -1,0 +1,111 @@
+"""Jobs, the schedule and the sensors that advance the streams without a person.
+
+- `advance_all`: every asset and check once (what `make run` launches); schedule every 5 min, off by default.
+- `advance_<stream>`: one stream; launched by the landing-files sensor and by recovery.
+- `recover_failed_stream`: a run failure starts a recovery run of each failed stream, which resumes
+  from its checkpoint; bounded by MAX_RECOVERY_ATTEMPTS so a persistent fault cannot loop.
+"""
+
+
+import json
+import os
+from pathlib import Path
+
+import dagster as dg
+
+from assets.keys import (
+    ADVANCE_ALL_JOB, MAX_RECOVERY_ATTEMPTS, RECOVERY_ATTEMPT_TAG, RECOVERY_OF_TAG, RECOVERY_REASON_TAG, STREAM_TAG,
+    stream_job_name, stream_of_step,
+)
+from pipelines.source import LANDING_GLOB
+from pipelines.streams import STREAMS, StreamSpec
+from resources import StorageResource
+
+advance_all = dg.define_asset_job(
+    ADVANCE_ALL_JOB, selection=dg.AssetSelection.all(),
+    description="Advance every stream once: ingest landing files, update state tables, run all checks.")
+
+stream_jobs = {
+    name: dg.define_asset_job(
+        stream_job_name(spec), selection=dg.AssetSelection.groups(name), tags={STREAM_TAG: name},
+        description=f"Advance {name} once: ingest its landing files, update {spec.state_table.name}, check it.")
+    for name, spec in STREAMS.items()
+}
+
+every_five_minutes = dg.ScheduleDefinition(
+    name="advance_all_every_5_minutes", job=advance_all, cron_schedule="*/5 * * * *",
+    default_status=dg.DefaultScheduleStatus.STOPPED)
+
+
+def _newest_landing_file(folder: Path) -> tuple[int, str] | None:
+    """(mtime_ns, name) of the newest complete landing file, ignoring in-flight `_x`/`.x` names."""
+    if not folder.is_dir():
+        return None
+    newest = None
+    with os.scandir(folder) as entries:
+        for entry in entries:
+            if entry.name.startswith(("_", ".")) or not Path(entry.name).match(LANDING_GLOB) or not entry.is_file():
+                continue
+            key = (entry.stat().st_mtime_ns, entry.name)
+            newest = key if newest is None or key > newest else newest
+    return newest
+
+
+@dg.sensor(jobs=list(stream_jobs.values()), minimum_interval_seconds=30,
+           default_status=dg.DefaultSensorStatus.RUNNING,
+           description="Starts `advance_<stream>` when a new landing file appears for that stream.")
+def landing_files_sensor(context: dg.SensorEvaluationContext, storage: StorageResource):
+    # The cursor only decides *when* to run; which files are new is tracked by each stream's own
+    # checkpoint, so a file the cursor misses (an old mtime) is still ingested by the next run.
+    cursor = json.loads(context.cursor) if context.cursor else {}
+    layout = storage.layout()
+    requests = []
+    for name, spec in STREAMS.items():
+        newest = _newest_landing_file(layout.landing(name))
+        if newest is None or list(newest) <= cursor.get(name, [0, ""]):
+            continue
+        cursor[name] = list(newest)
+        requests.append(dg.RunRequest(job_name=stream_job_name(spec), run_key=f"{name}:{newest[0]}:{newest[1]}",
+                                      tags={STREAM_TAG: name}))
+    if not requests:
+        return dg.SensorResult(skip_reason="no new landing files", cursor=json.dumps(cursor))
+    return dg.SensorResult(run_requests=requests, cursor=json.dumps(cursor))
+
+
+def failed_streams(context: dg.RunFailureSensorContext) -> list[StreamSpec]:
+    """The streams whose steps failed in the run; every stream of the run if no step failed."""
+    found = {spec.name: spec for event in context.get_step_failure_events()
+             if (spec := stream_of_step(event.step_key or ""))}
+    if found:
+        return list(found.values())
+    tagged = context.dagster_run.tags.get(STREAM_TAG)
+    return [STREAMS[tagged]] if tagged in STREAMS else list(STREAMS.values())
+
+
+@dg.run_failure_sensor(
+    name="recover_failed_stream",
+    monitored_jobs=[advance_all, *stream_jobs.values()],
+    request_jobs=list(stream_jobs.values()),
+    default_status=dg.DefaultSensorStatus.RUNNING,
+    description=("When a run fails, starts a recovery run of each failed stream; it resumes from the "
+                 f"stream's checkpoint. At most {MAX_RECOVERY_ATTEMPTS} recovery attempts in a row."),
+)
+def recover_failed_stream(context: dg.RunFailureSensorContext):
+    run = context.dagster_run
+    attempt = int(run.tags.get(RECOVERY_ATTEMPT_TAG, "0")) + 1
+    origin = run.tags.get(RECOVERY_OF_TAG, run.run_id)
+    error = context.failure_event.message or "run failed"
+    if attempt > MAX_RECOVERY_ATTEMPTS:
+        message = (f"Not recovering run {run.run_id}: it was recovery attempt {attempt - 1} of {MAX_RECOVERY_ATTEMPTS} "
+                   f"for run {origin}. The fault persists; fix it (see the run's error), then run the stream's job.")
+        context.log.error(message)
+        return dg.SkipReason(message)
+    return [
+        dg.RunRequest(
+            job_name=stream_job_name(spec),
+            run_key=f"recover:{run.run_id}:{spec.name}",
+            tags={STREAM_TAG: spec.name, RECOVERY_OF_TAG: origin, RECOVERY_ATTEMPT_TAG: str(attempt),
+                  RECOVERY_REASON_TAG: f"run {run.run_id} failed: {error}"[:250]},
+        )
+        for spec in failed_streams(context)
+    ]

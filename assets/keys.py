@@ -1,0 +1,49 @@
+"""Names shared by assets, checks, jobs and sensors: asset keys, pools, jobs, tags."""
+
+from __future__ import annotations
+
+import dagster as dg
+
+from pipelines.streams import STREAMS, StreamSpec
+
+KINDS = {"spark", "delta"}
+ADVANCE_ALL_JOB = "advance_all"
+STREAM_TAG = "statetables/stream"
+RECOVERY_OF_TAG = "statetables/recovery_of"
+RECOVERY_ATTEMPT_TAG = "statetables/recovery_attempt"
+RECOVERY_REASON_TAG = "statetables/recovery_reason"
+MAX_RECOVERY_ATTEMPTS = 3
+
+
+def bronze_key(spec: StreamSpec) -> dg.AssetKey:
+    return dg.AssetKey(spec.bronze_table)
+
+
+def quarantine_key(spec: StreamSpec) -> dg.AssetKey:
+    return dg.AssetKey(spec.quarantine_table)
+
+
+def state_key(spec: StreamSpec) -> dg.AssetKey:
+    return dg.AssetKey(spec.state_table.name)
+
+
+def pool(spec: StreamSpec) -> str:
+    """One Dagster concurrency pool per stream: with run granularity and limit 1, the daemon never
+    runs two runs that advance the same stream at once."""
+    return f"stream_{spec.name}"
+
+
+def stream_job_name(spec: StreamSpec) -> str:
+    return f"advance_{spec.name}"
+
+
+def ingest_op_name(spec: StreamSpec) -> str:
+    return spec.ingest_query
+
+
+def stream_of_step(step_key: str) -> StreamSpec | None:
+    """Which stream a failed step belongs to (asset ops and check ops are named after it)."""
+    for spec in STREAMS.values():
+        if step_key.startswith(spec.name) or step_key.startswith(spec.state_table.name):
+            return spec
+    return None

@@ -1,0 +1,190 @@
+"""Assets and checks of one event stream: bronze + quarantine (one ingest step) and its state table.
+
+The asset bodies are thin: they ask the resources for a Spark session and the storage layout,
+call one pipeline function, and describe what happened in metadata.
+"""
+
+
+from datetime import timedelta
+
+import dagster as dg
+from pydantic import Field
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+
+from assets.keys import KINDS, bronze_key, ingest_op_name, pool, quarantine_key, state_key
+from pipelines.bronze import DEFAULT_MAX_FILES_PER_TRIGGER, ingest_stream
+from pipelines.state import update_state_table
+from pipelines.streaming import StreamRunResult, table_version
+from pipelines.streams import StreamSpec
+from resources import SparkSessionResource, StorageResource
+
+TOP_ROWS = 10
+
+
+class IngestConfig(dg.Config):
+    dedup_horizon_days: float = Field(default=7.0, description="How far apart in event time a re-delivery is still recognised.")
+    max_files_per_trigger: int = Field(default=DEFAULT_MAX_FILES_PER_TRIGGER, description="Landing files per micro-batch.")
+    lock_timeout_s: float = Field(default=60.0, description="How long to wait for the stream's writer lock.")
+    quarantine_warn_rate: float = Field(default=0.05, description="Share of quarantined lines in a run that warns.")
+
+
+class StateConfig(dg.Config):
+    lock_timeout_s: float = Field(default=60.0, description="How long to wait for the state table's writer lock.")
+
+
+def markdown_table(frame: DataFrame, limit: int = TOP_ROWS) -> dg.MetadataValue:
+    rows = frame.limit(limit).collect()
+    header = "| " + " | ".join(frame.columns) + " |\n|" + "---|" * len(frame.columns) + "\n"
+    body = "".join("| " + " | ".join("" if v is None else str(v) for v in row) + " |\n" for row in rows)
+    return dg.MetadataValue.md(header + body)
+
+
+def _versions(result: StreamRunResult, name: str) -> dict:
+    v = result.versions[name]
+    return {"table_version_before": v.before if v.before is not None else -1, "table_version": v.after}
+
+
+def build_stream_assets(spec: StreamSpec) -> list:
+    """The ingest multi-asset, the state-table asset and its blocking checks, for one stream."""
+    bronze, quarantine, state = bronze_key(spec), quarantine_key(spec), state_key(spec)
+    table = spec.state_table
+
+    @dg.multi_asset(
+        name=ingest_op_name(spec),
+        specs=[
+            dg.AssetSpec(bronze, group_name=spec.name, kinds=KINDS, description=(
+                f"Accepted `{spec.name}` events, one row per distinct `{spec.id_field}`, typed per the contract "
+                f"(DECIMAL(18,2) `{spec.value_field}`, UTC `{spec.event_time_field}`), with source file and line. "
+                f"Fed by JSON-lines files in landing/{spec.name}/ through a streaming file source.")),
+            dg.AssetSpec(quarantine, group_name=spec.name, kinds=KINDS, description=(
+                f"Every `{spec.name}` line that was not accepted: the raw line and bytes as received, file, line "
+                f"number, a machine-readable `reason` (+ `reason_field`, `detail`). Conflicting re-uses of an "
+                f"accepted `{spec.id_field}` land here as `conflicting_duplicate`. Nothing is dropped.")),
+        ],
+        check_specs=[dg.AssetCheckSpec("quarantine_rate", asset=quarantine, description=(
+            "Warns when the share of quarantined lines in this run passes `quarantine_warn_rate`."))],
+        pool=pool(spec),
+    )
+    def ingest(context: dg.AssetExecutionContext, config: IngestConfig, spark: SparkSessionResource,
+               storage: StorageResource):
+        session = spark.session()
+        result = ingest_stream(session, storage.layout(), spec,
+                               max_files_per_trigger=config.max_files_per_trigger,
+                               dedup_horizon=timedelta(days=config.dedup_horizon_days),
+                               lock_timeout_s=config.lock_timeout_s)
+        counts = {k: sum(c["user"].get(k, 0) for c in result.commits["bronze"])
+                  for k in ("files", "lines", "accepted", "quarantined", "duplicates")}
+        batch_ids = [c["user"]["ingest_batch_id"] for c in result.commits["bronze"] if "ingest_batch_id" in c["user"]]
+        common = {"micro_batches": len(batch_ids), "files_read": counts["files"], "lines_read": counts["lines"],
+                  "duration_s": round(result.duration_s, 2),
+                  "source": dg.MetadataValue.path(str(storage.layout().landing(spec.name)))}
+        yield dg.MaterializeResult(asset_key=bronze, metadata={
+            **common, "rows_accepted": counts["accepted"], "duplicates_recognised": counts["duplicates"],
+            **_versions(result, "bronze")})
+        reasons = (session.read.format("delta").load(str(storage.layout().table(spec.quarantine_table)))
+                   .where(F.col("ingest_batch_id").isin(batch_ids) if batch_ids else F.lit(False))
+                   .groupBy("reason", "reason_field").count().orderBy(F.desc("count")))
+        yield dg.MaterializeResult(asset_key=quarantine, metadata={
+            **common, "rows_quarantined": counts["quarantined"], "reasons": markdown_table(reasons, 20),
+            **_versions(result, "quarantine")})
+        rate = counts["quarantined"] / counts["lines"] if counts["lines"] else 0.0
+        yield dg.AssetCheckResult(
+            check_name="quarantine_rate", asset_key=quarantine, passed=rate <= config.quarantine_warn_rate,
+            severity=dg.AssetCheckSeverity.WARN,
+            metadata={"quarantine_rate": round(rate, 6), "threshold": config.quarantine_warn_rate,
+                      "lines_read": counts["lines"], "rows_quarantined": counts["quarantined"]})
+
+    @dg.asset(
+        key=state,
+        deps=[bronze],
+        group_name=spec.name,
+        kinds=KINDS,
+        pool=pool(spec),
+        description=(
+            f"State table: one row per `{table.key}` with `{table.count_column}` (distinct accepted events), "
+            f"`{table.sum_column}` (exact DECIMAL sum of `{spec.value_field}`), first/last `{spec.event_time_field}` "
+            f"and `updated_at`. Kept by idempotent MERGE upserts of micro-batch aggregates read from "
+            f"{spec.bronze_table} as a stream; Change Data Feed on, so it is also a changelog stream."),
+    )
+    def state_table(context: dg.AssetExecutionContext, config: StateConfig, spark: SparkSessionResource,
+                    storage: StorageResource) -> dg.MaterializeResult:
+        session = spark.session()
+        layout = storage.layout()
+        result = update_state_table(session, layout, spec, lock_timeout_s=config.lock_timeout_s)
+        merges = [c for c in result.commits[table.name] if c["operation"] == "MERGE"]
+        metric = lambda name: sum(int(c["metrics"].get(name, 0)) for c in merges)  # noqa: E731
+        current = session.read.format("delta").load(str(layout.table(table.name)))
+        totals = current.agg(F.count("*").alias("keys"), F.sum(table.count_column).alias("events"),
+                             F.sum(table.sum_column).alias("total")).first()
+        return dg.MaterializeResult(metadata={
+            "micro_batches": result.micro_batches,
+            "bronze_rows_read": result.rows_read,
+            "keys_in_batches": metric("numSourceRows"),
+            "rows_inserted": metric("numTargetRowsInserted"),
+            "rows_updated": metric("numTargetRowsUpdated"),
+            "keys": totals["keys"], "events_counted": totals["events"] or 0,
+            f"{table.sum_column}": str(totals["total"] or 0),
+            "bronze_table_version": table_version(session, layout.table(spec.bronze_table)),
+            "duration_s": round(result.duration_s, 2),
+            "top_rows": markdown_table(current.orderBy(F.desc(table.count_column), table.key).drop("updated_at")),
+            **_versions(result, table.name),
+        })
+
+    return [ingest, state_table, *build_state_checks(spec)]
+
+
+def state_mismatches(session: SparkSession, storage: StorageResource, spec: StreamSpec) -> tuple[DataFrame, dict]:
+    """Keys where the state table differs from the seed query over bronze, and the totals of both."""
+    layout, table = storage.layout(), spec.state_table
+    bronze = session.read.format("delta").load(str(layout.table(spec.bronze_table)))
+    state = session.read.format("delta").load(str(layout.table(table.name)))
+    expected = bronze.groupBy(table.key).agg(F.count(spec.value_field).alias("expected_count"),
+                                             F.sum(spec.value_field).alias("expected_sum"))
+    joined = expected.join(state.select(table.key, table.count_column, table.sum_column), table.key, "full_outer")
+    mismatched = joined.where(
+        ~F.col("expected_count").eqNullSafe(F.col(table.count_column))
+        | ~F.col("expected_sum").cast("decimal(28,2)").eqNullSafe(F.col(table.sum_column)))
+    totals = {
+        "distinct_accepted_events": bronze.select(spec.id_field, "content_hash").distinct().count(),
+        "sum_of_counts": state.agg(F.sum(table.count_column)).first()[0] or 0,
+        "bronze_sum": str(bronze.agg(F.sum(spec.value_field)).first()[0] or 0),
+        "state_sum": str(state.agg(F.sum(table.sum_column)).first()[0] or 0),
+    }
+    return mismatched, totals
+
+
+def build_state_checks(spec: StreamSpec) -> list[dg.AssetChecksDefinition]:
+    table = spec.state_table
+    state = state_key(spec)
+
+    @dg.asset_check(asset=state, name="reconciles_with_bronze", blocking=True, description=(
+        f"Every `{table.key}`'s count and sum equal the seed query over {spec.bronze_table} "
+        f"(`COUNT({spec.value_field})`, `SUM({spec.value_field})` GROUP BY `{table.key}`), and the sum of "
+        f"counts equals the number of distinct accepted events."))
+    def reconciles_with_bronze(spark: SparkSessionResource, storage: StorageResource) -> dg.AssetCheckResult:
+        mismatched, totals = state_mismatches(spark.session(), storage, spec)
+        bad = mismatched.count()
+        return dg.AssetCheckResult(
+            passed=bad == 0 and totals["sum_of_counts"] == totals["distinct_accepted_events"]
+            and totals["bronze_sum"] == totals["state_sum"],
+            metadata={"mismatched_keys": bad, **totals, "sample_mismatches": markdown_table(mismatched)})
+
+    @dg.asset_check(asset=state, name="unique_keys", blocking=True,
+                    description=f"Exactly one row per `{table.key}`, and no NULL key.")
+    def unique_keys(spark: SparkSessionResource, storage: StorageResource) -> dg.AssetCheckResult:
+        current = spark.session().read.format("delta").load(str(storage.layout().table(table.name)))
+        duplicated = current.groupBy(table.key).count().where((F.col("count") > 1) | F.col(table.key).isNull())
+        bad = duplicated.count()
+        return dg.AssetCheckResult(passed=bad == 0, metadata={"duplicated_or_null_keys": bad,
+                                                              "sample": markdown_table(duplicated)})
+
+    @dg.asset_check(asset=state, name="nothing_negative", blocking=True,
+                    description=f"`{table.count_column}` > 0 and `{table.sum_column}` >= 0 on every row.")
+    def nothing_negative(spark: SparkSessionResource, storage: StorageResource) -> dg.AssetCheckResult:
+        current = spark.session().read.format("delta").load(str(storage.layout().table(table.name)))
+        negative = current.where((F.col(table.count_column) <= 0) | (F.col(table.sum_column) < 0))
+        bad = negative.count()
+        return dg.AssetCheckResult(passed=bad == 0, metadata={"bad_rows": bad, "sample": markdown_table(negative)})
+
+    return [reconciles_with_bronze, unique_keys, nothing_negative]

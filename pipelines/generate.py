@@ -1,0 +1,145 @@
+"""Sample landing files for both streams, conformant to the contract, with the faults it describes.
+
+Each file is written under a hidden name (`.name`) and renamed when complete, as the contract asks
+of every producer. Deterministic for a given seed; file names carry a run tag so that repeated
+calls add files instead of overwriting them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from decimal import Decimal
+from pathlib import Path
+
+from pipelines.streams import StreamSpec
+
+_ADJECTIVES = ["Silent", "Crimson", "Last", "Hidden", "Electric", "Broken", "Golden", "Midnight", "Lost", "Iron",
+               "Wild", "Frozen", "Burning", "Distant", "Quiet", "Final", "Secret", "Endless", "Northern", "Paper"]
+_NOUNS = ["River", "Empire", "Garden", "Signal", "Horizon", "Harbor", "Machine", "Orchard", "Kingdom", "Voyage",
+          "Mirror", "Frontier", "Lantern", "Circuit", "Tide", "Citadel", "Meadow", "Engine", "Summit", "Archive"]
+TITLES = [f"The {a} {n}" for a in _ADJECTIVES for n in _NOUNS]  # 400 titles
+MALFORMED_KINDS = (
+    "not_json", "not_object", "missing_field", "empty_field", "wrong_type_id", "wrong_type_value",
+    "non_numeric_value", "negative_value", "too_many_decimals", "timestamp_without_offset",
+    "impossible_date", "invalid_utf8", "null_required",
+)
+
+
+@dataclass
+class GenerationSummary:
+    stream: str
+    files: list[str] = field(default_factory=list)
+    valid: int = 0
+    malformed: int = 0
+    duplicates: int = 0
+    conflicts: int = 0
+    late: int = 0
+
+
+def _event(spec: StreamSpec, rng: random.Random, n: int, event_time: datetime, tag: str) -> dict:
+    ts = event_time.strftime("%Y-%m-%dT%H:%M:%S") + (f".{rng.randrange(1000):03d}" if n % 3 else "") + "Z"
+    cents = rng.randrange(100, 50_000)
+    if spec.name == "movie_ticket_sales":
+        event = {"event_id": f"t-{tag}-{n}", "title": rng.choice(TITLES),
+                 "ticket_total_value": float(Decimal(cents) / 100) if n % 2 else f"{Decimal(cents) / 100}",
+                 "sale_ts": ts}
+        if rng.random() < 0.7:
+            event["customer_id"] = f"c-{rng.randrange(2000)}"
+        if n % 10 == 0:
+            event["channel"] = "web"  # an unknown extra field: allowed, ignored
+        return event
+    return {"payment_id": f"p-{tag}-{n}", "customer_id": f"c-{rng.randrange(2000)}",
+            "amount": float(Decimal(cents) / 100) if n % 2 else f"{Decimal(cents) / 100}", "paid_at": ts}
+
+
+def _malformed(spec: StreamSpec, rng: random.Random, event: dict) -> bytes:
+    kind = rng.choice(MALFORMED_KINDS)
+    bad = dict(event)
+    if kind == "not_json":
+        return b'{"' + spec.id_field.encode() + b'": "truncated'
+    if kind == "not_object":
+        return json.dumps([event]).encode()
+    if kind == "missing_field":
+        bad.pop(spec.value_field)
+    elif kind == "empty_field":
+        bad[spec.id_field] = "  "
+    elif kind == "wrong_type_id":
+        bad[spec.id_field] = rng.randrange(10**6)
+    elif kind == "wrong_type_value":
+        bad[spec.value_field] = True
+    elif kind == "non_numeric_value":
+        bad[spec.value_field] = "twelve"
+    elif kind == "negative_value":
+        bad[spec.value_field] = -5.25
+    elif kind == "too_many_decimals":
+        bad[spec.value_field] = 3.14159
+    elif kind == "timestamp_without_offset":
+        bad[spec.event_time_field] = bad[spec.event_time_field].rstrip("Z")
+    elif kind == "impossible_date":
+        bad[spec.event_time_field] = "2026-02-30T10:00:00Z"
+    elif kind == "null_required":
+        bad[spec.event_time_field] = None
+    elif kind == "invalid_utf8":
+        return json.dumps(bad).encode()[:-2] + b'\xff\xfe"}'
+    return json.dumps(bad).encode()
+
+
+def generate(spec: StreamSpec, landing_dir: Path, *, events: int, malformed: float = 0.005,
+             duplicates: float = 0.01, conflicts: float = 0.001, late: float = 0.02, seed: int = 1,
+             events_per_file: int = 20_000, start: datetime | None = None) -> GenerationSummary:
+    """Write `events` lines for `spec` into `landing_dir`.
+
+    >>> generate(PAYMENTS, Path("data/landing/payments"), events=100_000, seed=1).valid
+    """
+    rng = random.Random(seed)
+    landing_dir.mkdir(parents=True, exist_ok=True)
+    clock = start or datetime(2026, 11, 1, tzinfo=timezone.utc)
+    tag = f"{seed}-{time.time_ns()}"
+    summary = GenerationSummary(stream=spec.name)
+    accepted: list[bytes] = []
+    accepted_events: list[dict] = []
+    lines: list[bytes] = []
+
+    def flush() -> None:
+        if not lines:
+            return
+        name = f"{spec.name}-{tag}-{len(summary.files):05d}.jsonl"
+        hidden = landing_dir / f".{name}"
+        hidden.write_bytes(b"\n".join(lines) + b"\n")
+        os.replace(hidden, landing_dir / name)  # visible only once complete
+        summary.files.append(name)
+        lines.clear()
+
+    for n in range(events):
+        clock += timedelta(seconds=rng.randrange(1, 30))
+        roll = rng.random()
+        if roll < duplicates and accepted:
+            lines.append(rng.choice(accepted))
+            summary.duplicates += 1
+        elif roll < duplicates + conflicts and accepted_events:
+            original = rng.choice(accepted_events)
+            changed = dict(original, **{spec.value_field: "999.99"})
+            lines.append(json.dumps(changed).encode())
+            summary.conflicts += 1
+        elif roll < duplicates + conflicts + malformed:
+            lines.append(_malformed(spec, rng, _event(spec, rng, n, clock, tag)))
+            summary.malformed += 1
+        else:
+            is_late = rng.random() < late
+            event_time = clock - timedelta(hours=rng.randrange(2, 48)) if is_late else clock
+            event = _event(spec, rng, n, event_time, tag)
+            line = json.dumps(event).encode()
+            lines.append(line)
+            accepted.append(line)
+            accepted_events.append(event)
+            summary.valid += 1
+            summary.late += is_late
+        if len(lines) >= events_per_file:
+            flush()
+    flush()
+    return summary

@@ -1,0 +1,19 @@
+from setuptools import find_packages, setup
+
+# One resolvable, pinned stack. The Delta jars matching delta-spark come from Maven (`make jars`).
+setup(
+    name="statetables",
+    version="0.1.0",
+    description="Fault-tolerant streaming state tables on Spark + Delta Lake, orchestrated by Dagster.",
+    python_requires=">=3.11,<3.12",
+    packages=find_packages(include=["pipelines", "assets", "resources", "statetables"]),
+    install_requires=[
+        "pyspark==4.1.1",
+        "delta-spark==4.3.1",
+        "dagster==1.13.27",
+        "dagster-webserver==1.13.27",
+        "dagster-pyspark==0.29.27",
+    ],
+    extras_require={"test": ["pytest==9.2.0", "deltalake==1.6.6"]},
+    entry_points={"console_scripts": ["statetables=statetables.cli:main"]},
+)

@@ -1,0 +1,1 @@
+"""statetables: the Dagster code location (definitions) and the command line."""

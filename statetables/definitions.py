@@ -1,0 +1,18 @@
+"""Assembles the Dagster code location; no logic lives here. Loaded by workspace.yaml."""
+
+import dagster as dg
+
+from assets.automation import advance_all, every_five_minutes, landing_files_sensor, recover_failed_stream, stream_jobs
+from assets.streams import build_stream_assets
+from pipelines.streams import STREAMS
+from resources import SparkSessionResource, StorageResource
+
+defs = dg.Definitions(
+    assets=[a for spec in STREAMS.values() for a in build_stream_assets(spec)],
+    jobs=[advance_all, *stream_jobs.values()],
+    schedules=[every_five_minutes],
+    sensors=[landing_files_sensor, recover_failed_stream],
+    resources={"spark": SparkSessionResource(), "storage": StorageResource()},
+    # One process, one SparkSession, one JVM per run.
+    executor=dg.in_process_executor,
+)
