@@ -1,0 +1,49 @@
+"""Shared fixtures: one SparkSession (one JVM) for the whole test session, a fresh storage root per test."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from pipelines.layout import StorageLayout
+from pipelines.session import build_spark_session
+
+
+@pytest.fixture(scope="session")
+def spark():
+    session = build_spark_session()
+    yield session
+    session.stop()
+
+
+@pytest.fixture
+def layout(tmp_path: Path) -> StorageLayout:
+    return StorageLayout.under(tmp_path / "home")
+
+
+class Landing:
+    """Writes landing files the way producers must: hidden name first, then rename; distinct mtimes."""
+
+    def __init__(self, layout: StorageLayout):
+        self.layout = layout
+        self.written = 0
+
+    def write(self, stream: str, name: str, lines: list[str | bytes]) -> Path:
+        folder = self.layout.landing(stream)
+        folder.mkdir(parents=True, exist_ok=True)
+        data = b"".join((line.encode() if isinstance(line, str) else line) + b"\n" for line in lines)
+        hidden = folder / f".{name}"
+        hidden.write_bytes(data)
+        self.written += 1
+        stamp = 1_700_000_000 + self.written  # strictly increasing arrival order
+        os.utime(hidden, (stamp, stamp))
+        final = folder / name
+        os.replace(hidden, final)
+        return final
+
+
+@pytest.fixture
+def landing(layout: StorageLayout) -> Landing:
+    return Landing(layout)
