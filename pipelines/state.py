@@ -58,6 +58,8 @@ def upsert_batch(events: DataFrame, batch_id: int, *, table_path: str, table: St
     ...              event_time_column="sale_ts", app_id="statetables/...")
     """
     spark = events.sparkSession
+    if events.isEmpty():  # the Delta source can hand over a batch with no rows; no commit needed
+        return
     batch = events.groupBy(table.key).agg(
         F.count(value_column).alias("batch_count"),
         F.sum(value_column).cast(TOTAL_TYPE).alias("batch_sum"),
