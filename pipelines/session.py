@@ -87,7 +87,11 @@ def build_spark_session(settings: SparkSettings | None = None) -> SparkSession:
 
     require_java()
     jars = delta_jars(settings.jars_dir)
-    conf = {**LOCAL_DEFAULTS, "spark.jars": ",".join(str(j) for j in jars), **settings.conf}
+    conf = {**LOCAL_DEFAULTS, "spark.jars": ",".join(str(j) for j in jars)}
+    if settings.master.startswith("local"):
+        # The embedded engine talks to itself only: keep the driver on loopback.
+        conf.update({"spark.driver.host": "127.0.0.1", "spark.driver.bindAddress": "127.0.0.1"})
+    conf.update(settings.conf)
     builder = SparkSession.builder.master(settings.master).appName(settings.app_name)
     for key, value in conf.items():
         builder = builder.config(key, value)

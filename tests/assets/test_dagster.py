@@ -1,0 +1,154 @@
+"""The Dagster code location: loads and validates, runs end to end with real Spark + Delta, blocking
+checks fail the run, sensors request the right runs, bad configuration fails fast.
+
+Uses a real (ephemeral) Dagster instance and the session's SparkSession. Not covered here: the
+daemon and webserver launching runs (the failure sensor is evaluated through Dagster's sensor
+test context, against a real failed run).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import dagster as dg
+import pytest
+from delta.tables import DeltaTable
+from pyspark.sql import functions as F
+
+from assets.automation import landing_files_sensor, recover_failed_stream
+from assets.keys import RECOVERY_ATTEMPT_TAG, RECOVERY_OF_TAG, STREAM_TAG
+from pipelines.errors import ConfigurationError
+from pipelines.generate import generate
+from pipelines.layout import StorageLayout
+from pipelines.session import delta_jars, require_java
+from pipelines.streams import STREAMS, stream_spec
+from resources import SparkSessionResource, StorageResource
+from statetables.definitions import defs
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def storage_root(layout, monkeypatch):
+    """The code location's StorageResource reads $STATETABLES_HOME: point it at this test's root."""
+    monkeypatch.setenv("STATETABLES_HOME", str(layout.home))
+
+
+def _job(name: str = "advance_all"):
+    return defs.resolve_job_def(name)
+
+
+def test_definitions_validate_with_the_dagster_cli():
+    result = subprocess.run([Path(sys.executable).parent / "dagster", "definitions", "validate", "-w", "workspace.yaml"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_all_assets_materialize_with_checks_passing(spark, layout):
+    for spec in STREAMS.values():
+        generate(spec, layout.landing(spec.name), events=1500, seed=3, events_per_file=500)
+    with dg.DagsterInstance.ephemeral() as instance:
+        result = _job().execute_in_process(instance=instance)
+        assert result.success
+        checks = [e.event_specific_data for e in result.all_events if e.event_type_value == "ASSET_CHECK_EVALUATION"]
+        assert len(checks) == 8 and all(c.passed for c in checks)
+        bronze = result.asset_materializations_for_node("movie_ticket_sales_ingest")[0].metadata
+        assert bronze["lines_read"].value == 1500
+        state = result.asset_materializations_for_node("movie_tickets_sold")[0].metadata
+        assert state["events_counted"].value == bronze["rows_accepted"].value
+        assert "| title |" in state["top_rows"].value
+
+
+def test_a_failing_blocking_check_fails_the_run(spark, layout):
+    generate(stream_spec("payments"), layout.landing("payments"), events=300, seed=4)
+    with dg.DagsterInstance.ephemeral() as instance:
+        assert _job("advance_payments").execute_in_process(instance=instance).success
+        # corrupt the state table behind the pipeline's back: one customer counted twice
+        table = DeltaTable.forPath(spark, str(layout.table("payments_per_customer")))
+        key = table.toDF().first()["customer_id"]
+        table.update(F.col("customer_id") == key, {"payment_count": F.col("payment_count") + 1})
+        result = _job("advance_payments").execute_in_process(instance=instance, raise_on_error=False)
+    assert not result.success
+    failed = [e.event_specific_data for e in result.all_events
+              if e.event_type_value == "ASSET_CHECK_EVALUATION" and not e.event_specific_data.passed]
+    assert [c.check_name for c in failed] == ["reconciles_with_bronze"]
+    assert failed[0].metadata["mismatched_keys"].value == 1
+
+
+def test_landing_sensor_requests_one_run_per_stream_with_new_files(layout, landing):
+    storage = StorageResource(home=str(layout.home))
+    with dg.build_sensor_context(resources={"storage": storage}) as context:
+        assert not landing_files_sensor(context).run_requests
+    landing.write("payments", "a.jsonl", ["{}"])
+    landing.write("payments", "_in_flight.jsonl", ["{}"])
+    with dg.build_sensor_context(resources={"storage": storage}) as context:
+        first = landing_files_sensor(context)
+        assert [r.job_name for r in first.run_requests] == ["advance_payments"]
+        assert first.run_requests[0].tags[STREAM_TAG] == "payments"
+    with dg.build_sensor_context(resources={"storage": storage}, cursor=first.cursor) as context:
+        assert not landing_files_sensor(context).run_requests  # nothing new since the cursor
+    landing.write("payments", "b.jsonl", ["{}"])
+    landing.write("movie_ticket_sales", "c.jsonl", ["{}"])
+    with dg.build_sensor_context(resources={"storage": storage}, cursor=first.cursor) as context:
+        second = landing_files_sensor(context)
+    assert sorted(r.job_name for r in second.run_requests) == ["advance_movie_ticket_sales", "advance_payments"]
+    assert json.loads(second.cursor)["payments"][1] == "b.jsonl"
+
+
+def _failed_run(instance, layout, tags=None):
+    """A real failed run of advance_payments: the landing folder is a file, so the ingest step fails."""
+    layout.landing_root.mkdir(parents=True, exist_ok=True)
+    layout.landing("payments").write_text("not a folder")
+    result = _job("advance_payments").execute_in_process(instance=instance, raise_on_error=False, tags=tags)
+    assert not result.success
+    run = instance.get_run_by_id(result.run_id)
+    failure = instance.all_logs(result.run_id, of_type=dg.DagsterEventType.RUN_FAILURE)[0].dagster_event
+    return run, failure
+
+
+def test_failure_sensor_requests_a_bounded_recovery_run(spark, layout):
+    with dg.DagsterInstance.ephemeral() as instance:
+        run, failure = _failed_run(instance, layout)
+        context = dg.build_run_status_sensor_context(
+            sensor_name="recover_failed_stream", dagster_event=failure, dagster_instance=instance,
+            dagster_run=run).for_run_failure()
+        requests = recover_failed_stream(context)
+        assert [r.job_name for r in requests] == ["advance_payments"]
+        assert requests[0].tags[RECOVERY_OF_TAG] == run.run_id
+        assert requests[0].tags[RECOVERY_ATTEMPT_TAG] == "1"
+
+        last, last_failure = _failed_run(instance, layout, tags={RECOVERY_ATTEMPT_TAG: "3", RECOVERY_OF_TAG: "x"})
+        context = dg.build_run_status_sensor_context(
+            sensor_name="recover_failed_stream", dagster_event=last_failure, dagster_instance=instance,
+            dagster_run=last).for_run_failure()
+        gave_up = recover_failed_stream(context)
+    assert isinstance(gave_up, dg.SkipReason) and "recovery attempt 3" in gave_up.skip_message
+
+
+def test_bad_configuration_fails_fast_with_the_fix(tmp_path, monkeypatch):
+    with pytest.raises(ConfigurationError, match="Unknown stream 'refunds'.*movie_ticket_sales, payments"):
+        stream_spec("refunds")
+    with pytest.raises(ConfigurationError, match="outside the storage root"):
+        StorageLayout.under(tmp_path, tables="../elsewhere")
+    with pytest.raises(ConfigurationError, match="make jars"):
+        delta_jars(tmp_path / "no-jars")
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("JAVA_HOME", raising=False)
+    with pytest.raises(ConfigurationError, match="Java was not found"):
+        require_java()
+
+
+def test_cli_refuses_an_unknown_stream_before_touching_data(tmp_path):
+    env = {**os.environ, "STATETABLES_HOME": str(tmp_path)}
+    result = subprocess.run([Path(sys.executable).parent / "statetables", "generate", "--stream", "refunds"],
+                            env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "invalid choice: 'refunds'" in result.stderr
+    assert not any(tmp_path.iterdir())
+
+
+def test_spark_resource_reuses_the_one_session(spark):
+    assert SparkSessionResource().session() is spark
