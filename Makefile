@@ -29,7 +29,7 @@ $(JARS): build/delta-jars.pom.xml
 	@touch $@
 
 demo: install jars
-	$(BIN)/statetables generate --stream all --events 20000 --malformed 0.005 --duplicates 0.01 --late 0.02 --seed $$(date +%s)
+	$(BIN)/statetables generate --stream all --events 20000 --malformed 0.005 --duplicates 0.01 --late 0.02 --seed 1
 	$(BIN)/statetables run --show
 
 run: install jars

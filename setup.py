@@ -6,7 +6,7 @@ setup(
     version="0.1.0",
     description="Fault-tolerant streaming state tables on Spark + Delta Lake, orchestrated by Dagster.",
     python_requires=">=3.11,<3.12",
-    packages=find_packages(include=["pipelines", "assets", "resources", "statetables"]),
+    packages=find_packages(include=["pipelines", "assets", "resources", "statetables", "benchmarks"]),
     install_requires=[
         "pyspark==4.1.1",
         "delta-spark==4.3.1",

@@ -34,6 +34,7 @@ LOCAL_DEFAULTS = {
     "spark.ui.showConsoleProgress": "false",
     "spark.driver.memory": "4g",
     "spark.sql.streaming.stopGracefullyOnShutdown": "true",
+    "spark.log.level": "ERROR",
 }
 
 

@@ -84,7 +84,9 @@ def _run(args: argparse.Namespace) -> int:
 
     job = defs.resolve_job_def(args.job)
     with dg.DagsterInstance.get() as instance:
-        result = job.execute_in_process(instance=instance, raise_on_error=False)
+        result = job.execute_in_process(
+            instance=instance, raise_on_error=False,
+            run_config={"loggers": {"console": {"config": {"log_level": args.log_level}}}})
     print(f"\nrun {result.run_id}: {'SUCCESS' if result.success else 'FAILURE'} (job {args.job}, "
           f"STATETABLES_HOME={layout.home})")
     for event in result.all_events:
@@ -126,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     run = commands.add_parser("run", help="one headless Dagster pass over the landing folders")
     run.add_argument("--job", default="advance_all")
     run.add_argument("--show", action="store_true", help="print both state tables afterwards")
+    run.add_argument("--log-level", default="INFO", help="Dagster console log level (DEBUG shows every event)")
     run.set_defaults(func=_run)
 
     inst = commands.add_parser("instance", help="prepare the Dagster instance under the storage root")
