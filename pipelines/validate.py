@@ -23,6 +23,7 @@ WIDE_DECIMAL = "decimal(38,18)"
 MAX_VALUE = "9999999999999999.99"
 NUMERIC_JSON_TYPES = ("BIGINT", "INT", "SMALLINT", "TINYINT", "DOUBLE", "FLOAT")
 # ISO-8601 date-time with an explicit offset or Z; Spark's cast alone also accepts local times.
+END_OF_LINE = "statetables:end-of-line"
 ISO_TIMESTAMP = r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}(:\d{2}(\.\d{1,6})?)?(Z|[+-]\d{2}:?\d{2})$"
 
 
@@ -87,7 +88,13 @@ def validate_lines(lines: DataFrame, spec: StreamSpec) -> DataFrame:
     """
     text = F.col("raw_bytes").cast("string")
     utf8 = F.is_valid_utf8(text)
-    doc = F.when(utf8, F.try_parse_json(text))
+    # parse_json stops after the first complete value and ignores what follows (`{...} trailing`).
+    # Parsing `[<line>,"<sentinel>"]` instead makes trailing content either a syntax error or an
+    # array that is not exactly [value, sentinel], so only a line holding one JSON value passes.
+    wrapped = F.try_parse_json(F.concat(F.lit("["), text, F.lit(f',"{END_OF_LINE}"]')))
+    single_value = (F.try_variant_get(wrapped, "$[1]", "string") == END_OF_LINE) & F.variant_get(
+        wrapped, "$[2]", "variant").isNull()
+    doc = F.when(utf8 & single_value, F.variant_get(wrapped, "$[0]", "variant"))
     is_object = F.schema_of_variant(doc).startswith("OBJECT")
 
     ordered: list[tuple[Column, str, str | None, Column]] = [
