@@ -114,6 +114,7 @@ def ingest_batch(files: DataFrame, batch_id: int, *, spec: StreamSpec, bronze_pa
     stamped = validate_lines(split_lines(files), spec).withColumns(
         {"ingest_batch_id": F.lit(batch_id).cast("bigint"), "ingested_at": F.current_timestamp()}
     ).persist()
+    classified = None
     try:
         bronze = spark.read.format("delta").load(bronze_path)
         new, duplicates, conflicts = _classify_duplicates(
@@ -124,21 +125,25 @@ def ingest_batch(files: DataFrame, batch_id: int, *, spec: StreamSpec, bronze_pa
             "detail": F.concat(F.lit(f"{spec.id_field} "), F.col(spec.id_field),
                                F.lit(" was already accepted with different content")),
         })
-        quarantine = stamped.where(F.col("reason").isNotNull()).unionByName(
-            conflicts.select(*stamped.columns)).select(*QUARANTINE_SCHEMA.fieldNames())
-        bronze_rows = new.select(*bronze_schema(spec).fieldNames())
-
-        counts = {
-            "ingest_batch_id": batch_id,
-            "files": stamped.select("source_file").distinct().count(),
-            "lines": stamped.count(),
-            "accepted": bronze_rows.count(),
-            "quarantined": quarantine.count(),
-            "duplicates": duplicates.count(),
-        }
+        # Every line gets exactly one outcome; one cached frame feeds the counts and both writes.
+        classified = (
+            new.withColumn("outcome", F.lit("accepted"))
+            .unionByName(duplicates.withColumn("outcome", F.lit("duplicates")))
+            .unionByName(conflicts.withColumn("outcome", F.lit("quarantined")))
+            .unionByName(stamped.where(F.col("reason").isNotNull()).withColumn("outcome", F.lit("quarantined")))
+        ).persist()
+        outcomes = {r["outcome"]: r["count"] for r in classified.groupBy("outcome").count().collect()}
+        totals = stamped.agg(F.count("*").alias("lines"), F.countDistinct("source_file").alias("files")).first()
+        counts = {"ingest_batch_id": batch_id, "files": totals["files"], "lines": totals["lines"],
+                  **{k: outcomes.get(k, 0) for k in ("accepted", "quarantined", "duplicates")}}
         if counts["lines"] != counts["accepted"] + counts["quarantined"] + counts["duplicates"]:
             raise AssertionError(f"line accounting broken in batch {batch_id}: {counts}")
-        for frame, path in ((quarantine, quarantine_path), (bronze_rows, bronze_path)):
+        writes = (
+            (classified.where(F.col("outcome") == "quarantined").select(*QUARANTINE_SCHEMA.fieldNames()),
+             quarantine_path),
+            (classified.where(F.col("outcome") == "accepted").select(*bronze_schema(spec).fieldNames()), bronze_path),
+        )
+        for frame, path in writes:
             (
                 frame.write.format("delta").mode("append")
                 .option("txnAppId", app_id).option("txnVersion", batch_id)
@@ -146,6 +151,8 @@ def ingest_batch(files: DataFrame, batch_id: int, *, spec: StreamSpec, bronze_pa
                 .save(path)
             )
     finally:
+        if classified is not None:
+            classified.unpersist()
         stamped.unpersist()
 
 
