@@ -45,6 +45,14 @@ def _versions(result: StreamRunResult, name: str) -> dict:
     return {"table_version_before": v.before if v.before is not None else -1, "table_version": v.after}
 
 
+def _recovery(result: StreamRunResult) -> dict:
+    """Why the checkpoint was not trusted and what was done instead, shown on the run in the UI."""
+    if not result.recovery:
+        return {}
+    return {"checkpoint_recovery": dg.MetadataValue.md(
+        "\n".join(f"- **{k}**: {v}" for k, v in result.recovery.items() if v))}
+
+
 def build_stream_assets(spec: StreamSpec) -> list:
     """The ingest multi-asset, the state-table asset and its blocking checks, for one stream."""
     bronze, quarantine, state = bronze_key(spec), quarantine_key(spec), state_key(spec)
@@ -74,17 +82,22 @@ def build_stream_assets(spec: StreamSpec) -> list:
                                dedup_horizon=timedelta(days=config.dedup_horizon_days),
                                lock_timeout_s=config.lock_timeout_s)
         counts = {k: sum(c["user"].get(k, 0) for c in result.commits["bronze"])
-                  for k in ("files", "lines", "accepted", "quarantined", "duplicates")}
-        batch_ids = [c["user"]["ingest_batch_id"] for c in result.commits["bronze"] if "ingest_batch_id" in c["user"]]
-        common = {"micro_batches": len(batch_ids), "files_read": counts["files"], "lines_read": counts["lines"],
+                  for k in ("files", "lines", "accepted", "quarantined", "duplicates", "already_ingested")}
+        common = {"micro_batches": len([c for c in result.commits["bronze"] if "batch_id" in c["user"]]),
+                  "files_read": counts["files"], "lines_read": counts["lines"],
                   "duration_s": round(result.duration_s, 2),
-                  "source": dg.MetadataValue.path(str(storage.layout().landing(spec.name)))}
+                  "source": dg.MetadataValue.path(str(storage.layout().landing(spec.name))),
+                  **_recovery(result)}
         yield dg.MaterializeResult(asset_key=bronze, metadata={
             **common, "rows_accepted": counts["accepted"], "duplicates_recognised": counts["duplicates"],
-            **_versions(result, "bronze")})
-        reasons = (session.read.format("delta").load(str(storage.layout().table(spec.quarantine_table)))
-                   .where(F.col("ingest_batch_id").isin(batch_ids) if batch_ids else F.lit(False))
-                   .groupBy("reason", "reason_field").count().orderBy(F.desc("count")))
+            "lines_already_ingested": counts["already_ingested"], **_versions(result, "bronze")})
+        versions = result.versions["quarantine"]
+        written = (session.read.format("delta").option("readChangeFeed", "true")
+                   .option("startingVersion", (versions.before or 0) + 1).option("endingVersion", versions.after)
+                   .load(str(storage.layout().table(spec.quarantine_table))).where(F.col("_change_type") == "insert")
+                   if versions.after is not None and versions.after > (versions.before or 0) else None)
+        reasons = (written.groupBy("reason", "reason_field").count().orderBy(F.desc("count")) if written is not None
+                   else session.createDataFrame([], "reason string, reason_field string, count long"))
         yield dg.MaterializeResult(asset_key=quarantine, metadata={
             **common, "rows_quarantined": counts["quarantined"], "reasons": markdown_table(reasons, 20),
             **_versions(result, "quarantine")})
@@ -127,6 +140,7 @@ def build_stream_assets(spec: StreamSpec) -> list:
             f"{table.sum_column}": str(totals["total"] or 0),
             "bronze_table_version": table_version(session, layout.table(spec.bronze_table)),
             "duration_s": round(result.duration_s, 2),
+            **_recovery(result),
             "top_rows": markdown_table(current.orderBy(F.desc(table.count_column), table.key).drop("updated_at")),
             **_versions(result, table.name),
         })

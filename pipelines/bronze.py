@@ -2,7 +2,8 @@
 
 Every input line ends in exactly one of: the bronze table, the quarantine table, or the count of
 recognised duplicates recorded on the bronze commit (`userMetadata`). Both appends of a micro-batch
-carry Delta transaction identifiers, so a batch replayed after a crash writes nothing twice.
+carry Delta transaction identifiers, so a batch replayed after a crash writes nothing twice; a line
+read again under a new checkpoint is recognised by its file and line number.
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ from pyspark.sql.types import (
 
 from pipelines.layout import StorageLayout
 from pipelines.source import arrival_order, read_landing_files, split_lines
+from pipelines.checkpoints import checkpoint_for_run, start_checkpoint
+from pipelines.faults import INGEST_AFTER_BRONZE_COMMIT, INGEST_AFTER_QUARANTINE_COMMIT, INGEST_BATCH_END, fault_point
 from pipelines.streaming import (
-    StreamRunResult, TableVersions, checkpoint_app_id, commits_since, run_available_now, table_version,
-    writer_lock,
+    StreamRunResult, TableVersions, commits_since, run_available_now, table_version, writer_lock,
 )
 from pipelines.streams import StreamSpec
 from pipelines.validate import validate_lines
@@ -70,14 +72,32 @@ def ensure_bronze_tables(spark: SparkSession, layout: StorageLayout, spec: Strea
         )
 
 
-def _classify_duplicates(accepted: DataFrame, bronze: DataFrame, spec: StreamSpec, batch_id: int,
+def _already_ingested(stamped: DataFrame, bronze: DataFrame, quarantine: DataFrame, spec: StreamSpec,
+                      lo: datetime, hi: datetime) -> DataFrame:
+    """(source_file, line_number) of the batch's lines that an earlier attempt already wrote.
+
+    A line is identified by its file and line number (files are never modified). After a crash
+    the same batch replays under the same app id and Delta skips its writes anyway; after a lost
+    checkpoint the files are read again under a new app id, and this is what keeps every line in
+    at most one table. Bronze is searched within the batch's event times (where its own lines
+    are), quarantine by the batch's files.
+    """
+    files = [r["source_file"] for r in stamped.select("source_file").distinct().collect()]
+    ts_col = spec.event_time_field
+    lines = ["source_file", "line_number"]
+    in_bronze = (bronze.where(F.col(ts_col).between(F.lit(lo), F.lit(hi)))
+                 .where(F.col("source_file").isin(files)).select(*lines))
+    in_quarantine = quarantine.where(F.col("source_file").isin(files)).select(*lines)
+    return in_bronze.unionByName(in_quarantine).distinct()
+
+
+def _classify_duplicates(accepted: DataFrame, bronze: DataFrame, spec: StreamSpec, lo: datetime, hi: datetime,
                          horizon: timedelta) -> tuple[DataFrame, DataFrame, DataFrame]:
-    """Split valid lines into (new events, recognised duplicates, conflicting duplicates).
+    """Split valid lines not yet ingested into (new events, recognised duplicates, conflicting duplicates).
 
     An id already in bronze keeps the content it was accepted with; otherwise the first arrival
     in the batch wins. Bronze is searched among events whose event time lies within `horizon` of
-    the batch's event times. Rows this same batch wrote on an earlier, crashed attempt are
-    excluded, so a replayed batch is classified exactly as on its first attempt.
+    the batch's event times.
     """
     id_col, ts_col = spec.id_field, spec.event_time_field
     by_arrival = Window.partitionBy(id_col).orderBy(*arrival_order())
@@ -85,12 +105,8 @@ def _classify_duplicates(accepted: DataFrame, bronze: DataFrame, spec: StreamSpe
         "_rank": F.row_number().over(by_arrival),
         "_first_hash": F.first("content_hash").over(by_arrival),
     })
-    bounds = accepted.agg(F.min(ts_col).alias("lo"), F.max(ts_col).alias("hi")).first()
-    lo = bounds["lo"] or datetime(1970, 1, 1)
-    hi = bounds["hi"] or datetime(1970, 1, 1)
     prior = (
-        bronze.where(F.col("ingest_batch_id") < batch_id)
-        .where(F.col(ts_col).between(F.lit(lo - horizon), F.lit(hi + horizon)))
+        bronze.where(F.col(ts_col).between(F.lit(lo - horizon), F.lit(hi + horizon)))
         .groupBy(F.col(id_col).alias("_prior_id"))
         .agg(F.collect_set("content_hash").alias("_prior_hashes"))
     )
@@ -107,9 +123,16 @@ def _classify_duplicates(accepted: DataFrame, bronze: DataFrame, spec: StreamSpe
     )
 
 
+OUTCOMES = ("accepted", "quarantined", "duplicates", "already_ingested")
+
+
 def ingest_batch(files: DataFrame, batch_id: int, *, spec: StreamSpec, bronze_path: str, quarantine_path: str,
                  app_id: str, horizon: timedelta) -> None:
-    """foreachBatch body: validate, dedup, append to quarantine then bronze, both idempotently."""
+    """foreachBatch body: validate, dedup, append to quarantine then bronze, both idempotently.
+
+    Both appends happen even when empty: each commit records `{"app_id", "batch_id"}` in its
+    userMetadata, which is how the next run checks the checkpoint against the tables.
+    """
     spark = files.sparkSession
     stamped = validate_lines(split_lines(files), spec).withColumns(
         {"ingest_batch_id": F.lit(batch_id).cast("bigint"), "ingested_at": F.current_timestamp()}
@@ -117,8 +140,16 @@ def ingest_batch(files: DataFrame, batch_id: int, *, spec: StreamSpec, bronze_pa
     classified = None
     try:
         bronze = spark.read.format("delta").load(bronze_path)
+        quarantine = spark.read.format("delta").load(quarantine_path)
+        ts_col = spec.event_time_field
+        bounds = stamped.agg(F.min(ts_col).alias("lo"), F.max(ts_col).alias("hi")).first()
+        lo = bounds["lo"] or datetime(1970, 1, 1)
+        hi = bounds["hi"] or datetime(1970, 1, 1)
+        done = _already_ingested(stamped, bronze, quarantine, spec, lo, hi).withColumn("_done", F.lit(True))
+        marked = stamped.join(done, ["source_file", "line_number"], "left")
+        fresh = marked.where(F.col("_done").isNull()).drop("_done")
         new, duplicates, conflicts = _classify_duplicates(
-            stamped.where(F.col("reason").isNull()), bronze, spec, batch_id, horizon)
+            fresh.where(F.col("reason").isNull()), bronze, spec, lo, hi, horizon)
         conflicts = conflicts.withColumns({
             "reason": F.lit("conflicting_duplicate"),
             "reason_field": F.lit(spec.id_field),
@@ -130,30 +161,34 @@ def ingest_batch(files: DataFrame, batch_id: int, *, spec: StreamSpec, bronze_pa
             new.withColumn("outcome", F.lit("accepted"))
             .unionByName(duplicates.withColumn("outcome", F.lit("duplicates")))
             .unionByName(conflicts.withColumn("outcome", F.lit("quarantined")))
-            .unionByName(stamped.where(F.col("reason").isNotNull()).withColumn("outcome", F.lit("quarantined")))
+            .unionByName(fresh.where(F.col("reason").isNotNull()).withColumn("outcome", F.lit("quarantined")))
+            .unionByName(marked.where(F.col("_done")).drop("_done").withColumn("outcome", F.lit("already_ingested")))
         ).persist()
         outcomes = {r["outcome"]: r["count"] for r in classified.groupBy("outcome").count().collect()}
         totals = stamped.agg(F.count("*").alias("lines"), F.countDistinct("source_file").alias("files")).first()
-        counts = {"ingest_batch_id": batch_id, "files": totals["files"], "lines": totals["lines"],
-                  **{k: outcomes.get(k, 0) for k in ("accepted", "quarantined", "duplicates")}}
-        if counts["lines"] != counts["accepted"] + counts["quarantined"] + counts["duplicates"]:
+        counts = {"app_id": app_id, "batch_id": batch_id, "files": totals["files"], "lines": totals["lines"],
+                  **{k: outcomes.get(k, 0) for k in OUTCOMES}}
+        if counts["lines"] != sum(counts[k] for k in OUTCOMES):
             raise AssertionError(f"line accounting broken in batch {batch_id}: {counts}")
         writes = (
             (classified.where(F.col("outcome") == "quarantined").select(*QUARANTINE_SCHEMA.fieldNames()),
-             quarantine_path),
-            (classified.where(F.col("outcome") == "accepted").select(*bronze_schema(spec).fieldNames()), bronze_path),
+             quarantine_path, INGEST_AFTER_QUARANTINE_COMMIT),
+            (classified.where(F.col("outcome") == "accepted").select(*bronze_schema(spec).fieldNames()), bronze_path,
+             INGEST_AFTER_BRONZE_COMMIT),
         )
-        for frame, path in writes:
+        for frame, path, fault in writes:
             (
                 frame.write.format("delta").mode("append")
                 .option("txnAppId", app_id).option("txnVersion", batch_id)
                 .option("userMetadata", json.dumps(counts))
                 .save(path)
             )
+            fault_point(fault)
     finally:
         if classified is not None:
             classified.unpersist()
         stamped.unpersist()
+    fault_point(INGEST_BATCH_END)
 
 
 def ingest_stream(spark: SparkSession, layout: StorageLayout, spec: StreamSpec, *,
@@ -171,8 +206,18 @@ def ingest_stream(spark: SparkSession, layout: StorageLayout, spec: StreamSpec, 
         ensure_bronze_tables(spark, layout, spec)
         before = {"bronze": table_version(spark, bronze_path), "quarantine": table_version(spark, quarantine_path)}
         checkpoint = layout.checkpoint(spec.ingest_query)
+        verdict, moved = checkpoint_for_run(spark, checkpoint, layout.set_aside_checkpoints,
+                                            [quarantine_path, bronze_path])
+        origin, recovery = verdict.origin, None
+        if origin is None:
+            reason = verdict.problem or "no checkpoint yet"
+            origin = start_checkpoint(checkpoint, spec.ingest_query, reason)
+            if verdict.problem or moved:
+                recovery = {"problem": reason, "set_aside": str(moved) if moved else None,
+                            "action": "new checkpoint: every landing file is read again; lines already in "
+                                      "bronze or quarantine are recognised by file and line number and skipped"}
         on_batch = partial(ingest_batch, spec=spec, bronze_path=str(bronze_path), quarantine_path=str(quarantine_path),
-                           app_id=checkpoint_app_id(checkpoint, spec.ingest_query), horizon=dedup_horizon)
+                           app_id=origin.app_id, horizon=dedup_horizon)
         batches, rows = run_available_now(
             read_landing_files(spark, layout.landing(spec.name), max_files_per_trigger),
             query_name=spec.ingest_query, checkpoint_dir=checkpoint, on_batch=on_batch)
@@ -187,4 +232,5 @@ def ingest_stream(spark: SparkSession, layout: StorageLayout, spec: StreamSpec, 
             },
             # The bronze commit's userMetadata carries the batch's line accounting for both tables.
             commits={"bronze": commits_since(spark, bronze_path, before["bronze"])},
+            recovery=recovery,
         )

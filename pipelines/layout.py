@@ -5,6 +5,8 @@
     tables/<stream>_quarantine       malformed lines and conflicting duplicates, with reasons
     tables/<state table>             movie_tickets_sold, payments_per_customer
     checkpoints/<query name>/        Structured Streaming checkpoints
+    checkpoints/_set_aside/          checkpoints found untrusted, kept for inspection
+    savepoints/<name>/               named snapshots: table versions + checkpoint copies
     locks/<writer>.lock              one writer per stream (kernel file locks)
     dagster/                         the Dagster instance (runs, schedules, sensors)
 """
@@ -81,8 +83,17 @@ class StorageLayout:
         return self.checkpoints_root / query_name
 
     @property
+    def set_aside_checkpoints(self) -> Path:
+        """Checkpoints that could not be trusted, moved here (not deleted) for inspection."""
+        return self.checkpoints_root / "_set_aside"
+
+    @property
     def locks(self) -> Path:
         return self.home / "locks"
+
+    @property
+    def savepoints(self) -> Path:
+        return self.home / "savepoints"
 
     @property
     def dagster_home(self) -> Path:

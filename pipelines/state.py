@@ -3,13 +3,18 @@
 One MERGE routine (`upsert_batch`) serves every state table; the table's shape comes from its
 `StateTableSpec`. Delta's txnAppId/txnVersion session confs make MERGE skip a micro-batch that
 already committed, which is what happens when a run dies between the MERGE commit and the
-checkpoint commit and the batch is replayed.
+checkpoint commit and the batch is replayed. Without a checkpoint that can be trusted, the table
+is rebuilt from bronze (`rebuild_state_table`) and a fresh checkpoint starts after it.
 """
 
 from __future__ import annotations
 
+import json
 import time
-from functools import partial
+from contextlib import contextmanager
+from functools import partial, reduce
+from pathlib import Path
+from typing import Iterator
 
 from delta.tables import DeltaTable
 from pyspark.sql import DataFrame, SparkSession
@@ -17,14 +22,17 @@ from pyspark.sql import functions as F
 from pyspark.sql.types import DecimalType, LongType, StringType, StructField, StructType, TimestampType
 
 from pipelines.layout import StorageLayout
+from pipelines.bronze import ensure_bronze_tables
+from pipelines.checkpoints import checkpoint_for_run, new_app_id, start_checkpoint
+from pipelines.faults import STATE_AFTER_MERGE_COMMIT, STATE_AFTER_REBUILD, STATE_BATCH_END, STATE_MERGE_START, fault_point
 from pipelines.streaming import (
-    StreamRunResult, TableVersions, checkpoint_app_id, commits_since, run_available_now, table_version,
-    writer_lock,
+    StreamRunResult, TableVersions, commits_since, run_available_now, table_version, writer_lock,
 )
 from pipelines.streams import StateTableSpec, StreamSpec
 
 TXN_APP_ID = "spark.databricks.delta.write.txnAppId"
 TXN_VERSION = "spark.databricks.delta.write.txnVersion"
+USER_METADATA = "spark.databricks.delta.commitInfo.userMetadata"
 TOTAL_TYPE = DecimalType(28, 2)  # what Spark's SUM of DECIMAL(18,2) yields
 
 
@@ -49,27 +57,43 @@ def ensure_state_table(spark: SparkSession, layout: StorageLayout, table: StateT
     )
 
 
+def _aggregate(events: DataFrame, table: StateTableSpec, value_column: str, event_time_column: str) -> DataFrame:
+    return events.groupBy(table.key).agg(
+        F.count(value_column).alias("batch_count"),
+        F.sum(value_column).cast(TOTAL_TYPE).alias("batch_sum"),
+        F.min(event_time_column).alias("batch_first"),
+        F.max(event_time_column).alias("batch_last"),
+    )
+
+
+@contextmanager
+def _commit_confs(spark: SparkSession, confs: dict[str, str]) -> Iterator[None]:
+    """Session confs for one Delta commit; unset after, as foreachBatch shares the session over Spark Connect."""
+    for key, value in confs.items():
+        spark.conf.set(key, value)
+    try:
+        yield
+    finally:
+        for key in confs:
+            spark.conf.unset(key)
+
+
 def upsert_batch(events: DataFrame, batch_id: int, *, table_path: str, table: StateTableSpec,
                  value_column: str, event_time_column: str, app_id: str) -> None:
     """foreachBatch body: aggregate the batch's events by key and MERGE them into the state table.
+
+    Every batch commits, even an empty one: the table's record of `{"app_id", "batch_id"}` is how
+    the next run knows the checkpoint and the table agree (pipelines/checkpoints.py).
 
     >>> upsert_batch(bronze_batch, 7, table_path="data/tables/movie_tickets_sold",
     ...              table=MOVIE_TICKET_SALES.state_table, value_column="ticket_total_value",
     ...              event_time_column="sale_ts", app_id="statetables/...")
     """
     spark = events.sparkSession
-    if events.isEmpty():  # the Delta source can hand over a batch with no rows; no commit needed
-        return
-    batch = events.groupBy(table.key).agg(
-        F.count(value_column).alias("batch_count"),
-        F.sum(value_column).cast(TOTAL_TYPE).alias("batch_sum"),
-        F.min(event_time_column).alias("batch_first"),
-        F.max(event_time_column).alias("batch_last"),
-    )
-    # Over Spark Connect foreachBatch shares the client's session, so the confs are unset after use.
-    spark.conf.set(TXN_APP_ID, app_id)
-    spark.conf.set(TXN_VERSION, str(batch_id))
-    try:
+    batch = _aggregate(events, table, value_column, event_time_column)
+    fault_point(STATE_MERGE_START)
+    with _commit_confs(spark, {TXN_APP_ID: app_id, TXN_VERSION: str(batch_id),
+                               USER_METADATA: json.dumps({"app_id": app_id, "batch_id": batch_id})}):
         (
             DeltaTable.forPath(spark, table_path).alias("t")
             .merge(batch.alias("s"), F.col(f"t.{table.key}") == F.col(f"s.{table.key}"))
@@ -80,40 +104,101 @@ def upsert_batch(events: DataFrame, batch_id: int, *, table_path: str, table: St
                 table.last_ts_column: F.greatest(F.col(f"t.{table.last_ts_column}"), F.col("s.batch_last")),
                 "updated_at": F.current_timestamp(),
             })
-            .whenNotMatchedInsert(values={
-                table.key: F.col(f"s.{table.key}"),
-                table.count_column: F.col("s.batch_count"),
-                table.sum_column: F.col("s.batch_sum"),
-                table.first_ts_column: F.col("s.batch_first"),
-                table.last_ts_column: F.col("s.batch_last"),
-                "updated_at": F.current_timestamp(),
-            })
+            .whenNotMatchedInsert(values=_insert_values(table))
             .execute()
         )
-    finally:
-        spark.conf.unset(TXN_APP_ID)
-        spark.conf.unset(TXN_VERSION)
+    fault_point(STATE_AFTER_MERGE_COMMIT)
+    fault_point(STATE_BATCH_END)
+
+
+def _insert_values(table: StateTableSpec) -> dict:
+    return {
+        table.key: F.col(f"s.{table.key}"),
+        table.count_column: F.col("s.batch_count"),
+        table.sum_column: F.col("s.batch_sum"),
+        table.first_ts_column: F.col("s.batch_first"),
+        table.last_ts_column: F.col("s.batch_last"),
+        "updated_at": F.current_timestamp(),
+    }
+
+
+def rebuild_state_table(spark: SparkSession, layout: StorageLayout, spec: StreamSpec, app_id: str) -> int:
+    """Recompute the state table from the whole bronze table at one pinned version, in one MERGE.
+
+    The result is absolute (not an increment), so running it twice, or after any crash, is safe.
+    Only keys whose values change are rewritten, so the Change Data Feed shows real changes only.
+    The commit is recorded as batch -1 of `app_id`: the fresh checkpoint starts right after it.
+    Returns the bronze version the table now reflects.
+    """
+    table = spec.state_table
+    bronze_path = str(layout.table(spec.bronze_table))
+    bronze_version = table_version(spark, Path(bronze_path))
+    events = spark.read.format("delta").option("versionAsOf", bronze_version).load(bronze_path)
+    full = _aggregate(events, table, spec.value_field, spec.event_time_field)
+    columns = {table.count_column: "batch_count", table.sum_column: "batch_sum",
+               table.first_ts_column: "batch_first", table.last_ts_column: "batch_last"}
+    differs = reduce(lambda a, b: a | b, [~F.col(f"t.{c}").eqNullSafe(F.col(f"s.{s}")) for c, s in columns.items()])
+    metadata = {"app_id": app_id, "batch_id": -1, "rebuilt_from": spec.bronze_table,
+                "bronze_version": bronze_version}
+    with _commit_confs(spark, {USER_METADATA: json.dumps(metadata)}):
+        (
+            DeltaTable.forPath(spark, str(layout.table(table.name))).alias("t")
+            .merge(full.alias("s"), F.col(f"t.{table.key}") == F.col(f"s.{table.key}"))
+            .whenMatchedUpdate(condition=differs, set={
+                **{c: F.col(f"s.{s}") for c, s in columns.items()}, "updated_at": F.current_timestamp()})
+            .whenNotMatchedInsert(values=_insert_values(table))
+            .whenNotMatchedBySourceDelete()
+            .execute()
+        )
+    fault_point(STATE_AFTER_REBUILD)
+    return bronze_version
 
 
 def update_state_table(spark: SparkSession, layout: StorageLayout, spec: StreamSpec, *,
                        lock_timeout_s: float = 60.0) -> StreamRunResult:
     """Fold every bronze event not yet counted into the stream's state table.
 
+    With no trusted checkpoint (first run, checkpoint lost, corrupt, or out of step with the table)
+    the table is first rebuilt from bronze and a fresh checkpoint starts after that bronze version.
+
     >>> update_state_table(spark, StorageLayout.under("data"), MOVIE_TICKET_SALES).micro_batches
     """
     started = time.monotonic()
     table = spec.state_table
     table_path = layout.table(table.name)
+    bronze_path = layout.table(spec.bronze_table)
     with writer_lock(layout.locks, spec.state_query, lock_timeout_s):
+        ensure_bronze_tables(spark, layout, spec)
         ensure_state_table(spark, layout, table)
         before = table_version(spark, table_path)
         checkpoint = layout.checkpoint(spec.state_query)
-        on_batch = partial(upsert_batch, table_path=str(table_path), table=table, value_column=spec.value_field,
-                           event_time_column=spec.event_time_field,
-                           app_id=checkpoint_app_id(checkpoint, spec.state_query))
-        events = spark.readStream.format("delta").load(str(layout.table(spec.bronze_table)))
-        batches, rows = run_available_now(events, query_name=spec.state_query, checkpoint_dir=checkpoint,
-                                          on_batch=on_batch)
+        bronze_id = DeltaTable.forPath(spark, str(bronze_path)).detail().select("id").first()[0]
+        verdict, moved = checkpoint_for_run(spark, checkpoint, layout.set_aside_checkpoints, [table_path],
+                                            source_table_id=bronze_id)
+        origin, recovery = verdict.origin, None
+        if origin is None:
+            reason = verdict.problem or "no checkpoint yet"
+            app_id = new_app_id(spec.state_query)
+            bronze_version = rebuild_state_table(spark, layout, spec, app_id)
+            origin = start_checkpoint(checkpoint, spec.state_query, reason, app_id=app_id,
+                                      source_start_version=bronze_version + 1, source_table_id=bronze_id)
+            if verdict.problem or moved:
+                recovery = {"problem": reason, "set_aside": str(moved) if moved else None,
+                            "action": f"rebuilt {table.name} from {spec.bronze_table} version {bronze_version}; "
+                                      f"new checkpoint reads from version {bronze_version + 1}"}
+        batches = rows = 0
+        # Delta refuses a starting version that does not exist yet; until it does, the rebuild is current.
+        has_offsets = any((checkpoint / "offsets").glob("[0-9]*"))
+        start = origin.source_start_version
+        if has_offsets or start is None or start <= table_version(spark, bronze_path):
+            events = spark.readStream.format("delta")
+            if start is not None:
+                events = events.option("startingVersion", start)
+            on_batch = partial(upsert_batch, table_path=str(table_path), table=table,
+                               value_column=spec.value_field, event_time_column=spec.event_time_field,
+                               app_id=origin.app_id)
+            batches, rows = run_available_now(events.load(str(bronze_path)), query_name=spec.state_query,
+                                              checkpoint_dir=checkpoint, on_batch=on_batch)
         return StreamRunResult(
             query_name=spec.state_query,
             micro_batches=batches,
@@ -121,4 +206,5 @@ def update_state_table(spark: SparkSession, layout: StorageLayout, spec: StreamS
             duration_s=time.monotonic() - started,
             versions={table.name: TableVersions(before, table_version(spark, table_path))},
             commits={table.name: commits_since(spark, table_path, before)},
+            recovery=recovery,
         )

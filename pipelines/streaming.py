@@ -2,7 +2,8 @@
 
 Spark's checkpoint makes a query resume where it stopped; Delta's transaction identifiers
 (`txnAppId`, `txnVersion` = micro-batch id) make a replayed micro-batch a no-op. The app id must
-change when the checkpoint is replaced (batch ids restart at 0), so it lives inside the checkpoint.
+change when the checkpoint is replaced (batch ids restart at 0), so it lives inside the checkpoint
+(pipelines/checkpoints.py decides whether a checkpoint can be trusted).
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import fcntl
 import json
 import os
 import time
-import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,9 +21,6 @@ from delta.tables import DeltaTable
 from pyspark.sql import DataFrame, SparkSession
 
 from pipelines.errors import StreamBusyError
-
-APP_ID_FILE = "statetables_app_id"
-
 
 @dataclass
 class TableVersions:
@@ -41,17 +38,8 @@ class StreamRunResult:
     duration_s: float
     versions: dict[str, TableVersions] = field(default_factory=dict)
     commits: dict[str, list[dict]] = field(default_factory=dict)
-
-
-def checkpoint_app_id(checkpoint_dir: Path, query_name: str) -> str:
-    """The Delta txnAppId of this checkpoint, created with it and deleted with it."""
-    checkpoint_dir.mkdir(parents=True, exist_ok=True)
-    id_file = checkpoint_dir / APP_ID_FILE
-    if not id_file.exists():
-        tmp = checkpoint_dir / f".{APP_ID_FILE}.{os.getpid()}"
-        tmp.write_text(f"statetables/{query_name}/{uuid.uuid4()}\n")
-        os.replace(tmp, id_file)
-    return id_file.read_text().strip()
+    # Set when the checkpoint was not trusted: {"problem", "set_aside", "action"}.
+    recovery: dict | None = None
 
 
 @contextmanager

@@ -61,8 +61,10 @@ def test_change_data_feed_is_on_and_records_every_upsert(spark, layout, landing)
 def test_replayed_merge_is_not_applied_twice(spark, layout, landing):
     """The state query dies after its MERGE committed, before Spark wrote the batch's commit file."""
     good = '{"event_id":"%s","title":"Dune","ticket_total_value":10.25,"sale_ts":"2026-11-01T10:00:00Z"}'
-    landing.write("movie_ticket_sales", "a.jsonl", [good % "e1", good % "e2"])
-    _advance(spark, layout, MOVIE_TICKET_SALES)
+    landing.write("movie_ticket_sales", "a.jsonl", [good % "e1"])
+    _advance(spark, layout, MOVIE_TICKET_SALES)  # the first run builds the table from bronze
+    landing.write("movie_ticket_sales", "a2.jsonl", [good % "e2"])
+    _advance(spark, layout, MOVIE_TICKET_SALES)  # the second one streams micro-batch 0
     commits = layout.checkpoint(MOVIE_TICKET_SALES.state_query) / "commits"
     (commits / "0").unlink()
     (commits / ".0.crc").unlink(missing_ok=True)

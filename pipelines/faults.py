@@ -1,0 +1,79 @@
+"""Named fault points for fault-injection runs (`make chaos`, the recovery tests).
+
+Off unless $STATETABLES_FAULTS names a folder. A file in it named after a fault point arms that
+point; its text says what happens there:
+
+    kill                 kill -9 the whole process group (Python and the JVM) on the first hit
+    kill hit=3           ... on the third hit in this process
+    kill delay=0.4       arm a timer on the first hit that kills 0.4 s later (lands inside the
+                         work that follows: a MERGE, Spark's checkpoint write)
+    raise                raise InjectedFault (an ordinary failed run)
+
+The file is deleted when the fault fires, so a fault fires once across processes: the run after
+it (a recovery run, the next chaos round) goes through.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from pathlib import Path
+
+FAULTS_ENV = "STATETABLES_FAULTS"
+
+INGEST_AFTER_QUARANTINE_COMMIT = "ingest.after_quarantine_commit"
+INGEST_AFTER_BRONZE_COMMIT = "ingest.after_bronze_commit"  # bronze committed, checkpoint not yet
+INGEST_BATCH_END = "ingest.batch_end"  # foreachBatch returns; Spark then writes the commit file
+STATE_MERGE_START = "state.merge_start"  # with delay=: dies inside the MERGE
+STATE_AFTER_MERGE_COMMIT = "state.after_merge_commit"  # MERGE committed, checkpoint not yet
+STATE_BATCH_END = "state.batch_end"
+STATE_AFTER_REBUILD = "state.after_rebuild"  # rebuild committed, new checkpoint not yet written
+POINTS = (INGEST_AFTER_QUARANTINE_COMMIT, INGEST_AFTER_BRONZE_COMMIT, INGEST_BATCH_END, STATE_MERGE_START,
+          STATE_AFTER_MERGE_COMMIT, STATE_BATCH_END, STATE_AFTER_REBUILD)
+
+
+class InjectedFault(RuntimeError):
+    """Raised at an armed fault point whose action is `raise`."""
+
+
+_hits: dict[str, int] = {}
+
+
+def kill_process_group() -> None:
+    os.killpg(os.getpgid(0), signal.SIGKILL)
+
+
+def fault_point(name: str) -> None:
+    folder = os.environ.get(FAULTS_ENV)
+    if not folder:
+        return
+    armed = Path(folder) / name
+    try:
+        words = armed.read_text().split()
+    except FileNotFoundError:
+        return
+    action = words[0] if words else "kill"
+    options = dict(word.split("=", 1) for word in words[1:] if "=" in word)
+    _hits[name] = _hits.get(name, 0) + 1
+    if _hits[name] < int(options.get("hit", "1")):
+        return
+    try:
+        armed.unlink()
+    except FileNotFoundError:
+        return  # another process fired it first
+    if action == "raise":
+        raise InjectedFault(f"fault injected at {name}")
+    delay = float(options.get("delay", "0"))
+    if delay > 0:
+        threading.Timer(delay, kill_process_group).start()
+    else:
+        kill_process_group()
+
+
+def arm(folder: Path, name: str, action: str = "kill", **options: object) -> None:
+    """Arm a fault point (used by the chaos harness and tests)."""
+    if name not in POINTS:
+        raise ValueError(f"unknown fault point {name!r}; known: {', '.join(POINTS)}")
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / name).write_text(" ".join([action, *(f"{k}={v}" for k, v in options.items())]) + "\n")

@@ -1,0 +1,136 @@
+"""Lost, corrupt and out-of-step checkpoints: detected, set aside, and state rebuilt without double counting.
+
+Every scenario ends by comparing the state tables and quarantine with the independent oracle
+(tests/contract_oracle.py) read through the independent `deltalake` reader.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from delta.tables import DeltaTable
+from deltalake import DeltaTable as IndependentDeltaTable
+
+from pipelines.bronze import ingest_stream
+from pipelines.checkpoints import verify_checkpoint
+from pipelines.generate import generate
+from pipelines.state import update_state_table
+from pipelines.streams import MOVIE_TICKET_SALES, PAYMENTS, STREAMS
+from tests.contract_oracle import expected_state, landing_files
+
+
+def _deliver(layout, spec, seed, events=400):
+    generate(spec, layout.landing(spec.name), events=events, malformed=0.05, duplicates=0.05, conflicts=0.02,
+             late=0.05, seed=seed, events_per_file=150)
+
+
+def _advance(spark, layout, spec):
+    return ingest_stream(spark, layout, spec, max_files_per_trigger=2), update_state_table(spark, layout, spec)
+
+
+def _assert_exact(layout, spec):
+    expected = expected_state(spec.name, landing_files(layout.landing(spec.name)))
+    table = spec.state_table
+    rows = IndependentDeltaTable(str(layout.table(table.name))).to_pyarrow_table().to_pylist()
+    actual = {r[table.key]: (r[table.count_column], r[table.sum_column]) for r in rows}
+    assert actual == {k: (expected.counts[k], expected.sums[k]) for k in expected.counts}
+    assert IndependentDeltaTable(str(layout.table(spec.bronze_table))).to_pyarrow_table().num_rows == expected.accepted
+    assert IndependentDeltaTable(str(layout.table(spec.quarantine_table))).to_pyarrow_table().num_rows == \
+        expected.quarantined
+
+
+def test_all_checkpoints_deleted_between_runs_counts_nothing_twice(spark, layout):
+    for spec in STREAMS.values():
+        _deliver(layout, spec, seed=1)
+        _advance(spark, layout, spec)
+    shutil.rmtree(layout.checkpoints_root)
+    for spec in STREAMS.values():
+        _deliver(layout, spec, seed=2)  # a second delivery with re-deliveries of the first
+        ingest, state = _advance(spark, layout, spec)
+        assert state.recovery is None  # a missing checkpoint is a fresh start: nothing to set aside
+        assert ingest.commits["bronze"][0]["user"]["already_ingested"] > 0  # old lines were read again...
+        _assert_exact(layout, spec)  # ...and counted once
+
+
+@pytest.mark.parametrize("corruption", ["truncated_offsets", "garbage_commit", "truncated_without_crc",
+                                        "empty_source_log", "lost_offsets"])
+def test_corrupt_checkpoint_files_are_detected(spark, layout, corruption):
+    spec = MOVIE_TICKET_SALES
+    _deliver(layout, spec, seed=1, events=200)
+    ingest_stream(spark, layout, spec, max_files_per_trigger=1)
+    checkpoint = layout.checkpoint(spec.ingest_query)
+    tables = [layout.table(spec.quarantine_table), layout.table(spec.bronze_table)]
+    assert verify_checkpoint(spark, checkpoint, tables).problem is None
+
+    last = max(int(p.name) for p in (checkpoint / "offsets").iterdir() if p.name.isdigit())
+    if corruption == "truncated_offsets":
+        path = checkpoint / "offsets" / str(last)
+        path.write_bytes(path.read_bytes()[:40])
+    elif corruption == "garbage_commit":
+        (checkpoint / "commits" / str(last)).write_bytes(b"\x00\xff garbage")
+    elif corruption == "truncated_without_crc":
+        path = checkpoint / "commits" / str(last)
+        path.write_text("v1\n")
+        (path.parent / f".{last}.crc").unlink()
+    elif corruption == "empty_source_log":
+        (checkpoint / "sources" / "0" / "0").write_bytes(b"")
+    elif corruption == "lost_offsets":
+        shutil.rmtree(checkpoint / "offsets")
+
+    assert verify_checkpoint(spark, checkpoint, tables).problem
+
+
+def test_corrupt_checkpoints_are_set_aside_and_state_rebuilt_exactly(spark, layout):
+    spec = PAYMENTS
+    _deliver(layout, spec, seed=1)
+    _advance(spark, layout, spec)
+    _deliver(layout, spec, seed=2)
+    _advance(spark, layout, spec)  # the state query now has real micro-batches in its checkpoint
+    for query in (spec.ingest_query, spec.state_query):
+        commits = layout.checkpoint(query) / "commits"
+        last = max(p.name for p in commits.iterdir() if p.name.isdigit())
+        (commits / last).write_text("v1\n{\"nextBatchWatermarkMs\":0")  # torn write
+
+    _deliver(layout, spec, seed=3)
+    ingest, state = _advance(spark, layout, spec)
+
+    assert "checksum" in ingest.recovery["problem"] and "checksum" in state.recovery["problem"]
+    assert (layout.set_aside_checkpoints / state.recovery["set_aside"].rsplit("/", 1)[1]).is_dir()
+    _assert_exact(layout, spec)
+
+
+def test_state_table_restored_behind_its_checkpoint_is_rebuilt(spark, layout):
+    """Delta RESTORE keeps txn ids (delta-io/delta#1813): replaying under the old app id would skip batches."""
+    spec = MOVIE_TICKET_SALES
+    _deliver(layout, spec, seed=1)
+    _advance(spark, layout, spec)
+    _deliver(layout, spec, seed=2)
+    _advance(spark, layout, spec)
+    state_path = str(layout.table(spec.state_table.name))
+    DeltaTable.forPath(spark, state_path).restoreToVersion(1)  # back to the first run's rebuild
+
+    _deliver(layout, spec, seed=3)
+    _, state = _advance(spark, layout, spec)
+
+    assert "restored" in state.recovery["problem"]
+    _assert_exact(layout, spec)
+
+
+def test_checkpoint_older_than_the_table_is_not_trusted(spark, layout):
+    """A checkpoint put back from an old backup would skip batches the table already holds."""
+    spec = MOVIE_TICKET_SALES
+    _deliver(layout, spec, seed=1)
+    _advance(spark, layout, spec)
+    backup = layout.home / "backup"
+    shutil.copytree(layout.checkpoints_root, backup)
+    _deliver(layout, spec, seed=2)
+    _advance(spark, layout, spec)
+    shutil.rmtree(layout.checkpoints_root)
+    shutil.copytree(backup, layout.checkpoints_root)
+
+    _deliver(layout, spec, seed=3)
+    ingest, _ = _advance(spark, layout, spec)
+
+    assert "older than the table" in ingest.recovery["problem"]
+    _assert_exact(layout, spec)
