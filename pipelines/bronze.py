@@ -72,7 +72,7 @@ def ensure_bronze_tables(spark: SparkSession, layout: StorageLayout, spec: Strea
         )
 
 
-def _already_ingested(stamped: DataFrame, bronze: DataFrame, quarantine: DataFrame, spec: StreamSpec,
+def _already_ingested(bronze: DataFrame, quarantine: DataFrame, spec: StreamSpec, files: list[str],
                       lo: datetime, hi: datetime) -> DataFrame:
     """(source_file, line_number) of the batch's lines that an earlier attempt already wrote.
 
@@ -82,7 +82,6 @@ def _already_ingested(stamped: DataFrame, bronze: DataFrame, quarantine: DataFra
     at most one table. Bronze is searched within the batch's event times (where its own lines
     are), quarantine by the batch's files.
     """
-    files = [r["source_file"] for r in stamped.select("source_file").distinct().collect()]
     ts_col = spec.event_time_field
     lines = ["source_file", "line_number"]
     in_bronze = (bronze.where(F.col(ts_col).between(F.lit(lo), F.lit(hi)))
@@ -142,10 +141,12 @@ def ingest_batch(files: DataFrame, batch_id: int, *, spec: StreamSpec, bronze_pa
         bronze = spark.read.format("delta").load(bronze_path)
         quarantine = spark.read.format("delta").load(quarantine_path)
         ts_col = spec.event_time_field
-        bounds = stamped.agg(F.min(ts_col).alias("lo"), F.max(ts_col).alias("hi")).first()
-        lo = bounds["lo"] or datetime(1970, 1, 1)
-        hi = bounds["hi"] or datetime(1970, 1, 1)
-        done = _already_ingested(stamped, bronze, quarantine, spec, lo, hi).withColumn("_done", F.lit(True))
+        # One pass over the cached batch for everything later steps need to know about it.
+        facts = stamped.agg(F.min(ts_col).alias("lo"), F.max(ts_col).alias("hi"), F.count("*").alias("lines"),
+                            F.collect_set("source_file").alias("files")).first()
+        lo = facts["lo"] or datetime(1970, 1, 1)
+        hi = facts["hi"] or datetime(1970, 1, 1)
+        done = _already_ingested(bronze, quarantine, spec, facts["files"], lo, hi).withColumn("_done", F.lit(True))
         marked = stamped.join(done, ["source_file", "line_number"], "left")
         fresh = marked.where(F.col("_done").isNull()).drop("_done")
         new, duplicates, conflicts = _classify_duplicates(
@@ -165,8 +166,7 @@ def ingest_batch(files: DataFrame, batch_id: int, *, spec: StreamSpec, bronze_pa
             .unionByName(marked.where(F.col("_done")).drop("_done").withColumn("outcome", F.lit("already_ingested")))
         ).persist()
         outcomes = {r["outcome"]: r["count"] for r in classified.groupBy("outcome").count().collect()}
-        totals = stamped.agg(F.count("*").alias("lines"), F.countDistinct("source_file").alias("files")).first()
-        counts = {"app_id": app_id, "batch_id": batch_id, "files": totals["files"], "lines": totals["lines"],
+        counts = {"app_id": app_id, "batch_id": batch_id, "files": len(facts["files"]), "lines": facts["lines"],
                   **{k: outcomes.get(k, 0) for k in OUTCOMES}}
         if counts["lines"] != sum(counts[k] for k in OUTCOMES):
             raise AssertionError(f"line accounting broken in batch {batch_id}: {counts}")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import shutil
 
-import pytest
 from delta.tables import DeltaTable
 from deltalake import DeltaTable as IndependentDeltaTable
 
@@ -16,7 +15,7 @@ from pipelines.bronze import ingest_stream
 from pipelines.checkpoints import verify_checkpoint
 from pipelines.generate import generate
 from pipelines.state import update_state_table
-from pipelines.streams import MOVIE_TICKET_SALES, PAYMENTS, STREAMS
+from pipelines.streams import MOVIE_TICKET_SALES, PAYMENTS
 from tests.contract_oracle import expected_state, landing_files
 
 
@@ -26,7 +25,7 @@ def _deliver(layout, spec, seed, events=400):
 
 
 def _advance(spark, layout, spec):
-    return ingest_stream(spark, layout, spec, max_files_per_trigger=2), update_state_table(spark, layout, spec)
+    return ingest_stream(spark, layout, spec, max_files_per_trigger=10), update_state_table(spark, layout, spec)
 
 
 def _assert_exact(layout, spec):
@@ -41,44 +40,44 @@ def _assert_exact(layout, spec):
 
 
 def test_all_checkpoints_deleted_between_runs_counts_nothing_twice(spark, layout):
-    for spec in STREAMS.values():
-        _deliver(layout, spec, seed=1)
-        _advance(spark, layout, spec)
+    spec = PAYMENTS
+    _deliver(layout, spec, seed=1)
+    _advance(spark, layout, spec)
+    _deliver(layout, spec, seed=2)
+    _advance(spark, layout, spec)
     shutil.rmtree(layout.checkpoints_root)
-    for spec in STREAMS.values():
-        _deliver(layout, spec, seed=2)  # a second delivery with re-deliveries of the first
-        ingest, state = _advance(spark, layout, spec)
-        assert state.recovery is None  # a missing checkpoint is a fresh start: nothing to set aside
-        assert ingest.commits["bronze"][0]["user"]["already_ingested"] > 0  # old lines were read again...
-        _assert_exact(layout, spec)  # ...and counted once
+    _deliver(layout, spec, seed=3)
+    ingest, state = _advance(spark, layout, spec)
+    assert state.recovery is None  # a missing checkpoint is a fresh start: nothing to set aside
+    assert ingest.commits["bronze"][0]["user"]["already_ingested"] > 0  # old lines were read again...
+    _assert_exact(layout, spec)  # ...and counted once
 
 
-@pytest.mark.parametrize("corruption", ["truncated_offsets", "garbage_commit", "truncated_without_crc",
-                                        "empty_source_log", "lost_offsets"])
-def test_corrupt_checkpoint_files_are_detected(spark, layout, corruption):
+CORRUPTIONS = {
+    "truncated offsets file": lambda cp, n: (cp / "offsets" / n).write_bytes((cp / "offsets" / n).read_bytes()[:40]),
+    "garbage commit file": lambda cp, n: (cp / "commits" / n).write_bytes(b"\x00\xff garbage"),
+    "truncated commit file, checksum gone": lambda cp, n: (
+        (cp / "commits" / n).write_text("v1\n"), (cp / "commits" / f".{n}.crc").unlink()),
+    "empty source log": lambda cp, n: (cp / "sources" / "0" / "0").write_bytes(b""),
+    "offsets folder lost": lambda cp, n: shutil.rmtree(cp / "offsets"),
+    "origin record lost": lambda cp, n: (cp / "statetables_checkpoint.json").unlink(),
+}
+
+
+def test_corrupt_checkpoint_files_are_detected(spark, layout):
     spec = MOVIE_TICKET_SALES
     _deliver(layout, spec, seed=1, events=200)
     ingest_stream(spark, layout, spec, max_files_per_trigger=1)
     checkpoint = layout.checkpoint(spec.ingest_query)
     tables = [layout.table(spec.quarantine_table), layout.table(spec.bronze_table)]
     assert verify_checkpoint(spark, checkpoint, tables).problem is None
+    last = str(max(int(p.name) for p in (checkpoint / "offsets").iterdir() if p.name.isdigit()))
 
-    last = max(int(p.name) for p in (checkpoint / "offsets").iterdir() if p.name.isdigit())
-    if corruption == "truncated_offsets":
-        path = checkpoint / "offsets" / str(last)
-        path.write_bytes(path.read_bytes()[:40])
-    elif corruption == "garbage_commit":
-        (checkpoint / "commits" / str(last)).write_bytes(b"\x00\xff garbage")
-    elif corruption == "truncated_without_crc":
-        path = checkpoint / "commits" / str(last)
-        path.write_text("v1\n")
-        (path.parent / f".{last}.crc").unlink()
-    elif corruption == "empty_source_log":
-        (checkpoint / "sources" / "0" / "0").write_bytes(b"")
-    elif corruption == "lost_offsets":
-        shutil.rmtree(checkpoint / "offsets")
-
-    assert verify_checkpoint(spark, checkpoint, tables).problem
+    for name, corrupt in CORRUPTIONS.items():
+        copy = layout.home / "copies" / name.replace(" ", "_").replace(",", "")
+        shutil.copytree(checkpoint, copy)
+        corrupt(copy, last)
+        assert verify_checkpoint(spark, copy, tables).problem, name
 
 
 def test_corrupt_checkpoints_are_set_aside_and_state_rebuilt_exactly(spark, layout):
