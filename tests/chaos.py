@@ -1,0 +1,240 @@
+"""Fault-injection harness: `kill -9` the real pipeline again and again, then check every key.
+
+Each round delivers more landing files (new events, re-delivered files, malformed lines), starts
+`statetables run` (the Dagster job, in its own process group: Python and the JVM) and kills the
+whole group with SIGKILL, either at a named fault point (pipelines/faults.py) or at a random
+instant. Some rounds also delete or corrupt a checkpoint first. After the last kill one clean run
+must succeed; then every state table, bronze and quarantine table is compared with the
+independent oracle (tests/contract_oracle.py) read through `deltalake`, not Spark.
+
+    python -m tests.chaos --kills 30            # make chaos
+    python -m tests.chaos --kills 4 --seed 7    # what the test suite runs (tests/test_chaos.py)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from deltalake import DeltaTable as IndependentDeltaTable
+
+from pipelines import faults
+from pipelines.generate import generate
+from pipelines.layout import StorageLayout
+from pipelines.streams import STREAMS
+from tests.contract_oracle import expected_state, landing_files
+
+# Named kills, in the order the issue lists them, then the rest; `delay` lands inside the work after the point.
+NAMED_KILLS = [
+    (faults.INGEST_AFTER_BRONZE_COMMIT, {}),  # bronze committed, checkpoint not
+    (faults.STATE_AFTER_MERGE_COMMIT, {}),  # MERGE committed, checkpoint not
+    (faults.STATE_MERGE_START, {"delay": 0.4}),  # inside the MERGE
+    (faults.STATE_BATCH_END, {"delay": 0.05}),  # while Spark writes the checkpoint's commit file
+    (faults.INGEST_AFTER_QUARANTINE_COMMIT, {}),  # between the two appends of an ingest batch
+    (faults.INGEST_BATCH_END, {"delay": 0.05}),
+    (faults.STATE_AFTER_REBUILD, {}),  # a rebuild committed, its fresh checkpoint not yet written
+]
+
+
+@dataclass
+class Round:
+    kind: str  # the fault point, "random", or "clean"
+    seconds: float
+    killed: bool
+    note: str = ""
+
+
+@dataclass
+class ChaosReport:
+    rounds: list[Round] = field(default_factory=list)
+    keys_compared: dict[str, int] = field(default_factory=dict)
+    keys_differing: dict[str, int] = field(default_factory=dict)
+    rows_differing: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def kills(self) -> int:
+        return sum(r.killed for r in self.rounds)
+
+    @property
+    def differences(self) -> int:
+        return sum(self.keys_differing.values()) + sum(self.rows_differing.values())
+
+
+def _env(layout: StorageLayout, fault_dir: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({"STATETABLES_HOME": str(layout.home), "DAGSTER_HOME": str(layout.dagster_home),
+                faults.FAULTS_ENV: str(fault_dir), "PYTHONUNBUFFERED": "1"})
+    return env
+
+
+def _run_pipeline(layout: StorageLayout, fault_dir: Path, log: Path, kill_after: float | None) -> tuple[int, float]:
+    """One `statetables run` in a new process group; SIGKILL the group after `kill_after` s if given."""
+    started = time.monotonic()
+    with open(log, "ab") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "statetables.cli", "run", "--log-level", "WARNING"],
+                                env=_env(layout, fault_dir), stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            code = proc.wait(timeout=kill_after)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            code = proc.wait()
+    _wait_group_gone(proc.pid)
+    return code, time.monotonic() - started
+
+
+def _wait_group_gone(pgid: int, timeout: float = 30) -> None:
+    """The JVM is in the same group; the next run must not race a dying one."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    os.killpg(pgid, signal.SIGKILL)
+
+
+def _deliver(layout: StorageLayout, rng: random.Random, events: int) -> None:
+    """New events, plus (sometimes) a whole earlier file delivered again under a new name."""
+    for spec in STREAMS.values():
+        folder = layout.landing(spec.name)
+        old = sorted(folder.glob("*.jsonl")) if folder.exists() else []
+        generate(spec, folder, events=events, malformed=0.03, duplicates=0.03, conflicts=0.01, late=0.05,
+                 seed=rng.randrange(1 << 30), events_per_file=max(events // 2, 1))
+        if old and rng.random() < 0.5:
+            source = rng.choice(old)
+            hidden = folder / f".redelivery-{rng.randrange(1 << 30)}.jsonl"
+            shutil.copyfile(source, hidden)
+            os.replace(hidden, folder / hidden.name[1:])
+
+
+def _damage_checkpoint(layout: StorageLayout, rng: random.Random) -> str:
+    """Delete or corrupt one checkpoint (or all of them), the way disks and people do."""
+    queries = [p for p in layout.checkpoints_root.iterdir() if p.is_dir() and not p.name.startswith("_")] \
+        if layout.checkpoints_root.exists() else []
+    if not queries:
+        return "no checkpoint to damage"
+    choice = rng.choice(["delete all", "delete one", "truncate commit", "garbage offsets"])
+    if choice == "delete all":
+        for query in queries:
+            shutil.rmtree(query)
+        return "deleted every checkpoint"
+    query = rng.choice(queries)
+    if choice == "delete one":
+        shutil.rmtree(query)
+        return f"deleted {query.name}"
+    folder = query / ("commits" if choice == "truncate commit" else "offsets")
+    files = sorted((p for p in folder.glob("[0-9]*")), key=lambda p: int(p.name)) if folder.exists() else []
+    if not files:
+        return f"{query.name} has no {folder.name} yet"
+    if choice == "truncate commit":
+        files[-1].write_bytes(files[-1].read_bytes()[:5])
+    else:
+        files[-1].write_bytes(os.urandom(64))
+    return f"{choice} of {query.name}/{folder.name}/{files[-1].name}"
+
+
+def compare(layout: StorageLayout, report: ChaosReport) -> None:
+    for spec in STREAMS.values():
+        expected = expected_state(spec.name, landing_files(layout.landing(spec.name)))
+        table = spec.state_table
+        rows = IndependentDeltaTable(str(layout.table(table.name))).to_pyarrow_table().to_pylist()
+        actual = {r[table.key]: (r[table.count_column], r[table.sum_column]) for r in rows}
+        wanted = {k: (expected.counts[k], expected.sums[k]) for k in expected.counts}
+        keys = set(actual) | set(wanted)
+        report.keys_compared[table.name] = len(keys)
+        report.keys_differing[table.name] = sum(actual.get(k) != wanted.get(k) for k in keys) + (len(rows) - len(actual))
+        for name, want in ((spec.bronze_table, expected.accepted), (spec.quarantine_table, expected.quarantined)):
+            got = IndependentDeltaTable(str(layout.table(name))).to_pyarrow_table().num_rows
+            report.rows_differing[name] = abs(got - want)
+
+
+def run_chaos(home: Path, *, kills: int, seed: int, events: int = 600, random_share: float = 0.4,
+              damage_share: float = 0.15, typical_run_s: float = 60.0, named_only: bool = False,
+              say=print) -> ChaosReport:
+    rng = random.Random(seed)
+    layout = StorageLayout.under(home)
+    fault_dir = home / "faults"
+    log = home / "chaos.log"
+    report = ChaosReport()
+    _deliver(layout, rng, events)
+    named = 0
+    while report.kills < kills:
+        if len(report.rounds) > 4 * kills + 4:
+            raise RuntimeError(f"only {report.kills} of {kills} kills landed in {len(report.rounds)} rounds; see {log}")
+        _deliver(layout, rng, events // 3)  # every round has work, so every fault point is on the path
+        note = _damage_checkpoint(layout, rng) if not named_only and rng.random() < damage_share else ""
+        if named_only or rng.random() >= random_share:
+            point, options = NAMED_KILLS[named % len(NAMED_KILLS)]
+            named += 1
+            if point == faults.STATE_AFTER_REBUILD:  # a rebuild happens when a state checkpoint is gone
+                for spec in STREAMS.values():
+                    shutil.rmtree(layout.checkpoint(spec.state_query), ignore_errors=True)
+                note = (note + "; " if note else "") + "deleted the state checkpoints"
+            shutil.rmtree(fault_dir, ignore_errors=True)
+            faults.arm(fault_dir, point, "kill", **options)
+            code, seconds = _run_pipeline(layout, fault_dir, log, kill_after=None)
+            kind = point
+            if code != -signal.SIGKILL:
+                note = (note + "; " if note else "") + f"point not reached (exit {code})"
+        else:
+            kind = "random"
+            code, seconds = _run_pipeline(layout, fault_dir, log, kill_after=rng.uniform(3.0, typical_run_s))
+        shutil.rmtree(fault_dir, ignore_errors=True)
+        report.rounds.append(Round(kind, seconds, code == -signal.SIGKILL, note))
+        r = report.rounds[-1]
+        say(f"round {len(report.rounds):>3}: {kind:<32} {'killed' if r.killed else f'exit {code}':<8} "
+            f"after {seconds:5.1f} s  {note}")
+    code, seconds = _run_pipeline(layout, fault_dir, log, kill_after=None)
+    report.rounds.append(Round("clean", seconds, False, f"exit {code}"))
+    say(f"clean run: exit {code} after {seconds:.1f} s")
+    if code != 0:
+        raise RuntimeError(f"the clean run after the kills failed (exit {code}); see {log}")
+    compare(layout, report)
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--kills", type=int, default=30)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--events", type=int, default=2000, help="events per stream in the first delivery")
+    parser.add_argument("--random-share", type=float, default=0.4, help="share of kills at random instants")
+    parser.add_argument("--home", help="storage root to use (default: a new temporary folder, kept)")
+    args = parser.parse_args(argv)
+    home = Path(args.home or tempfile.mkdtemp(prefix="statetables-chaos-")).resolve()
+    print(f"chaos: {args.kills} kills, seed {args.seed}, storage root {home}")
+    report = run_chaos(home, kills=args.kills, seed=args.seed, events=args.events, random_share=args.random_share)
+    by_kind: dict[str, int] = {}
+    for r in report.rounds:
+        if r.killed:
+            by_kind[r.kind] = by_kind.get(r.kind, 0) + 1
+    print(f"\nkills made: {report.kills} in {len(report.rounds) - 1} rounds")
+    for kind, count in sorted(by_kind.items()):
+        print(f"  {kind:<32} {count}")
+    damaged = [r.note for r in report.rounds if r.note and not r.note.startswith("point not")]
+    print(f"checkpoints damaged before a run: {len(damaged)}")
+    survived = [r.seconds for r in report.rounds if not r.killed]
+    print(f"runs that completed: {len(survived)}, median {statistics.median(survived):.1f} s; "
+          f"final clean run {report.rounds[-1].seconds:.1f} s")
+    for name, keys in report.keys_compared.items():
+        print(f"{name}: {keys} keys compared, {report.keys_differing[name]} differ")
+    for name, diff in report.rows_differing.items():
+        print(f"{name}: row count differs from the oracle by {diff}")
+    print("RESULT:", "every key equal" if report.differences == 0 else f"{report.differences} DIFFERENCES")
+    return 0 if report.differences == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
