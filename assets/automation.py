@@ -9,6 +9,7 @@
 
 import json
 import os
+import re
 from pathlib import Path
 
 import dagster as dg
@@ -82,6 +83,24 @@ def failed_streams(context: dg.RunFailureSensorContext) -> list[StreamSpec]:
     return [STREAMS[tagged]] if tagged in STREAMS else list(STREAMS.values())
 
 
+_EXCEPTION_LINE = re.compile(r"^\s*[\w.]*(Error|Exception|Fault): .+")
+
+
+def _failure_summary(context: dg.RunFailureSensorContext) -> str:
+    """The failed steps and the exception that stopped each, in one line for the recovery run's tag.
+
+    Errors raised inside foreachBatch reach Dagster wrapped in Spark's StreamingQueryException with the
+    Python traceback inside; the last `SomeError: message` line in it is the real cause.
+    """
+    causes = []
+    for event in context.get_step_failure_events():
+        error = event.event_specific_data.error if event.event_specific_data else None
+        text = "" if error is None else "\n".join(filter(None, [error.message, *(c.message for c in [error.cause] if c)]))
+        lines = [line.strip() for line in text.splitlines() if _EXCEPTION_LINE.match(line)]
+        causes.append(f"{event.step_key}: {lines[-1] if lines else (text.strip().splitlines() or ['failed'])[0]}")
+    return "; ".join(causes) or context.failure_event.message or "run failed"
+
+
 @dg.run_failure_sensor(
     name="recover_failed_stream",
     monitored_jobs=[advance_all, *stream_jobs.values()],
@@ -94,7 +113,7 @@ def recover_failed_stream(context: dg.RunFailureSensorContext):
     run = context.dagster_run
     attempt = int(run.tags.get(RECOVERY_ATTEMPT_TAG, "0")) + 1
     origin = run.tags.get(RECOVERY_OF_TAG, run.run_id)
-    error = context.failure_event.message or "run failed"
+    error = _failure_summary(context)
     if attempt > MAX_RECOVERY_ATTEMPTS:
         message = (f"Not recovering run {run.run_id}: it was recovery attempt {attempt - 1} of {MAX_RECOVERY_ATTEMPTS} "
                    f"for run {origin}. The fault persists; fix it (see the run's error), then run the stream's job.")
@@ -105,7 +124,7 @@ def recover_failed_stream(context: dg.RunFailureSensorContext):
             job_name=stream_job_name(spec),
             run_key=f"recover:{run.run_id}:{spec.name}",
             tags={STREAM_TAG: spec.name, RECOVERY_OF_TAG: origin, RECOVERY_ATTEMPT_TAG: str(attempt),
-                  RECOVERY_REASON_TAG: f"run {run.run_id} failed: {error}"[:250]},
+                  RECOVERY_REASON_TAG: f"run {run.run_id} failed: {error}"[:400]},
         )
         for spec in failed_streams(context)
     ]

@@ -20,7 +20,7 @@ from delta.tables import DeltaTable
 from pyspark.sql import functions as F
 
 from assets.automation import landing_files_sensor, recover_failed_stream
-from assets.keys import RECOVERY_ATTEMPT_TAG, RECOVERY_OF_TAG, STREAM_TAG
+from assets.keys import RECOVERY_ATTEMPT_TAG, RECOVERY_OF_TAG, RECOVERY_REASON_TAG, STREAM_TAG
 from pipelines.errors import ConfigurationError
 from pipelines.generate import generate
 from pipelines.layout import StorageLayout
@@ -120,6 +120,7 @@ def test_failure_sensor_requests_a_bounded_recovery_run(spark, layout):
         assert [r.job_name for r in requests] == ["advance_payments"]
         assert requests[0].tags[RECOVERY_OF_TAG] == run.run_id
         assert requests[0].tags[RECOVERY_ATTEMPT_TAG] == "1"
+        assert requests[0].tags[RECOVERY_REASON_TAG].startswith(f"run {run.run_id} failed: payments_ingest: ")
 
         last, last_failure = _failed_run(instance, layout, tags={RECOVERY_ATTEMPT_TAG: "3", RECOVERY_OF_TAG: "x"})
         context = dg.build_run_status_sensor_context(
