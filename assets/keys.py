@@ -27,6 +27,10 @@ def state_key(spec: StreamSpec) -> dg.AssetKey:
     return dg.AssetKey(spec.state_table.name)
 
 
+def changelog_key(spec: StreamSpec) -> dg.AssetKey:
+    return dg.AssetKey(f"{spec.state_table.name}_changelog")
+
+
 def pool(spec: StreamSpec) -> str:
     """One Dagster concurrency pool per stream: with run granularity and limit 1, the daemon never
     runs two runs that advance the same stream at once."""

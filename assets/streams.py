@@ -12,10 +12,11 @@ from pydantic import Field
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
-from assets.keys import KINDS, bronze_key, ingest_op_name, pool, quarantine_key, state_key
+from assets.keys import KINDS, bronze_key, changelog_key, ingest_op_name, pool, quarantine_key, state_key
 from pipelines.bronze import DEFAULT_MAX_FILES_PER_TRIGGER, ingest_stream
+from pipelines.changelog import publish_changes
 from pipelines.state import update_state_table
-from pipelines.streaming import StreamRunResult, table_version
+from pipelines.streaming import StreamRunResult, commits_since, table_version
 from pipelines.streams import StreamSpec
 from resources import SparkSessionResource, StorageResource
 
@@ -145,7 +146,39 @@ def build_stream_assets(spec: StreamSpec) -> list:
             **_versions(result, table.name),
         })
 
-    return [ingest, state_table, *build_state_checks(spec)]
+    @dg.asset(
+        key=changelog_key(spec),
+        deps=[state],
+        group_name=spec.name,
+        kinds=KINDS,
+        pool=pool(spec),
+        description=(
+            f"The change stream of {table.name}: every row its Change Data Feed reports (`_change_type` insert, "
+            f"update_preimage, update_postimage, delete; `_commit_version`, `_commit_timestamp`), as a Delta "
+            f"table other jobs read as a table or a stream. `statetables restore-changelog` rebuilds "
+            f"{table.name} as of any version from this table alone."),
+    )
+    def changelog(context: dg.AssetExecutionContext, config: StateConfig, spark: SparkSessionResource,
+                  storage: StorageResource) -> dg.MaterializeResult:
+        session = spark.session()
+        layout = storage.layout()
+        result = publish_changes(session, layout, table, lock_timeout_s=config.lock_timeout_s)
+        name = changelog_key(spec).path[-1]
+        path = layout.table(name)
+        appended = sum(int(c["metrics"].get("numTargetRowsInserted", 0))
+                       for c in commits_since(session, path, result.versions[name].before))
+        changes = session.read.format("delta").load(str(path))
+        return dg.MaterializeResult(metadata={
+            "micro_batches": result.micro_batches,
+            "change_rows_appended": appended,
+            "change_rows_total": changes.count(),
+            "state_table_version_covered": changes.agg(F.max("_commit_version")).first()[0] or -1,
+            "path": dg.MetadataValue.path(str(path)),
+            "duration_s": round(result.duration_s, 2),
+            **_versions(result, name),
+        })
+
+    return [ingest, state_table, changelog, *build_state_checks(spec)]
 
 
 def state_mismatches(session: SparkSession, storage: StorageResource, spec: StreamSpec) -> tuple[DataFrame, dict]:

@@ -25,7 +25,8 @@ from pipelines.source import arrival_order, read_landing_files, split_lines
 from pipelines.checkpoints import checkpoint_for_run, start_checkpoint
 from pipelines.faults import INGEST_AFTER_BRONZE_COMMIT, INGEST_AFTER_QUARANTINE_COMMIT, INGEST_BATCH_END, fault_point
 from pipelines.streaming import (
-    StreamRunResult, TableVersions, commits_since, run_available_now, table_version, writer_lock,
+    StreamRunResult, TableVersions, commits_since, require_writable, retry_on_conflict, run_available_now,
+    storage_errors, table_version, writer_lock,
 )
 from pipelines.streams import StreamSpec
 from pipelines.validate import validate_lines
@@ -177,12 +178,12 @@ def ingest_batch(files: DataFrame, batch_id: int, *, spec: StreamSpec, bronze_pa
              INGEST_AFTER_BRONZE_COMMIT),
         )
         for frame, path, fault in writes:
-            (
-                frame.write.format("delta").mode("append")
+            retry_on_conflict(
+                lambda: frame.write.format("delta").mode("append")
                 .option("txnAppId", app_id).option("txnVersion", batch_id)
                 .option("userMetadata", json.dumps(counts))
-                .save(path)
-            )
+                .save(path),
+                f"append of micro-batch {batch_id} to {path}")
             fault_point(fault)
     finally:
         if classified is not None:
@@ -202,10 +203,12 @@ def ingest_stream(spark: SparkSession, layout: StorageLayout, spec: StreamSpec, 
     """
     started = time.monotonic()
     bronze_path, quarantine_path = layout.table(spec.bronze_table), layout.table(spec.quarantine_table)
-    with writer_lock(layout.locks, spec.ingest_query, lock_timeout_s):
+    checkpoint = layout.checkpoint(spec.ingest_query)
+    require_writable([layout.locks, bronze_path / "_delta_log", quarantine_path / "_delta_log",
+                      layout.checkpoints_root])
+    with writer_lock(layout.locks, spec.ingest_query, lock_timeout_s), storage_errors():
         ensure_bronze_tables(spark, layout, spec)
         before = {"bronze": table_version(spark, bronze_path), "quarantine": table_version(spark, quarantine_path)}
-        checkpoint = layout.checkpoint(spec.ingest_query)
         verdict, moved = checkpoint_for_run(spark, checkpoint, layout.set_aside_checkpoints,
                                             [quarantine_path, bronze_path])
         origin, recovery = verdict.origin, None

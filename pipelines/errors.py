@@ -7,3 +7,15 @@ class ConfigurationError(Exception):
 
 class StreamBusyError(Exception):
     """Another process is already advancing this stream (one writer per stream)."""
+
+
+class StorageError(RuntimeError):
+    """The storage root cannot be written (read-only, full, permissions); nothing was written."""
+
+
+class ConcurrentWriterError(RuntimeError):
+    """Another writer kept changing a table while a micro-batch tried to commit; nothing was written."""
+
+
+class SavepointError(RuntimeError):
+    """A savepoint cannot be taken or restored now; the message says why and what to do."""

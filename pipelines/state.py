@@ -26,7 +26,8 @@ from pipelines.bronze import ensure_bronze_tables
 from pipelines.checkpoints import checkpoint_for_run, new_app_id, start_checkpoint
 from pipelines.faults import STATE_AFTER_MERGE_COMMIT, STATE_AFTER_REBUILD, STATE_BATCH_END, STATE_MERGE_START, fault_point
 from pipelines.streaming import (
-    StreamRunResult, TableVersions, commits_since, run_available_now, table_version, writer_lock,
+    StreamRunResult, TableVersions, commits_since, require_writable, retry_on_conflict, run_available_now,
+    storage_errors, table_version, writer_lock,
 )
 from pipelines.streams import StateTableSpec, StreamSpec
 
@@ -67,7 +68,7 @@ def _aggregate(events: DataFrame, table: StateTableSpec, value_column: str, even
 
 
 @contextmanager
-def _commit_confs(spark: SparkSession, confs: dict[str, str]) -> Iterator[None]:
+def commit_confs(spark: SparkSession, confs: dict[str, str]) -> Iterator[None]:
     """Session confs for one Delta commit; unset after, as foreachBatch shares the session over Spark Connect."""
     for key, value in confs.items():
         spark.conf.set(key, value)
@@ -92,21 +93,24 @@ def upsert_batch(events: DataFrame, batch_id: int, *, table_path: str, table: St
     spark = events.sparkSession
     batch = _aggregate(events, table, value_column, event_time_column)
     fault_point(STATE_MERGE_START)
-    with _commit_confs(spark, {TXN_APP_ID: app_id, TXN_VERSION: str(batch_id),
-                               USER_METADATA: json.dumps({"app_id": app_id, "batch_id": batch_id})}):
-        (
-            DeltaTable.forPath(spark, table_path).alias("t")
-            .merge(batch.alias("s"), F.col(f"t.{table.key}") == F.col(f"s.{table.key}"))
-            .whenMatchedUpdate(set={
-                table.count_column: F.col(f"t.{table.count_column}") + F.col("s.batch_count"),
-                table.sum_column: (F.col(f"t.{table.sum_column}") + F.col("s.batch_sum")).cast(TOTAL_TYPE),
-                table.first_ts_column: F.least(F.col(f"t.{table.first_ts_column}"), F.col("s.batch_first")),
-                table.last_ts_column: F.greatest(F.col(f"t.{table.last_ts_column}"), F.col("s.batch_last")),
-                "updated_at": F.current_timestamp(),
-            })
-            .whenNotMatchedInsert(values=_insert_values(table))
-            .execute()
-        )
+    def merge() -> None:
+        with commit_confs(spark, {TXN_APP_ID: app_id, TXN_VERSION: str(batch_id),
+                                  USER_METADATA: json.dumps({"app_id": app_id, "batch_id": batch_id})}):
+            (
+                DeltaTable.forPath(spark, table_path).alias("t")
+                .merge(batch.alias("s"), F.col(f"t.{table.key}") == F.col(f"s.{table.key}"))
+                .whenMatchedUpdate(set={
+                    table.count_column: F.col(f"t.{table.count_column}") + F.col("s.batch_count"),
+                    table.sum_column: (F.col(f"t.{table.sum_column}") + F.col("s.batch_sum")).cast(TOTAL_TYPE),
+                    table.first_ts_column: F.least(F.col(f"t.{table.first_ts_column}"), F.col("s.batch_first")),
+                    table.last_ts_column: F.greatest(F.col(f"t.{table.last_ts_column}"), F.col("s.batch_last")),
+                    "updated_at": F.current_timestamp(),
+                })
+                .whenNotMatchedInsert(values=_insert_values(table))
+                .execute()
+            )
+
+    retry_on_conflict(merge, f"MERGE of micro-batch {batch_id} into {table.name}")
     fault_point(STATE_AFTER_MERGE_COMMIT)
     fault_point(STATE_BATCH_END)
 
@@ -140,7 +144,7 @@ def rebuild_state_table(spark: SparkSession, layout: StorageLayout, spec: Stream
     differs = reduce(lambda a, b: a | b, [~F.col(f"t.{c}").eqNullSafe(F.col(f"s.{s}")) for c, s in columns.items()])
     metadata = {"app_id": app_id, "batch_id": -1, "rebuilt_from": spec.bronze_table,
                 "bronze_version": bronze_version}
-    with _commit_confs(spark, {USER_METADATA: json.dumps(metadata)}):
+    with commit_confs(spark, {USER_METADATA: json.dumps(metadata)}):
         (
             DeltaTable.forPath(spark, str(layout.table(table.name))).alias("t")
             .merge(full.alias("s"), F.col(f"t.{table.key}") == F.col(f"s.{table.key}"))
@@ -167,11 +171,12 @@ def update_state_table(spark: SparkSession, layout: StorageLayout, spec: StreamS
     table = spec.state_table
     table_path = layout.table(table.name)
     bronze_path = layout.table(spec.bronze_table)
-    with writer_lock(layout.locks, spec.state_query, lock_timeout_s):
+    checkpoint = layout.checkpoint(spec.state_query)
+    require_writable([layout.locks, table_path / "_delta_log", layout.checkpoints_root])
+    with writer_lock(layout.locks, spec.state_query, lock_timeout_s), storage_errors():
         ensure_bronze_tables(spark, layout, spec)
         ensure_state_table(spark, layout, table)
         before = table_version(spark, table_path)
-        checkpoint = layout.checkpoint(spec.state_query)
         bronze_id = DeltaTable.forPath(spark, str(bronze_path)).detail().select("id").first()[0]
         verdict, moved = checkpoint_for_run(spark, checkpoint, layout.set_aside_checkpoints, [table_path],
                                             source_table_id=bronze_id)

@@ -20,7 +20,11 @@ from typing import Callable, Iterator
 from delta.tables import DeltaTable
 from pyspark.sql import DataFrame, SparkSession
 
-from pipelines.errors import StreamBusyError
+from pipelines.errors import ConcurrentWriterError, StorageError, StreamBusyError
+
+CONFLICT_RETRIES = 4
+_STORAGE_FAULTS = ("No space left on device", "Read-only file system", "Permission denied",
+                   "Operation not permitted", "Disk quota exceeded")
 
 @dataclass
 class TableVersions:
@@ -120,3 +124,62 @@ def run_available_now(
     # A replayed batch reports 0 input rows from a Delta source, so batches are counted, not rows.
     progress = query.recentProgress
     return len(progress), sum(p.numInputRows for p in progress)
+
+
+def _storage_message(path: Path | str, cause: str) -> str:
+    return (f"Cannot write to {path}: {cause}. The storage root is read-only, full or not writable by this user; "
+            f"this run stopped before anything half-written could count. Fix: make the folder writable or free "
+            f"space, then run again: the next run resumes from the last commit, exactly once.")
+
+
+def require_writable(folders: list[Path]) -> None:
+    """Fail fast, before any table or checkpoint is touched, if a folder the run writes cannot be written."""
+    for folder in folders:
+        while not folder.exists() and folder.parent != folder:  # not created yet: its parent must be writable
+            folder = folder.parent
+        try:
+            probe = folder / f".statetables-write-probe-{os.getpid()}"
+            with open(probe, "wb") as handle:
+                handle.write(b"probe")
+                handle.flush()
+                os.fsync(handle.fileno())
+            probe.unlink()
+        except OSError as exc:
+            raise StorageError(_storage_message(folder, exc.strerror or str(exc))) from exc
+
+
+@contextmanager
+def storage_errors() -> Iterator[None]:
+    """Turn an I/O failure deep inside Spark or Delta into a StorageError that says what to do."""
+    try:
+        yield
+    except Exception as exc:  # Spark surfaces Java IOExceptions as several Python exception types
+        text = str(exc)
+        cause = next((fault for fault in _STORAGE_FAULTS if fault in text), None)
+        if cause is None:
+            raise
+        path = next((word for word in text.split() if word.startswith(("/", "file:"))), "the storage root")
+        raise StorageError(_storage_message(path.rstrip(".,:;'\""), cause)) from exc
+
+
+def retry_on_conflict(commit: Callable[[], None], what: str) -> None:
+    """Run one Delta commit, again if another writer committed first.
+
+    A failed optimistic commit wrote nothing, and the retry re-reads the table; if the winner was
+    this same micro-batch (same txnAppId/txnVersion), the retry sees that and skips. So retrying
+    never counts twice; giving up raises with the reason.
+    """
+    from delta.exceptions import DeltaConcurrentModificationException
+
+    for attempt in range(1, CONFLICT_RETRIES + 1):
+        try:
+            commit()
+            return
+        except DeltaConcurrentModificationException as exc:
+            if attempt == CONFLICT_RETRIES:
+                raise ConcurrentWriterError(
+                    f"{what}: another writer committed to the table {CONFLICT_RETRIES} times while this batch "
+                    f"tried to; nothing of this batch was written. Fix: find the other writer (only statetables "
+                    f"jobs should write state tables), stop it, run again. Last conflict: "
+                    f"{str(exc).splitlines()[0]}") from exc
+            time.sleep(attempt)

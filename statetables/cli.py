@@ -3,6 +3,8 @@ print the state tables, prepare the Dagster instance.
 
     statetables generate --stream payments --events 100000 --malformed 0.005 --duplicates 0.01 --late 0.02 --seed 1
     statetables run [--job advance_all] [--show]
+    statetables savepoint create|list|restore [NAME]
+    statetables restore-changelog --table movie_tickets_sold --version 12 [--into NAME]
     statetables instance            # prints DAGSTER_HOME after writing its dagster.yaml
 """
 
@@ -13,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-from pipelines.errors import ConfigurationError, StreamBusyError
+from pipelines.errors import ConfigurationError, SavepointError, StorageError, StreamBusyError
 from pipelines.layout import StorageLayout
 from pipelines.streams import STREAMS, stream_spec
 
@@ -105,6 +107,39 @@ def _run(args: argparse.Namespace) -> int:
     return 0 if result.success else 1
 
 
+def _savepoint(args: argparse.Namespace) -> int:
+    from pipelines.savepoints import create_savepoint, list_savepoints, restore_savepoint
+    from pipelines.session import build_spark_session
+
+    layout = StorageLayout.under()
+    if args.action == "list":
+        for manifest in list_savepoints(layout):
+            tables = ", ".join(f"{t} v{m['version']}" for t, m in manifest["tables"].items())
+            print(f"{manifest['name']}\t{manifest['created_at']}\t{tables}")
+        return 0
+    if not args.name:
+        raise ConfigurationError(f"`statetables savepoint {args.action}` needs a name. Fix: add one, e.g. before-deploy-42.")
+    spark = build_spark_session()
+    action = create_savepoint if args.action == "create" else restore_savepoint
+    manifest = action(spark, layout, args.name)
+    verb = "taken" if args.action == "create" else "restored; the next run resumes from it"
+    print(f"savepoint {args.name} {verb}: " + ", ".join(f"{t} v{m['version']}" for t, m in manifest["tables"].items()))
+    return 0
+
+
+def _restore_changelog(args: argparse.Namespace) -> int:
+    from pipelines.changelog import restore_from_changelog
+    from pipelines.session import build_spark_session
+
+    tables = {spec.state_table.name: spec.state_table for spec in STREAMS.values()}
+    if args.table not in tables:
+        raise ConfigurationError(f"Unknown state table {args.table!r}. Fix: use one of {', '.join(tables)}.")
+    into = args.into or f"{args.table}_restored_v{args.version}"
+    target = restore_from_changelog(build_spark_session(), StorageLayout.under(), tables[args.table], args.version, into)
+    print(f"{args.table} as of version {args.version}, rebuilt from its changelog only: {target}")
+    return 0
+
+
 def _instance(args: argparse.Namespace) -> int:
     print(prepare_instance(StorageLayout.under()))
     return 0
@@ -131,13 +166,24 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--log-level", default="INFO", help="Dagster console log level (DEBUG shows every event)")
     run.set_defaults(func=_run)
 
+    save = commands.add_parser("savepoint", help="take, list or restore a savepoint of every state table")
+    save.add_argument("action", choices=["create", "list", "restore"])
+    save.add_argument("name", nargs="?")
+    save.set_defaults(func=_savepoint)
+
+    restore = commands.add_parser("restore-changelog", help="rebuild a state table as of a version from its changelog")
+    restore.add_argument("--table", required=True)
+    restore.add_argument("--version", type=int, required=True)
+    restore.add_argument("--into", help="table name under tables/ to write (default <table>_restored_v<version>)")
+    restore.set_defaults(func=_restore_changelog)
+
     inst = commands.add_parser("instance", help="prepare the Dagster instance under the storage root")
     inst.set_defaults(func=_instance)
 
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (ConfigurationError, StreamBusyError) as error:
+    except (ConfigurationError, StreamBusyError, StorageError, SavepointError, ValueError) as error:
         print(f"statetables: {error}", file=sys.stderr)
         return 2
 

@@ -1,0 +1,131 @@
+"""The changelog (CDF → changelog table → rebuilt table), savepoints, one writer, storage faults."""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+
+import pytest
+from deltalake import DeltaTable as IndependentDeltaTable
+
+from pipelines.bronze import ingest_stream
+from pipelines.changelog import changelog_name, publish_changes, restore_from_changelog
+from pipelines.errors import StorageError, StreamBusyError
+from pipelines.generate import generate
+from pipelines.savepoints import create_savepoint, list_savepoints, restore_savepoint
+from pipelines.state import update_state_table
+from pipelines.streaming import table_version, writer_lock
+from pipelines.streams import MOVIE_TICKET_SALES, PAYMENTS, STREAMS
+from tests.contract_oracle import expected_state, landing_files
+
+
+def _deliver(layout, spec, seed, events=300):
+    generate(spec, layout.landing(spec.name), events=events, malformed=0.03, duplicates=0.05, conflicts=0.01,
+             late=0.05, seed=seed, events_per_file=events)
+
+
+def _advance(spark, layout, spec):
+    ingest_stream(spark, layout, spec)
+    return update_state_table(spark, layout, spec)
+
+
+def _rows(spark, path, version=None):
+    reader = spark.read.format("delta")
+    if version is not None:
+        reader = reader.option("versionAsOf", version)
+    return sorted(tuple(r) for r in reader.load(str(path)).drop("updated_at").collect())
+
+
+def _state(layout, spec):
+    table = spec.state_table
+    rows = IndependentDeltaTable(str(layout.table(table.name))).to_pyarrow_table().to_pylist()
+    return {r[table.key]: (r[table.count_column], r[table.sum_column]) for r in rows}
+
+
+def _expected(layout, spec):
+    expected = expected_state(spec.name, landing_files(layout.landing(spec.name)))
+    return {k: (expected.counts[k], expected.sums[k]) for k in expected.counts}
+
+
+def test_changelog_alone_rebuilds_the_table_at_every_version(spark, layout):
+    spec, table = PAYMENTS, PAYMENTS.state_table
+    for seed in (1, 2):
+        _deliver(layout, spec, seed)
+        _advance(spark, layout, spec)
+    # a rebuild (a MERGE that also deletes) is in the history too
+    layout.checkpoint(spec.state_query).rename(layout.home / "lost")
+    _advance(spark, layout, spec)
+    publish_changes(spark, layout, table)
+    publish_changes(spark, layout, table)  # nothing new: adds no rows
+    changelog = spark.read.format("delta").load(str(layout.table(changelog_name(table))))
+    assert changelog.count() == changelog.dropDuplicates(["_commit_version", table.key, "_change_type"]).count()
+
+    state_path = layout.table(table.name)
+    for version in range(1, table_version(spark, state_path) + 1):
+        target = restore_from_changelog(spark, layout, table, version, f"rebuilt_v{version}")
+        assert _rows(spark, target) == _rows(spark, state_path, version), version
+
+
+def test_savepoint_restore_rolls_back_and_resumes_exactly(spark, layout):
+    for spec in STREAMS.values():
+        _deliver(layout, spec, seed=1)
+        _deliver(layout, spec, seed=2)
+        _advance(spark, layout, spec)
+        _deliver(layout, spec, seed=3)
+        _advance(spark, layout, spec)  # real micro-batches in the checkpoints
+    manifest = create_savepoint(spark, layout, "before-deploy")
+    assert [m["name"] for m in list_savepoints(layout)] == ["before-deploy"]
+    for spec in STREAMS.values():
+        _deliver(layout, spec, seed=4)
+        _advance(spark, layout, spec)
+
+    restore_savepoint(spark, layout, "before-deploy")
+    for spec in STREAMS.values():
+        path = layout.table(spec.state_table.name)
+        assert _rows(spark, path) == _rows(spark, path, manifest["tables"][spec.state_table.name]["version"])
+    for spec in STREAMS.values():
+        result = update_state_table(spark, layout, spec)
+        assert result.recovery is None and result.micro_batches >= 1  # resumed from the savepoint's offsets
+        assert _state(layout, spec) == _expected(layout, spec)
+
+
+def test_second_writer_of_a_stream_is_refused_and_nothing_is_written(spark, layout):
+    spec = MOVIE_TICKET_SALES
+    _deliver(layout, spec, seed=1)
+    holding, release = threading.Event(), threading.Event()
+
+    def other_run():
+        with writer_lock(layout.locks, spec.ingest_query, 5):
+            holding.set()
+            release.wait(60)
+
+    thread = threading.Thread(target=other_run)
+    thread.start()
+    holding.wait(10)
+    try:
+        with pytest.raises(StreamBusyError, match="Another run is advancing movie_ticket_sales_ingest"):
+            ingest_stream(spark, layout, spec, lock_timeout_s=1)
+    finally:
+        release.set()
+        thread.join()
+    assert table_version(spark, layout.table(spec.bronze_table)) is None  # nothing was created or written
+    _advance(spark, layout, spec)
+    assert _state(layout, spec) == _expected(layout, spec)
+
+
+def test_read_only_storage_fails_with_the_fix_and_the_next_run_is_exact(spark, layout):
+    spec = PAYMENTS
+    _deliver(layout, spec, seed=1)
+    _advance(spark, layout, spec)
+    _deliver(layout, spec, seed=2)
+    ingest_stream(spark, layout, spec)
+    log = layout.table(spec.state_table.name) / "_delta_log"
+    # As root, permissions do not stop writes; the immutable flag does (EPERM), like a read-only mount.
+    subprocess.run(["chattr", "+i", str(log)], check=True)
+    try:
+        with pytest.raises(StorageError, match=r"Cannot write to .*_delta_log.*Fix: make the folder writable"):
+            update_state_table(spark, layout, spec)
+    finally:
+        subprocess.run(["chattr", "-i", str(log)], check=True)
+    update_state_table(spark, layout, spec)
+    assert _state(layout, spec) == _expected(layout, spec)
