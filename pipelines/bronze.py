@@ -13,7 +13,6 @@ import time
 from datetime import datetime, timedelta
 from functools import partial
 
-from delta.tables import DeltaTable
 from pyspark.sql import DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 from pyspark.sql.types import (
@@ -25,7 +24,7 @@ from pipelines.source import arrival_order, read_landing_files, split_lines
 from pipelines.checkpoints import checkpoint_for_run, start_checkpoint
 from pipelines.faults import INGEST_AFTER_BRONZE_COMMIT, INGEST_AFTER_QUARANTINE_COMMIT, INGEST_BATCH_END, fault_point
 from pipelines.streaming import (
-    StreamRunResult, TableVersions, commits_since, require_writable, retry_on_conflict, run_available_now,
+    StreamRunResult, TableVersions, commits_since, create_table_if_missing, require_writable, retry_on_conflict, run_available_now,
     storage_errors, table_version, writer_lock,
 )
 from pipelines.streams import StreamSpec
@@ -64,13 +63,7 @@ def bronze_schema(spec: StreamSpec) -> StructType:
 
 def ensure_bronze_tables(spark: SparkSession, layout: StorageLayout, spec: StreamSpec) -> None:
     for name, schema in ((spec.bronze_table, bronze_schema(spec)), (spec.quarantine_table, QUARANTINE_SCHEMA)):
-        (
-            DeltaTable.createIfNotExists(spark)
-            .location(str(layout.table(name)))
-            .addColumns(schema)
-            .property("delta.enableChangeDataFeed", "true")
-            .execute()
-        )
+        create_table_if_missing(spark, layout.table(name), schema)
 
 
 def _already_ingested(bronze: DataFrame, quarantine: DataFrame, spec: StreamSpec, files: list[str],

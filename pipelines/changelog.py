@@ -17,7 +17,9 @@ from pyspark.sql import functions as F
 
 from pipelines.layout import StorageLayout
 from pipelines.state import state_schema
-from pipelines.streaming import StreamRunResult, TableVersions, run_available_now, table_version, writer_lock
+from pipelines.streaming import (
+    StreamRunResult, TableVersions, create_table_if_missing, run_available_now, table_version, writer_lock,
+)
 from pipelines.streams import StateTableSpec
 
 CHANGE_COLUMNS = ("_change_type", "_commit_version", "_commit_timestamp")
@@ -47,13 +49,9 @@ def publish_changes(spark: SparkSession, layout: StorageLayout, table: StateTabl
     path = layout.table(name)
     query = f"{name}_publish"
     with writer_lock(layout.locks, query, lock_timeout_s):
-        (
-            DeltaTable.createIfNotExists(spark).location(str(path))
-            .addColumns(state_schema(table))
-            .addColumn("_change_type", "STRING").addColumn("_commit_version", "BIGINT")
-            .addColumn("_commit_timestamp", "TIMESTAMP")
-            .execute()
-        )
+        schema = state_schema(table).add("_change_type", "string").add("_commit_version", "bigint") \
+            .add("_commit_timestamp", "timestamp")
+        create_table_if_missing(spark, path, schema, change_data_feed=False)
         before = table_version(spark, path)
         changes = (spark.readStream.format("delta").option("readChangeFeed", "true").option("startingVersion", 0)
                    .load(str(layout.table(table.name))))

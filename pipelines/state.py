@@ -26,7 +26,7 @@ from pipelines.bronze import ensure_bronze_tables
 from pipelines.checkpoints import checkpoint_for_run, new_app_id, start_checkpoint
 from pipelines.faults import STATE_AFTER_MERGE_COMMIT, STATE_AFTER_REBUILD, STATE_BATCH_END, STATE_MERGE_START, fault_point
 from pipelines.streaming import (
-    StreamRunResult, TableVersions, commits_since, require_writable, retry_on_conflict, run_available_now,
+    StreamRunResult, TableVersions, commits_since, create_table_if_missing, require_writable, retry_on_conflict, run_available_now,
     storage_errors, table_version, writer_lock,
 )
 from pipelines.streams import StateTableSpec, StreamSpec
@@ -49,13 +49,7 @@ def state_schema(table: StateTableSpec) -> StructType:
 
 
 def ensure_state_table(spark: SparkSession, layout: StorageLayout, table: StateTableSpec) -> None:
-    (
-        DeltaTable.createIfNotExists(spark)
-        .location(str(layout.table(table.name)))
-        .addColumns(state_schema(table))
-        .property("delta.enableChangeDataFeed", "true")
-        .execute()
-    )
+    create_table_if_missing(spark, layout.table(table.name), state_schema(table))
 
 
 def _aggregate(events: DataFrame, table: StateTableSpec, value_column: str, event_time_column: str) -> DataFrame:

@@ -19,6 +19,7 @@ from typing import Callable, Iterator
 
 from delta.tables import DeltaTable
 from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql.types import StructType
 
 from pipelines.errors import ConcurrentWriterError, StorageError, StreamBusyError
 
@@ -80,6 +81,23 @@ def writer_lock(locks_dir: Path, writer: str, timeout_s: float) -> Iterator[None
         yield
     finally:
         handle.close()  # closing the descriptor releases the lock
+
+
+def create_table_if_missing(spark: SparkSession, path: Path, schema: StructType, *,
+                            change_data_feed: bool = True) -> None:
+    """Create the Delta table at `path` unless it exists.
+
+    A process killed while creating a table can leave `_delta_log/` without its first commit; Delta
+    then refuses to create the table there and refuses to read it. Nothing was committed in that
+    case, so the empty log is moved aside (kept, like everything this project sets aside).
+    """
+    log = path / "_delta_log"
+    if log.is_dir() and not any(p.suffix == ".json" or ".checkpoint" in p.name for p in log.iterdir()):
+        os.replace(log, path / f"_delta_log.uncommitted-{time.time_ns()}")
+    builder = DeltaTable.createIfNotExists(spark).location(str(path)).addColumns(schema)
+    if change_data_feed:
+        builder = builder.property("delta.enableChangeDataFeed", "true")
+    builder.execute()
 
 
 def table_version(spark: SparkSession, path: Path) -> int | None:
