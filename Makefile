@@ -6,7 +6,7 @@ INSTALLED := $(VENV)/.installed
 JARS := .jars/.resolved
 export STATETABLES_HOME ?= $(CURDIR)/data
 
-.PHONY: install jars demo run dev test bench clean
+.PHONY: install jars demo run dev test bench chaos clean
 
 install: $(INSTALLED)
 $(INSTALLED): setup.py
@@ -43,6 +43,11 @@ test: install jars
 
 bench: install jars
 	$(BIN)/python -m benchmarks.run_wall_time
+
+# kill -9 the real pipeline KILLS times (named fault points and random instants), then compare every key.
+KILLS ?= 24
+chaos: install jars
+	$(BIN)/python -m tests.chaos --kills $(KILLS)
 
 clean:
 	rm -rf data

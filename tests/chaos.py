@@ -8,7 +8,7 @@ must succeed; then every state table, bronze and quarantine table is compared wi
 independent oracle (tests/contract_oracle.py) read through `deltalake`, not Spark.
 
     python -m tests.chaos --kills 30            # make chaos
-    python -m tests.chaos --kills 4 --seed 7    # what the test suite runs (tests/test_chaos.py)
+    tests/test_chaos.py                         # the quick variant in the test suite
 """
 
 from __future__ import annotations
@@ -162,7 +162,9 @@ def compare(layout: StorageLayout, report: ChaosReport) -> None:
 
 def run_chaos(home: Path, *, kills: int, seed: int, events: int = 600, random_share: float = 0.4,
               damage_share: float = 0.15, typical_run_s: float = 60.0, named_only: bool = False,
-              say=print) -> ChaosReport:
+              plan: list[tuple[str, dict]] | None = None, say=print) -> ChaosReport:
+    """`plan`: the named kills to make, in order (default: NAMED_KILLS, cycled)."""
+    plan = plan or NAMED_KILLS
     rng = random.Random(seed)
     layout = StorageLayout.under(home)
     fault_dir = home / "faults"
@@ -176,8 +178,7 @@ def run_chaos(home: Path, *, kills: int, seed: int, events: int = 600, random_sh
         _deliver(layout, rng, events // 3)  # every round has work, so every fault point is on the path
         note = _damage_checkpoint(layout, rng) if not named_only and rng.random() < damage_share else ""
         if named_only or rng.random() >= random_share:
-            point, options = NAMED_KILLS[named % len(NAMED_KILLS)]
-            named += 1
+            point, options = plan[named % len(plan)]  # moves on only once this point has killed a run
             if point == faults.STATE_AFTER_REBUILD:  # a rebuild happens when a state checkpoint is gone
                 for spec in STREAMS.values():
                     shutil.rmtree(layout.checkpoint(spec.state_query), ignore_errors=True)
@@ -186,6 +187,7 @@ def run_chaos(home: Path, *, kills: int, seed: int, events: int = 600, random_sh
             faults.arm(fault_dir, point, "kill", **options)
             code, seconds = _run_pipeline(layout, fault_dir, log, kill_after=None)
             kind = point
+            named += code == -signal.SIGKILL
             if code != -signal.SIGKILL:
                 note = (note + "; " if note else "") + f"point not reached (exit {code})"
         else:
