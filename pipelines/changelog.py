@@ -14,6 +14,7 @@ from pathlib import Path
 from delta.tables import DeltaTable
 from pyspark.sql import DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
+from pyspark.sql.types import LongType, StringType, TimestampType
 
 from pipelines.layout import StorageLayout
 from pipelines.state import state_schema
@@ -49,8 +50,8 @@ def publish_changes(spark: SparkSession, layout: StorageLayout, table: StateTabl
     path = layout.table(name)
     query = f"{name}_publish"
     with writer_lock(layout.locks, query, lock_timeout_s):
-        schema = state_schema(table).add("_change_type", "string").add("_commit_version", "bigint") \
-            .add("_commit_timestamp", "timestamp")
+        schema = state_schema(table).add("_change_type", StringType()).add("_commit_version", LongType()) \
+            .add("_commit_timestamp", TimestampType())
         create_table_if_missing(spark, path, schema, change_data_feed=False)
         before = table_version(spark, path)
         changes = (spark.readStream.format("delta").option("readChangeFeed", "true").option("startingVersion", 0)
