@@ -77,11 +77,12 @@ def _env(layout: StorageLayout, fault_dir: Path) -> dict[str, str]:
     return env
 
 
-def _run_pipeline(layout: StorageLayout, fault_dir: Path, log: Path, kill_after: float | None) -> tuple[int, float]:
+def _run_pipeline(layout: StorageLayout, fault_dir: Path, log: Path, kill_after: float | None,
+                  job: str = "advance_all") -> tuple[int, float]:
     """One `statetables run` in a new process group; SIGKILL the group after `kill_after` s if given."""
     started = time.monotonic()
     with open(log, "ab") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "statetables.cli", "run", "--log-level", "WARNING"],
+        proc = subprocess.Popen([sys.executable, "-m", "statetables.cli", "run", "--job", job, "--log-level", "WARNING"],
                                 env=_env(layout, fault_dir), stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         try:
@@ -105,9 +106,9 @@ def _wait_group_gone(pgid: int, timeout: float = 30) -> None:
     os.killpg(pgid, signal.SIGKILL)
 
 
-def _deliver(layout: StorageLayout, rng: random.Random, events: int) -> None:
+def _deliver(layout: StorageLayout, rng: random.Random, events: int, streams: list[str]) -> None:
     """New events, plus (sometimes) a whole earlier file delivered again under a new name."""
-    for spec in STREAMS.values():
+    for spec in (STREAMS[name] for name in streams):
         folder = layout.landing(spec.name)
         old = sorted(folder.glob("*.jsonl")) if folder.exists() else []
         generate(spec, folder, events=events, malformed=0.03, duplicates=0.03, conflicts=0.01, late=0.05,
@@ -145,8 +146,8 @@ def _damage_checkpoint(layout: StorageLayout, rng: random.Random) -> str:
     return f"{choice} of {query.name}/{folder.name}/{files[-1].name}"
 
 
-def compare(layout: StorageLayout, report: ChaosReport) -> None:
-    for spec in STREAMS.values():
+def compare(layout: StorageLayout, report: ChaosReport, streams: list[str]) -> None:
+    for spec in (STREAMS[name] for name in streams):
         expected = expected_state(spec.name, landing_files(layout.landing(spec.name)))
         table = spec.state_table
         rows = IndependentDeltaTable(str(layout.table(table.name))).to_pyarrow_table().to_pylist()
@@ -162,48 +163,51 @@ def compare(layout: StorageLayout, report: ChaosReport) -> None:
 
 def run_chaos(home: Path, *, kills: int, seed: int, events: int = 600, random_share: float = 0.4,
               damage_share: float = 0.15, typical_run_s: float = 60.0, named_only: bool = False,
-              plan: list[tuple[str, dict]] | None = None, say=print) -> ChaosReport:
-    """`plan`: the named kills to make, in order (default: NAMED_KILLS, cycled)."""
+              plan: list[tuple[str, dict]] | None = None, streams: list[str] | None = None,
+              say=print) -> ChaosReport:
+    """`plan`: the named kills to make, in order (default: NAMED_KILLS, cycled); `streams`: default all."""
+    streams = streams or list(STREAMS)
+    job = "advance_all" if len(streams) == len(STREAMS) else f"advance_{streams[0]}"
     plan = plan or NAMED_KILLS
     rng = random.Random(seed)
     layout = StorageLayout.under(home)
     fault_dir = home / "faults"
     log = home / "chaos.log"
     report = ChaosReport()
-    _deliver(layout, rng, events)
+    _deliver(layout, rng, events, streams)
     named = 0
     while report.kills < kills:
         if len(report.rounds) > 4 * kills + 4:
             raise RuntimeError(f"only {report.kills} of {kills} kills landed in {len(report.rounds)} rounds; see {log}")
-        _deliver(layout, rng, events // 3)  # every round has work, so every fault point is on the path
+        _deliver(layout, rng, events // 3, streams)  # every round has work, so every fault point is on the path
         note = _damage_checkpoint(layout, rng) if not named_only and rng.random() < damage_share else ""
         if named_only or rng.random() >= random_share:
             point, options = plan[named % len(plan)]  # moves on only once this point has killed a run
             if point == faults.STATE_AFTER_REBUILD:  # a rebuild happens when a state checkpoint is gone
-                for spec in STREAMS.values():
-                    shutil.rmtree(layout.checkpoint(spec.state_query), ignore_errors=True)
+                for name in streams:
+                    shutil.rmtree(layout.checkpoint(STREAMS[name].state_query), ignore_errors=True)
                 note = (note + "; " if note else "") + "deleted the state checkpoints"
             shutil.rmtree(fault_dir, ignore_errors=True)
             faults.arm(fault_dir, point, "kill", **options)
-            code, seconds = _run_pipeline(layout, fault_dir, log, kill_after=None)
+            code, seconds = _run_pipeline(layout, fault_dir, log, None, job)
             kind = point
             named += code == -signal.SIGKILL
             if code != -signal.SIGKILL:
                 note = (note + "; " if note else "") + f"point not reached (exit {code})"
         else:
             kind = "random"
-            code, seconds = _run_pipeline(layout, fault_dir, log, kill_after=rng.uniform(3.0, typical_run_s))
+            code, seconds = _run_pipeline(layout, fault_dir, log, rng.uniform(3.0, typical_run_s), job)
         shutil.rmtree(fault_dir, ignore_errors=True)
         report.rounds.append(Round(kind, seconds, code == -signal.SIGKILL, note))
         r = report.rounds[-1]
         say(f"round {len(report.rounds):>3}: {kind:<32} {'killed' if r.killed else f'exit {code}':<8} "
             f"after {seconds:5.1f} s  {note}")
-    code, seconds = _run_pipeline(layout, fault_dir, log, kill_after=None)
+    code, seconds = _run_pipeline(layout, fault_dir, log, None, job)
     report.rounds.append(Round("clean", seconds, False, f"exit {code}"))
     say(f"clean run: exit {code} after {seconds:.1f} s")
     if code != 0:
         raise RuntimeError(f"the clean run after the kills failed (exit {code}); see {log}")
-    compare(layout, report)
+    compare(layout, report, streams)
     return report
 
 

@@ -1,5 +1,8 @@
 """The quick variant of `make chaos`: real `statetables run` processes killed with SIGKILL (Python and
-JVM) at named fault points, then one clean run; every key must equal the independent oracle."""
+JVM) at named fault points, then one clean run; every key must equal the independent oracle.
+
+One stream (`advance_payments`) keeps it short; `make chaos` covers both streams, every fault point,
+random instants and damaged checkpoints."""
 
 from __future__ import annotations
 
@@ -8,11 +11,11 @@ from tests.chaos import run_chaos
 
 
 def test_kill_9_at_named_points_then_one_clean_run_counts_every_event_once(tmp_path):
-    plan = [(faults.INGEST_AFTER_BRONZE_COMMIT, {}), (faults.STATE_AFTER_REBUILD, {}),
-            (faults.STATE_AFTER_MERGE_COMMIT, {})]
-    report = run_chaos(tmp_path / "home", kills=3, seed=7, events=300, named_only=True, plan=plan)
+    plan = [(faults.INGEST_AFTER_BRONZE_COMMIT, {}), (faults.STATE_AFTER_MERGE_COMMIT, {})]
+    report = run_chaos(tmp_path / "home", kills=2, seed=7, events=300, named_only=True, plan=plan,
+                       streams=["payments"])
 
     assert [r.kind for r in report.rounds if r.killed] == [point for point, _ in plan]
     assert report.rounds[-1].kind == "clean"
-    assert all(report.keys_compared.values()) and sum(report.keys_compared.values()) > 50
+    assert report.keys_compared["payments_per_customer"] > 50
     assert report.differences == 0, (report.keys_differing, report.rows_differing)
