@@ -11,6 +11,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -24,6 +25,8 @@ from pyspark.sql.types import StructType
 from pipelines.errors import ConcurrentWriterError, StorageError, StreamBusyError
 
 CONFLICT_RETRIES = 4
+_CONFLICT = re.compile(r"DELTA_CONCURRENT_|io\.delta\.exceptions\.Concurrent\w*Exception|^Concurrent\w*Exception")
+conflicts_retried = {"count": 0}  # in this process; shows that retries happen (tests, diagnostics)
 _STORAGE_FAULTS = ("No space left on device", "Read-only file system", "Permission denied",
                    "Operation not permitted", "Disk quota exceeded")
 
@@ -187,17 +190,20 @@ def retry_on_conflict(commit: Callable[[], None], what: str) -> None:
     this same micro-batch (same txnAppId/txnVersion), the retry sees that and skips. So retrying
     never counts twice; giving up raises with the reason.
     """
-    from delta.exceptions import DeltaConcurrentModificationException
-
     for attempt in range(1, CONFLICT_RETRIES + 1):
         try:
             commit()
             return
-        except DeltaConcurrentModificationException as exc:
+        except Exception as exc:
+            # delta.exceptions classes only appear where delta-spark converted the JVM error; from other
+            # threads and over Spark Connect it arrives as a generic error carrying the same class name.
+            if not _CONFLICT.search(f"{type(exc).__name__} {exc}"):
+                raise
             if attempt == CONFLICT_RETRIES:
                 raise ConcurrentWriterError(
                     f"{what}: another writer committed to the table {CONFLICT_RETRIES} times while this batch "
                     f"tried to; nothing of this batch was written. Fix: find the other writer (only statetables "
                     f"jobs should write state tables), stop it, run again. Last conflict: "
                     f"{str(exc).splitlines()[0]}") from exc
+            conflicts_retried["count"] += 1
             time.sleep(attempt)

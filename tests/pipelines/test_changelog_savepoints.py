@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import threading
+from decimal import Decimal
 
 import pytest
 from deltalake import DeltaTable as IndependentDeltaTable
@@ -129,3 +130,39 @@ def test_read_only_storage_fails_with_the_fix_and_the_next_run_is_exact(spark, l
         subprocess.run(["chattr", "-i", str(log)], check=True)
     update_state_table(spark, layout, spec)
     assert _state(layout, spec) == _expected(layout, spec)
+
+
+def test_racing_writers_conflict_retry_and_count_exactly_once(spark, layout):
+    """Two writers MERGE into one state table at once (as if a manual job raced the pipeline): Delta's
+    concurrent-modification errors are retried, and every batch counts once."""
+    from pyspark.sql import functions as F
+
+    from pipelines.state import ensure_state_table, upsert_batch
+    from pipelines.streaming import conflicts_retried
+
+    spec = PAYMENTS
+    ensure_state_table(spark, layout, spec.state_table)
+    path = str(layout.table(spec.state_table.name))
+    retried_before = conflicts_retried["count"]
+    errors = []
+
+    def writer(app_id):
+        session = spark.newSession()  # own SQL conf: the txn confs of one writer do not leak into the other
+        events = session.createDataFrame([("c1", "1.00")], "customer_id string, amount string").select(
+            "customer_id", F.col("amount").cast("decimal(18,2)").alias("amount"),
+            F.lit("2026-11-01 10:00:00").cast("timestamp").alias("paid_at"))
+        try:
+            for batch_id in [0, 1, 2, 3, 3]:  # the second 3 is a replay: skipped by its txn id
+                upsert_batch(events, batch_id, table_path=path, table=spec.state_table, value_column="amount",
+                             event_time_column="paid_at", app_id=app_id)
+        except Exception as exc:  # surfaced by the assertion below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(f"racer-{n}",)) for n in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    assert conflicts_retried["count"] > retried_before  # the writers really collided
+    assert _state(layout, spec) == {"c1": (8, Decimal("8.00"))}
