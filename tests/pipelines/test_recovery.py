@@ -28,6 +28,13 @@ def _advance(spark, layout, spec):
     return ingest_stream(spark, layout, spec, max_files_per_trigger=10), update_state_table(spark, layout, spec)
 
 
+def _two_runs(spark, layout, spec):
+    """Two deliveries, one run each: the state query then has real micro-batches in its checkpoint."""
+    for seed in (1, 2):
+        _deliver(layout, spec, seed=seed)
+        _advance(spark, layout, spec)
+
+
 def _assert_exact(layout, spec):
     expected = expected_state(spec.name, landing_files(layout.landing(spec.name)))
     table = spec.state_table
@@ -41,10 +48,7 @@ def _assert_exact(layout, spec):
 
 def test_all_checkpoints_deleted_between_runs_counts_nothing_twice(spark, layout):
     spec = PAYMENTS
-    _deliver(layout, spec, seed=1)
-    _advance(spark, layout, spec)
-    _deliver(layout, spec, seed=2)
-    _advance(spark, layout, spec)
+    _two_runs(spark, layout, spec)
     shutil.rmtree(layout.checkpoints_root)
     _deliver(layout, spec, seed=3)
     ingest, state = _advance(spark, layout, spec)
@@ -82,10 +86,7 @@ def test_corrupt_checkpoint_files_are_detected(spark, layout):
 
 def test_corrupt_checkpoints_are_set_aside_and_state_rebuilt_exactly(spark, layout):
     spec = PAYMENTS
-    _deliver(layout, spec, seed=1)
-    _advance(spark, layout, spec)
-    _deliver(layout, spec, seed=2)
-    _advance(spark, layout, spec)  # the state query now has real micro-batches in its checkpoint
+    _two_runs(spark, layout, spec)
     for query in (spec.ingest_query, spec.state_query):
         commits = layout.checkpoint(query) / "commits"
         last = max(p.name for p in commits.iterdir() if p.name.isdigit())
@@ -102,10 +103,7 @@ def test_corrupt_checkpoints_are_set_aside_and_state_rebuilt_exactly(spark, layo
 def test_state_table_restored_behind_its_checkpoint_is_rebuilt(spark, layout):
     """Delta RESTORE keeps txn ids (delta-io/delta#1813): replaying under the old app id would skip batches."""
     spec = MOVIE_TICKET_SALES
-    _deliver(layout, spec, seed=1)
-    _advance(spark, layout, spec)
-    _deliver(layout, spec, seed=2)
-    _advance(spark, layout, spec)
+    _two_runs(spark, layout, spec)
     state_path = str(layout.table(spec.state_table.name))
     DeltaTable.forPath(spark, state_path).restoreToVersion(1)  # back to the first run's rebuild
 
