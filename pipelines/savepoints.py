@@ -20,16 +20,14 @@ import shutil
 import time
 from pathlib import Path
 
-from delta.tables import DeltaTable
 from pyspark.sql import SparkSession
-from pyspark.sql import functions as F
 
 from pipelines.checkpoints import (
     copy_checkpoint, new_app_id, read_origin, set_aside, start_checkpoint, verify_checkpoint,
 )
 from pipelines.errors import ConfigurationError, SavepointError
 from pipelines.layout import StorageLayout
-from pipelines.state import USER_METADATA, commit_confs, state_schema
+from pipelines.state import set_table_content
 from pipelines.streaming import table_version, writer_lock
 from pipelines.streams import STREAMS
 
@@ -104,15 +102,9 @@ def restore_savepoint(spark: SparkSession, layout: StorageLayout, name: str, *, 
             last_batch = saved["last_batch"] if saved["last_batch"] is not None else -1
             app_id = new_app_id(query)
             snapshot = spark.read.format("delta").option("versionAsOf", saved["version"]).load(path)
-            columns = state_schema(table).fieldNames()
-            differs = " OR ".join(f"NOT (t.{c} <=> s.{c})" for c in columns if c != table.key)
             metadata = {"app_id": app_id, "batch_id": last_batch, "restored_savepoint": name,
                         "restored_version": saved["version"]}
-            with commit_confs(spark, {USER_METADATA: json.dumps(metadata)}):
-                (DeltaTable.forPath(spark, path).alias("t")
-                 .merge(snapshot.alias("s"), F.col(f"t.{table.key}") == F.col(f"s.{table.key}"))
-                 .whenMatchedUpdateAll(condition=differs).whenNotMatchedInsertAll()
-                 .whenNotMatchedBySourceDelete().execute())
+            set_table_content(spark, path, table, snapshot, metadata)
             tmp = checkpoint.with_name(f".{query}.restoring")
             shutil.rmtree(tmp, ignore_errors=True)  # left by a restore that died here
             copy_checkpoint(copy, tmp)

@@ -13,7 +13,6 @@ import json
 import time
 from contextlib import contextmanager
 from functools import partial, reduce
-from pathlib import Path
 from typing import Iterator
 
 from delta.tables import DeltaTable
@@ -120,34 +119,43 @@ def _insert_values(table: StateTableSpec) -> dict:
     }
 
 
+def set_table_content(spark: SparkSession, table_path: str, table: StateTableSpec, content: DataFrame,
+                      metadata: dict) -> None:
+    """Make the state table hold exactly `content` (its columns, one row per key), in one MERGE.
+
+    Only keys whose values change are rewritten (`updated_at` alone does not count), keys missing
+    from `content` are deleted, so the Change Data Feed shows real changes only. Used by the rebuild
+    from bronze and by savepoint restores; the result is absolute, so repeating it is safe.
+    """
+    values = [c for c in state_schema(table).fieldNames() if c not in (table.key, "updated_at")]
+    differs = reduce(lambda a, b: a | b, [~F.col(f"t.{c}").eqNullSafe(F.col(f"s.{c}")) for c in values])
+    with commit_confs(spark, {USER_METADATA: json.dumps(metadata)}):
+        (
+            DeltaTable.forPath(spark, table_path).alias("t")
+            .merge(content.alias("s"), F.col(f"t.{table.key}") == F.col(f"s.{table.key}"))
+            .whenMatchedUpdateAll(condition=differs)
+            .whenNotMatchedInsertAll()
+            .whenNotMatchedBySourceDelete()
+            .execute()
+        )
+
+
 def rebuild_state_table(spark: SparkSession, layout: StorageLayout, spec: StreamSpec, app_id: str) -> int:
     """Recompute the state table from the whole bronze table at one pinned version, in one MERGE.
 
-    The result is absolute (not an increment), so running it twice, or after any crash, is safe.
-    Only keys whose values change are rewritten, so the Change Data Feed shows real changes only.
     The commit is recorded as batch -1 of `app_id`: the fresh checkpoint starts right after it.
     Returns the bronze version the table now reflects.
     """
     table = spec.state_table
-    bronze_path = str(layout.table(spec.bronze_table))
-    bronze_version = table_version(spark, Path(bronze_path))
-    events = spark.read.format("delta").option("versionAsOf", bronze_version).load(bronze_path)
-    full = _aggregate(events, table, spec.value_field, spec.event_time_field)
-    columns = {table.count_column: "batch_count", table.sum_column: "batch_sum",
-               table.first_ts_column: "batch_first", table.last_ts_column: "batch_last"}
-    differs = reduce(lambda a, b: a | b, [~F.col(f"t.{c}").eqNullSafe(F.col(f"s.{s}")) for c, s in columns.items()])
-    metadata = {"app_id": app_id, "batch_id": -1, "rebuilt_from": spec.bronze_table,
-                "bronze_version": bronze_version}
-    with commit_confs(spark, {USER_METADATA: json.dumps(metadata)}):
-        (
-            DeltaTable.forPath(spark, str(layout.table(table.name))).alias("t")
-            .merge(full.alias("s"), F.col(f"t.{table.key}") == F.col(f"s.{table.key}"))
-            .whenMatchedUpdate(condition=differs, set={
-                **{c: F.col(f"s.{s}") for c, s in columns.items()}, "updated_at": F.current_timestamp()})
-            .whenNotMatchedInsert(values=_insert_values(table))
-            .whenNotMatchedBySourceDelete()
-            .execute()
-        )
+    bronze_path = layout.table(spec.bronze_table)
+    bronze_version = table_version(spark, bronze_path)
+    events = spark.read.format("delta").option("versionAsOf", bronze_version).load(str(bronze_path))
+    content = _aggregate(events, table, spec.value_field, spec.event_time_field).select(
+        F.col(table.key), F.col("batch_count").alias(table.count_column), F.col("batch_sum").alias(table.sum_column),
+        F.col("batch_first").alias(table.first_ts_column), F.col("batch_last").alias(table.last_ts_column),
+        F.current_timestamp().alias("updated_at"))
+    metadata = {"app_id": app_id, "batch_id": -1, "rebuilt_from": spec.bronze_table, "bronze_version": bronze_version}
+    set_table_content(spark, str(layout.table(table.name)), table, content, metadata)
     fault_point(STATE_AFTER_REBUILD)
     return bronze_version
 
