@@ -10,25 +10,33 @@ from __future__ import annotations
 
 import json
 import time
-from datetime import datetime, timedelta
-from functools import partial
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from functools import partial, reduce
+from pathlib import Path
 
-from pyspark.sql import DataFrame, SparkSession, Window
+from delta.tables import DeltaTable
+
+from pyspark.sql import Column, DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 from pyspark.sql.types import (
     BinaryType, DecimalType, LongType, StringType, StructField, StructType, TimestampType,
 )
 
 from pipelines.layout import StorageLayout
-from pipelines.source import arrival_order, read_landing_files, split_lines
+from pipelines.errors import ConcurrentWriterError, StorageError
+from pipelines.source import LEDGER_SCHEMA, arrival_order, read_units, record_units, scan_landing, split_lines
 from pipelines.checkpoints import checkpoint_for_run, start_checkpoint
-from pipelines.faults import INGEST_AFTER_BRONZE_COMMIT, INGEST_AFTER_QUARANTINE_COMMIT, INGEST_BATCH_END, fault_point
+from pipelines.faults import (
+    INGEST_AFTER_BRONZE_COMMIT, INGEST_AFTER_QUARANTINE_COMMIT, INGEST_BATCH_END, INGEST_POISON, InjectedFault,
+    fault_marker, fault_point,
+)
 from pipelines.streaming import (
-    StreamRunResult, TableVersions, commits_since, create_table_if_missing, require_writable, retry_on_conflict, run_available_now,
-    storage_errors, table_version, writer_lock,
+    StreamRunResult, TableVersions, commits_since, create_table_if_missing, require_writable, retry_on_conflict,
+    run_available_now, storage_errors, storage_fault, table_version, writer_lock,
 )
 from pipelines.streams import StreamSpec
-from pipelines.validate import validate_lines
+from pipelines.validate import DEFAULT_MAX_AHEAD, content_identity, validate_lines
 
 DEFAULT_DEDUP_HORIZON = timedelta(days=7)
 DEFAULT_MAX_FILES_PER_TRIGGER = 100
@@ -62,35 +70,47 @@ def bronze_schema(spec: StreamSpec) -> StructType:
 
 
 def ensure_bronze_tables(spark: SparkSession, layout: StorageLayout, spec: StreamSpec) -> None:
-    for name, schema in ((spec.bronze_table, bronze_schema(spec)), (spec.quarantine_table, QUARANTINE_SCHEMA)):
+    for name, schema in ((spec.bronze_table, bronze_schema(spec)), (spec.quarantine_table, QUARANTINE_SCHEMA),
+                         (spec.files_table, LEDGER_SCHEMA)):
         create_table_if_missing(spark, layout.table(name), schema)
 
 
+def line_file(column: str = "source_file") -> Column:
+    """A line's file as a plain path. Rows written before the landing ledger carry Spark's URI form
+    (`file:/x/a%20b.jsonl`); decoded here, so line identity holds across that upgrade."""
+    col = F.col(column)
+    # url_decode would turn `+` into a space: protect it first.
+    uri_path = F.try_url_decode(F.regexp_replace(F.substring(col, 6, 1 << 30), "\\+", "%2B"))
+    return F.when(col.startswith("file:"), uri_path).otherwise(col)
+
+
 def _already_ingested(bronze: DataFrame, quarantine: DataFrame, spec: StreamSpec, files: list[str],
-                      lo: datetime, hi: datetime) -> DataFrame:
+                      lo: Column, hi: Column) -> DataFrame:
     """(source_file, line_number) of the batch's lines that an earlier attempt already wrote.
 
-    A line is identified by its file and line number (files are never modified). After a crash
-    the same batch replays under the same app id and Delta skips its writes anyway; after a lost
-    checkpoint the files are read again under a new app id, and this is what keeps every line in
-    at most one table. Bronze is searched within the batch's event times (where its own lines
-    are), quarantine by the batch's files.
+    A line is identified by its file and line number (appends continue the numbering, rewrites are
+    labelled `#v<N>`). After a crash the same batch replays under the same app id and Delta skips
+    its writes anyway; after a lost checkpoint the ledger is read again under a new app id, and
+    this is what keeps every line in at most one table. Bronze is searched within the batch's
+    event times (where its own lines are), quarantine by the batch's files.
     """
     ts_col = spec.event_time_field
-    lines = ["source_file", "line_number"]
-    in_bronze = (bronze.where(F.col(ts_col).between(F.lit(lo), F.lit(hi)))
-                 .where(F.col("source_file").isin(files)).select(*lines))
-    in_quarantine = quarantine.where(F.col("source_file").isin(files)).select(*lines)
+    lines = [line_file().alias("source_file"), "line_number"]
+    in_bronze = (bronze.where(F.col(ts_col).between(lo, hi)).select(*lines)
+                 .where(F.col("source_file").isin(files)))
+    in_quarantine = quarantine.select(*lines).where(F.col("source_file").isin(files))
     return in_bronze.unionByName(in_quarantine).distinct()
 
 
-def _classify_duplicates(accepted: DataFrame, bronze: DataFrame, spec: StreamSpec, lo: datetime, hi: datetime,
-                         horizon: timedelta) -> tuple[DataFrame, DataFrame, DataFrame]:
+def _classify_duplicates(accepted: DataFrame, bronze: DataFrame, spec: StreamSpec, lo: Column, hi: Column
+                         ) -> tuple[DataFrame, DataFrame, DataFrame]:
     """Split valid lines not yet ingested into (new events, recognised duplicates, conflicting duplicates).
 
     An id already in bronze keeps the content it was accepted with; otherwise the first arrival
-    in the batch wins. Bronze is searched among events whose event time lies within `horizon` of
-    the batch's event times.
+    in the batch wins. Bronze is searched among events whose event time lies between `lo` and `hi`
+    (the batch's event times widened by the dedup horizon). Content is compared by
+    `content_identity`, computed from bronze's typed columns, so rows of any earlier version compare
+    the same way.
     """
     id_col, ts_col = spec.id_field, spec.event_time_field
     by_arrival = Window.partitionBy(id_col).orderBy(*arrival_order())
@@ -99,9 +119,9 @@ def _classify_duplicates(accepted: DataFrame, bronze: DataFrame, spec: StreamSpe
         "_first_hash": F.first("content_hash").over(by_arrival),
     })
     prior = (
-        bronze.where(F.col(ts_col).between(F.lit(lo - horizon), F.lit(hi + horizon)))
+        bronze.where(F.col(ts_col).between(lo, hi))
         .groupBy(F.col(id_col).alias("_prior_id"))
-        .agg(F.collect_set("content_hash").alias("_prior_hashes"))
+        .agg(F.collect_set(content_identity(spec)).alias("_prior_hashes"))
     )
     looked_up = ranked.join(prior, ranked[id_col] == prior["_prior_id"], "left")
     seen = F.col("_prior_id").isNotNull()
@@ -117,106 +137,241 @@ def _classify_duplicates(accepted: DataFrame, bronze: DataFrame, spec: StreamSpe
 
 
 OUTCOMES = ("accepted", "quarantined", "duplicates", "already_ingested")
+UNPROCESSABLE = "unprocessable"
+MAX_ISOLATION_PROBES = 64
 
 
-def ingest_batch(files: DataFrame, batch_id: int, *, spec: StreamSpec, bronze_path: str, quarantine_path: str,
-                 app_id: str, horizon: timedelta) -> None:
-    """foreachBatch body: validate, dedup, append to quarantine then bronze, both idempotently.
+@dataclass(frozen=True)
+class IngestSettings:
+    """What one stream's ingest needs to know inside a micro-batch (bound with functools.partial)."""
+
+    spec: StreamSpec
+    bronze_path: str
+    quarantine_path: str
+    staging_dir: Path
+    app_id: str
+    horizon: timedelta
+    max_ahead: timedelta
+
+
+def _micros(value: timedelta) -> int:
+    return int(value.total_seconds() * 1_000_000)
+
+
+def _classify(lines: DataFrame, batch_id: int, settings: IngestSettings, ingested_at: datetime,
+              unprocessable: DataFrame | None, error: str | None) -> tuple[DataFrame, dict]:
+    """Every line of the batch with its `outcome` (one of OUTCOMES), and facts about the batch.
+
+    Lines in `unprocessable` (found by `_isolate`) skip validation: they go to quarantine as they
+    are, with reason `unprocessable` and the error that made the batch fail.
+    """
+    spec = settings.spec
+    spark = lines.sparkSession
+    ts_col = spec.event_time_field
+    poison = fault_marker(INGEST_POISON)
+    if poison:  # fault injection: a line that makes Spark fail while evaluating it, as an engine bug would
+        lines = lines.withColumn("raw_bytes", F.when(F.col("raw_bytes").cast("string").contains(poison),
+                                                     F.raise_error(F.lit(f"injected poison {poison}")).cast("binary"))
+                                 .otherwise(F.col("raw_bytes")))
+    isolated = None
+    if unprocessable is not None:
+        keys = ["unit", "line_number"]
+        isolated = lines.join(unprocessable, keys, "left_semi")
+        lines = lines.join(unprocessable, keys, "left_anti")
+    stamp = {"ingest_batch_id": F.lit(batch_id).cast("bigint"), "ingested_at": F.lit(ingested_at)}
+    stamped = validate_lines(lines, spec, ingested_at=ingested_at, max_ahead=settings.max_ahead).withColumns(stamp)
+    if isolated is not None:
+        raw = isolated.select(*isolated.columns, F.make_valid_utf8(F.col("raw_bytes").cast("string")).alias("raw_line"))
+        stamped = stamped.unionByName(raw.withColumns({
+            "record_id": F.lit(None).cast("string"), **{f: F.lit(None).cast(stamped.schema[f].dataType)
+                                                        for f in spec.field_names},
+            "reason": F.lit(UNPROCESSABLE), "reason_field": F.lit(None).cast("string"),
+            "detail": F.lit((error or "")[:1000]), "content_hash": F.lit(None).cast("string"), **stamp}))
+    # Belt and braces: a row the validation let through without a required value would fail the
+    # bronze write (NOT NULL) on every run; it is quarantined instead, naming the bug.
+    hole = reduce(lambda a, b: a | b, [F.col(r.name).isNull() for r in spec.fields if r.required])
+    stamped = stamped.withColumns({
+        "detail": F.when(F.col("reason").isNull() & hole, F.lit("validation passed a line without a required "
+                                                                 "value (a statetables bug)")).otherwise(F.col("detail")),
+        "reason": F.when(F.col("reason").isNull() & hole, F.lit(UNPROCESSABLE)).otherwise(F.col("reason")),
+    }).persist()
+    valid_ts = F.when(F.col("reason").isNull(), F.col(ts_col))
+    facts = stamped.agg(F.unix_micros(F.min(valid_ts)).alias("lo"), F.unix_micros(F.max(valid_ts)).alias("hi"),
+                        F.count("*").alias("lines"), F.collect_set("source_file").alias("files")).first()
+    # Event times are compared as micros, never as Python datetimes: no year-0 or year-10000 surprises.
+    lo, hi = facts["lo"] or 0, facts["hi"] or 0
+    bronze = spark.read.format("delta").load(settings.bronze_path)
+    quarantine = spark.read.format("delta").load(settings.quarantine_path)
+    done = _already_ingested(bronze, quarantine, spec, facts["files"], F.timestamp_micros(F.lit(lo)),
+                             F.timestamp_micros(F.lit(hi))).withColumn("_done", F.lit(True))
+    marked = stamped.join(done, ["source_file", "line_number"], "left")
+    fresh = marked.where(F.col("_done").isNull()).drop("_done")
+    horizon = _micros(settings.horizon)
+    new, duplicates, conflicts = _classify_duplicates(
+        fresh.where(F.col("reason").isNull()), bronze, spec,
+        F.timestamp_micros(F.lit(lo - horizon)), F.timestamp_micros(F.lit(hi + horizon)))
+    conflicts = conflicts.withColumns({
+        "reason": F.lit("conflicting_duplicate"),
+        "reason_field": F.lit(spec.id_field),
+        "detail": F.concat(F.lit(f"{spec.id_field} "), F.col(spec.id_field),
+                           F.lit(" was already accepted with different content")),
+    })
+    classified = (
+        new.withColumn("outcome", F.lit("accepted"))
+        .unionByName(duplicates.withColumn("outcome", F.lit("duplicates")))
+        .unionByName(conflicts.withColumn("outcome", F.lit("quarantined")))
+        .unionByName(fresh.where(F.col("reason").isNotNull()).withColumn("outcome", F.lit("quarantined")))
+        .unionByName(marked.where(F.col("_done")).drop("_done").withColumn("outcome", F.lit("already_ingested")))
+    )
+    return classified, {"lines": facts["lines"], "files": facts["files"], "_stamped": stamped}
+
+
+def _probe(lines: DataFrame, batch_id: int, settings: IngestSettings, ingested_at: datetime) -> str | None:
+    """Evaluate the batch's classification of `lines` without writing; the error, or None."""
+    classified, facts = _classify(lines, batch_id, settings, ingested_at, None, None)
+    try:
+        classified.write.format("noop").mode("overwrite").save()
+        return None
+    except Exception as exc:  # any evaluation error is what is being looked for
+        return _first_line(exc)
+    finally:
+        facts["_stamped"].unpersist()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return (text.splitlines() or [type(exc).__name__])[0][:1000]
+
+
+def _isolate(lines: DataFrame, batch_id: int, settings: IngestSettings, ingested_at: datetime) -> list[tuple[int, int]]:
+    """The (unit, line_number) of the lines that make the batch fail on their own, by bisection.
+
+    Only lines that fail again when evaluated apart are returned, so a passing fault (a lost executor,
+    a full disk) is never blamed on data: then the list is empty and the batch's error stands. After
+    MAX_ISOLATION_PROBES evaluations, the ranges still failing are returned whole.
+    """
+    spark = lines.sparkSession
+    keys = sorted((r["unit"], r["line_number"]) for r in lines.select("unit", "line_number").collect())
+    schema = "unit bigint, line_number bigint"
+
+    def failing(part: list[tuple[int, int]]) -> bool:
+        subset = lines.join(spark.createDataFrame(part, schema), ["unit", "line_number"], "left_semi")
+        return _probe(subset, batch_id, settings, ingested_at) is not None
+
+    culprits, probes, pending = [], 0, [keys] if keys and failing(keys) else []
+    while pending:
+        part = pending.pop()
+        if len(part) == 1 or probes >= MAX_ISOLATION_PROBES:
+            culprits.extend(part)
+            continue
+        half = len(part) // 2
+        for piece in (part[:half], part[half:]):
+            probes += 1
+            if failing(piece):
+                pending.append(piece)
+    return culprits
+
+
+def ingest_batch(units: DataFrame, batch_id: int, *, settings: IngestSettings) -> None:
+    """foreachBatch body: read the batch's units, validate, dedup, append to quarantine then bronze,
+    both idempotently.
 
     Both appends happen even when empty: each commit records `{"app_id", "batch_id"}` in its
-    userMetadata, which is how the next run checks the checkpoint against the tables.
+    userMetadata, which is how the next run checks the checkpoint against the tables. If the batch
+    fails for a reason tied to its data, the lines that cause it are isolated and quarantined as
+    `unprocessable` (dead letters), and the rest of the batch goes on.
     """
-    spark = files.sparkSession
-    stamped = validate_lines(split_lines(files), spec).withColumns(
-        {"ingest_batch_id": F.lit(batch_id).cast("bigint"), "ingested_at": F.current_timestamp()}
-    ).persist()
-    classified = None
+    # Fixed once per attempt, so a recomputed partition classifies every line the same way.
+    ingested_at = datetime.now(timezone.utc)
+    lines_of_units, vanished = read_units(units, settings.staging_dir)
+    lines = split_lines(lines_of_units)
     try:
-        bronze = spark.read.format("delta").load(bronze_path)
-        quarantine = spark.read.format("delta").load(quarantine_path)
-        ts_col = spec.event_time_field
-        # One pass over the cached batch for everything later steps need to know about it.
-        facts = stamped.agg(F.min(ts_col).alias("lo"), F.max(ts_col).alias("hi"), F.count("*").alias("lines"),
-                            F.collect_set("source_file").alias("files")).first()
-        lo = facts["lo"] or datetime(1970, 1, 1)
-        hi = facts["hi"] or datetime(1970, 1, 1)
-        done = _already_ingested(bronze, quarantine, spec, facts["files"], lo, hi).withColumn("_done", F.lit(True))
-        marked = stamped.join(done, ["source_file", "line_number"], "left")
-        fresh = marked.where(F.col("_done").isNull()).drop("_done")
-        new, duplicates, conflicts = _classify_duplicates(
-            fresh.where(F.col("reason").isNull()), bronze, spec, lo, hi, horizon)
-        conflicts = conflicts.withColumns({
-            "reason": F.lit("conflicting_duplicate"),
-            "reason_field": F.lit(spec.id_field),
-            "detail": F.concat(F.lit(f"{spec.id_field} "), F.col(spec.id_field),
-                               F.lit(" was already accepted with different content")),
-        })
-        # Every line gets exactly one outcome; one cached frame feeds the counts and both writes.
-        classified = (
-            new.withColumn("outcome", F.lit("accepted"))
-            .unionByName(duplicates.withColumn("outcome", F.lit("duplicates")))
-            .unionByName(conflicts.withColumn("outcome", F.lit("quarantined")))
-            .unionByName(fresh.where(F.col("reason").isNotNull()).withColumn("outcome", F.lit("quarantined")))
-            .unionByName(marked.where(F.col("_done")).drop("_done").withColumn("outcome", F.lit("already_ingested")))
-        ).persist()
+        _write_batch(lines, batch_id, settings, ingested_at, vanished, None, None)
+    except (StorageError, ConcurrentWriterError, InjectedFault):
+        raise
+    except Exception as exc:
+        if storage_fault(exc):
+            raise
+        culprits = _isolate(lines, batch_id, settings, ingested_at)
+        if not culprits:
+            raise
+        bad = lines.sparkSession.createDataFrame(culprits, "unit bigint, line_number bigint")
+        _write_batch(lines, batch_id, settings, ingested_at, vanished, bad, _first_line(exc))
+    fault_point(INGEST_BATCH_END)
+
+
+def _write_batch(lines: DataFrame, batch_id: int, settings: IngestSettings, ingested_at: datetime,
+                 vanished: list[str], unprocessable: DataFrame | None, error: str | None) -> None:
+    spec = settings.spec
+    classified, facts = _classify(lines, batch_id, settings, ingested_at, unprocessable, error)
+    classified = classified.persist()
+    try:
         outcomes = {r["outcome"]: r["count"] for r in classified.groupBy("outcome").count().collect()}
-        counts = {"app_id": app_id, "batch_id": batch_id, "files": len(facts["files"]), "lines": facts["lines"],
-                  **{k: outcomes.get(k, 0) for k in OUTCOMES}}
+        counts = {"app_id": settings.app_id, "batch_id": batch_id, "files": len(facts["files"]),
+                  "lines": facts["lines"], **{k: outcomes.get(k, 0) for k in OUTCOMES},
+                  UNPROCESSABLE: classified.where(F.col("reason") == UNPROCESSABLE).count() if error else 0,
+                  "files_vanished": vanished}
         if counts["lines"] != sum(counts[k] for k in OUTCOMES):
             raise AssertionError(f"line accounting broken in batch {batch_id}: {counts}")
         writes = (
             (classified.where(F.col("outcome") == "quarantined").select(*QUARANTINE_SCHEMA.fieldNames()),
-             quarantine_path, INGEST_AFTER_QUARANTINE_COMMIT),
-            (classified.where(F.col("outcome") == "accepted").select(*bronze_schema(spec).fieldNames()), bronze_path,
-             INGEST_AFTER_BRONZE_COMMIT),
+             settings.quarantine_path, INGEST_AFTER_QUARANTINE_COMMIT),
+            (classified.where(F.col("outcome") == "accepted").select(*bronze_schema(spec).fieldNames()),
+             settings.bronze_path, INGEST_AFTER_BRONZE_COMMIT),
         )
         for frame, path, fault in writes:
             retry_on_conflict(
                 lambda: frame.write.format("delta").mode("append")
-                .option("txnAppId", app_id).option("txnVersion", batch_id)
+                .option("txnAppId", settings.app_id).option("txnVersion", batch_id)
                 .option("userMetadata", json.dumps(counts))
                 .save(path),
                 f"append of micro-batch {batch_id} to {path}")
             fault_point(fault)
     finally:
-        if classified is not None:
-            classified.unpersist()
-        stamped.unpersist()
-    fault_point(INGEST_BATCH_END)
+        classified.unpersist()
+        facts["_stamped"].unpersist()
 
 
 def ingest_stream(spark: SparkSession, layout: StorageLayout, spec: StreamSpec, *,
                   max_files_per_trigger: int = DEFAULT_MAX_FILES_PER_TRIGGER,
                   dedup_horizon: timedelta = DEFAULT_DEDUP_HORIZON,
+                  max_ahead: timedelta = DEFAULT_MAX_AHEAD,
                   lock_timeout_s: float = 60.0) -> StreamRunResult:
-    """Ingest every landing file not yet ingested into the stream's bronze and quarantine tables.
+    """Ingest every landing file (and every change to one) not yet ingested into the stream's bronze
+    and quarantine tables.
 
     >>> result = ingest_stream(spark, StorageLayout.under("data"), MOVIE_TICKET_SALES)
     >>> result.commits["bronze"][-1]["user"]["accepted"]
     """
     started = time.monotonic()
     bronze_path, quarantine_path = layout.table(spec.bronze_table), layout.table(spec.quarantine_table)
+    ledger_path, staging_dir = layout.table(spec.files_table), layout.staging(spec.name)
     checkpoint = layout.checkpoint(spec.ingest_query)
     require_writable([layout.locks, bronze_path / "_delta_log", quarantine_path / "_delta_log",
-                      layout.checkpoints_root])
+                      ledger_path / "_delta_log", staging_dir, layout.checkpoints_root])
     with writer_lock(layout.locks, spec.ingest_query, lock_timeout_s), storage_errors():
         ensure_bronze_tables(spark, layout, spec)
         before = {"bronze": table_version(spark, bronze_path), "quarantine": table_version(spark, quarantine_path)}
+        scan = scan_landing(spark, layout.landing(spec.name), ledger_path, staging_dir)
+        record_units(spark, ledger_path, scan.units, max_files_per_trigger)
+        ledger_id = DeltaTable.forPath(spark, str(ledger_path)).detail().select("id").first()[0]
         verdict, moved = checkpoint_for_run(spark, checkpoint, layout.set_aside_checkpoints,
-                                            [quarantine_path, bronze_path])
+                                            [quarantine_path, bronze_path], source_table_id=ledger_id)
         origin, recovery = verdict.origin, None
         if origin is None:
             reason = verdict.problem or "no checkpoint yet"
-            origin = start_checkpoint(checkpoint, spec.ingest_query, reason)
+            origin = start_checkpoint(checkpoint, spec.ingest_query, reason, source_table_id=ledger_id)
             if verdict.problem or moved:
                 recovery = {"problem": reason, "set_aside": str(moved) if moved else None,
                             "action": "new checkpoint: every landing file is read again; lines already in "
                                       "bronze or quarantine are recognised by file and line number and skipped"}
-        on_batch = partial(ingest_batch, spec=spec, bronze_path=str(bronze_path), quarantine_path=str(quarantine_path),
-                           app_id=origin.app_id, horizon=dedup_horizon)
-        batches, rows = run_available_now(
-            read_landing_files(spark, layout.landing(spec.name), max_files_per_trigger),
-            query_name=spec.ingest_query, checkpoint_dir=checkpoint, on_batch=on_batch)
+        settings = IngestSettings(spec=spec, bronze_path=str(bronze_path), quarantine_path=str(quarantine_path),
+                                  staging_dir=staging_dir, app_id=origin.app_id, horizon=dedup_horizon,
+                                  max_ahead=max_ahead)
+        # One ledger commit file per micro-batch, in unit order (record_units writes them that way).
+        units = spark.readStream.format("delta").option("maxFilesPerTrigger", "1").load(str(ledger_path))
+        batches, rows = run_available_now(units, query_name=spec.ingest_query, checkpoint_dir=checkpoint,
+                                          on_batch=partial(ingest_batch, settings=settings))
         return StreamRunResult(
             query_name=spec.ingest_query,
             micro_batches=batches,
@@ -229,4 +384,5 @@ def ingest_stream(spark: SparkSession, layout: StorageLayout, spec: StreamSpec, 
             # The bronze commit's userMetadata carries the batch's line accounting for both tables.
             commits={"bronze": commits_since(spark, bronze_path, before["bronze"])},
             recovery=recovery,
+            changed_files=scan.changed,
         )

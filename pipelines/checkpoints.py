@@ -208,7 +208,11 @@ def verify_checkpoint(spark: SparkSession, checkpoint_dir: Path, written_tables:
             return CheckpointVerdict(None, "the source table was re-created since this checkpoint started")
         if last_offset is not None:
             source_offset = json.loads(offsets[last_offset].read_text().split("\n")[2])
-            if source_offset.get("reservoirId") not in (None, source_table_id):
+            if "reservoirId" not in source_offset:
+                # An ingest checkpoint of the landing folder itself, from before the landing ledger.
+                return CheckpointVerdict(None, "the checkpoint reads another kind of source (an earlier version "
+                                               "of statetables read the landing folder directly)")
+            if source_offset["reservoirId"] != source_table_id:
                 return CheckpointVerdict(None, "the checkpoint reads a different (older) source table")
 
     # Batches below first_batch belong to an earlier app id (a restored savepoint). A rebuilt start

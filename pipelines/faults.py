@@ -8,6 +8,9 @@ point; its text says what happens there:
     kill delay=0.4       arm a timer on the first hit that kills 0.4 s later (lands inside the
                          work that follows: a MERGE, Spark's checkpoint write)
     raise                raise InjectedFault (an ordinary failed run)
+    poison TEXT          (ingest.poison_line only) every input line containing TEXT makes Spark fail
+                         while evaluating it, on every run, as an engine bug tied to data would;
+                         not consumed: the line stays poisonous until it is isolated
 
 The file is deleted when the fault fires, so a fault fires once across processes: the run after
 it (a recovery run, the next chaos round) goes through.
@@ -29,8 +32,9 @@ STATE_MERGE_START = "state.merge_start"  # with delay=: dies inside the MERGE
 STATE_AFTER_MERGE_COMMIT = "state.after_merge_commit"  # MERGE committed, checkpoint not yet
 STATE_BATCH_END = "state.batch_end"
 STATE_AFTER_REBUILD = "state.after_rebuild"  # rebuild committed, new checkpoint not yet written
+INGEST_POISON = "ingest.poison_line"
 POINTS = (INGEST_AFTER_QUARANTINE_COMMIT, INGEST_AFTER_BRONZE_COMMIT, INGEST_BATCH_END, STATE_MERGE_START,
-          STATE_AFTER_MERGE_COMMIT, STATE_BATCH_END, STATE_AFTER_REBUILD)
+          STATE_AFTER_MERGE_COMMIT, STATE_BATCH_END, STATE_AFTER_REBUILD, INGEST_POISON)
 
 
 class InjectedFault(RuntimeError):
@@ -69,6 +73,18 @@ def fault_point(name: str) -> None:
         threading.Timer(delay, kill_process_group).start()
     else:
         kill_process_group()
+
+
+def fault_marker(name: str) -> str | None:
+    """The text an armed `poison` point names, without consuming it (None when not armed)."""
+    folder = os.environ.get(FAULTS_ENV)
+    if not folder:
+        return None
+    try:
+        words = (Path(folder) / name).read_text().split(maxsplit=1)
+    except FileNotFoundError:
+        return None
+    return words[1].strip() if len(words) == 2 and words[0] == "poison" else None
 
 
 def arm(folder: Path, name: str, action: str = "kill", **options: object) -> None:

@@ -1,8 +1,10 @@
 """Where everything lives under the storage root ($STATETABLES_HOME, default ./data).
 
-    landing/<stream>/*.jsonl         input files (written once, `_`/`.` prefix while in flight)
+    landing/<stream>/**/*.jsonl[.gz] input files (written once, `_`/`.` prefix while in flight)
+    staging/<stream>/<unit>.jsonl    safe-named links to landing content (pipelines/source.py)
     tables/<stream>_bronze           accepted events
     tables/<stream>_quarantine       malformed lines and conflicting duplicates, with reasons
+    tables/<stream>_files            the ledger: every unit of landing content, with size, mtime, sha256
     tables/<state table>             movie_tickets_sold, payments_per_customer
     checkpoints/<query name>/        Structured Streaming checkpoints
     checkpoints/_set_aside/          checkpoints found untrusted, kept for inspection
@@ -75,6 +77,10 @@ class StorageLayout:
 
     def landing(self, stream: str) -> Path:
         return self.landing_root / stream
+
+    def staging(self, stream: str) -> Path:
+        """Links under safe names to the landing content of `stream` (pipelines/source.py)."""
+        return self.home / "staging" / stream
 
     def table(self, name: str) -> Path:
         return self.tables_root / name

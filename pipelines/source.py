@@ -1,64 +1,252 @@
-"""Landing files → raw lines with their file, line number and exact bytes.
+"""Landing files → a ledger of the content that arrived → raw lines with file, line number and bytes.
 
-Spark's line reader gives neither line numbers nor a way to tell invalid UTF-8 apart, so each
-file is read whole (`wholetext`) and split here. The split goes through ISO-8859-1, which maps every
-byte to one character and back, so the bytes of each line survive exactly as received.
+Spark's file source cannot be pointed at the landing folder as it is: it reads every name as a
+glob pattern (`[x]`, `{a,b}` and `*` read other files twice), Hadoop rejects names with `:`, it does
+not descend into date folders, and it never looks at a file again once listed (an append or a
+rewrite would be lost without a word). So the landing folder is scanned here, in plain Python:
+
+- every new piece of content becomes a *unit* (a new file, the bytes appended to a file, or the new
+  content of a file rewritten under the same name) with a row in the stream's ledger table
+  `<stream>_files` (size, modification time, sha256, lines) and a symlink under a safe name in
+  `staging/<stream>/`; names are only ever compared, never interpreted;
+- the ingest query streams the ledger (a Delta source, so each unit is planned exactly once per
+  checkpoint) and reads each unit's link by exact path, keeping the unit's byte range only.
+
+A line is identified by its file and line number: appended lines continue the file's numbering; a
+rewritten file's content is version 2, 3, … and its lines are labelled `<path>#v<N>`.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
+from typing import Iterator
 
-from pyspark.sql import Column, DataFrame, SparkSession
+from pyspark.sql import Column, DataFrame, Row, SparkSession
 from pyspark.sql import functions as F
+from pyspark.sql.types import BooleanType, IntegerType, LongType, StringType, StructField, StructType, TimestampType
 
-# Files named `_x` or `.x` are still being written: Spark's file source already skips hidden
-# names like these, and the glob keeps anything that is not a .jsonl file out.
-LANDING_GLOB = "*.jsonl"
+LANDING_SUFFIXES = (".jsonl", ".jsonl.gz")
+IN_FLIGHT_PREFIXES = ("_", ".")  # files (and folders) still being written
+READ_CHUNK = 1 << 20
+
+LEDGER_SCHEMA = StructType([
+    StructField("unit", LongType(), nullable=False),
+    StructField("source_file", StringType(), nullable=False),  # the landing file's real path
+    StructField("file_version", IntegerType(), nullable=False),  # 1, then +1 per rewrite
+    StructField("change", StringType(), nullable=False),  # new | appended | rewritten | touched
+    StructField("staged_name", StringType()),  # link under staging/<stream>/; NULL: nothing to read
+    StructField("compressed", BooleanType(), nullable=False),
+    StructField("byte_offset", LongType(), nullable=False),  # the unit's bytes in the file
+    StructField("byte_length", LongType(), nullable=False),
+    StructField("first_line", LongType(), nullable=False),  # line number of the unit's first line
+    StructField("file_size", LongType(), nullable=False),  # the whole file when scanned
+    StructField("file_mtime_ns", LongType(), nullable=False),
+    StructField("file_modified_at", TimestampType(), nullable=False),
+    StructField("sha256", StringType(), nullable=False),  # of the whole file when scanned
+    StructField("newlines", LongType()),  # '\n' bytes in the whole file (NULL for gzip)
+    StructField("ends_with_newline", BooleanType()),
+    StructField("scanned_at", TimestampType(), nullable=False),
+])
 
 
-def read_landing_files(spark: SparkSession, landing_dir: Path, max_files_per_trigger: int) -> DataFrame:
-    """A streaming DataFrame with one row per landing file: its text, path and modification time."""
-    landing_dir.mkdir(parents=True, exist_ok=True)
-    return (
-        spark.readStream.format("text")
-        .option("wholetext", "true")
-        .option("pathGlobFilter", LANDING_GLOB)
-        .option("maxFilesPerTrigger", str(max_files_per_trigger))
-        .load(str(landing_dir))
-        .select(
-            F.col("value").cast("binary").alias("content"),
-            F.col("_metadata.file_path").alias("source_file"),
-            F.col("_metadata.file_modification_time").alias("file_modified_at"),
-        )
+def is_landing_name(name: str) -> bool:
+    return name.endswith(LANDING_SUFFIXES) and not name.startswith(IN_FLIGHT_PREFIXES)
+
+
+def landing_files(folder: Path) -> Iterator[Path]:
+    """Every landing file below `folder`, at any depth; in-flight names and folders are skipped."""
+    for root, dirs, files in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if not d.startswith(IN_FLIGHT_PREFIXES))
+        for name in sorted(files):
+            path = Path(root) / name
+            if is_landing_name(name) and path.is_file():
+                yield path
+
+
+def file_label(source_file: str, version: int) -> str:
+    """How lines of a file are labelled in bronze and quarantine: the real path, `#v<N>` after a rewrite."""
+    return source_file if version == 1 else f"{source_file}#v{version}"
+
+
+@dataclass
+class ScanResult:
+    units: list[dict]  # new ledger rows, in arrival order
+    changed: list[dict]  # {"file", "change", "version"} for files appended to or rewritten after ingestion
+
+    @property
+    def files(self) -> int:
+        return len({u["source_file"] for u in self.units if u["change"] != "touched"})
+
+
+def _digest(path: Path, prefix: int | None) -> tuple[str, str | None, int, bool]:
+    """(sha256 of the file, sha256 of its first `prefix` bytes, newlines, ends with a newline)."""
+    whole, head, newlines, last = hashlib.sha256(), None, 0, b""
+    read = 0
+    with open(path, "rb") as handle:
+        while chunk := handle.read(READ_CHUNK):
+            if prefix is not None and head is None and read + len(chunk) >= prefix:
+                cut = prefix - read
+                whole.update(chunk[:cut])
+                head = whole.copy()
+                whole.update(chunk[cut:])
+            else:
+                whole.update(chunk)
+            newlines += chunk.count(b"\n")
+            last = chunk[-1:]
+            read += len(chunk)
+    if prefix == 0:
+        head = hashlib.sha256()
+    return whole.hexdigest(), head.hexdigest() if head else None, newlines, last == b"\n"
+
+
+def _latest_units(spark: SparkSession, ledger_path: Path) -> tuple[dict[str, Row], int]:
+    """The newest ledger row of every file, and the next unit number."""
+    ledger = spark.read.format("delta").load(str(ledger_path))
+    newest = ledger.groupBy("source_file").agg(F.max_by(F.struct(*ledger.columns), "unit").alias("u")).select("u.*")
+    rows = newest.collect()
+    return {r["source_file"]: r for r in rows}, max((r["unit"] for r in rows), default=-1) + 1
+
+
+def scan_landing(spark: SparkSession, landing_dir: Path, ledger_path: Path, staging_dir: Path) -> ScanResult:
+    """Find the content that arrived since the last scan, link it under staging names; returns the new
+    ledger rows (not yet committed: `record_units` does that, after the links exist).
+
+    Files are taken in arrival order (modification time, then path); a file whose size and
+    modification time are unchanged is not read again.
+    """
+    latest, next_unit = _latest_units(spark, ledger_path)
+    found = []
+    for path in landing_files(landing_dir):
+        try:
+            stat = path.stat()
+        except FileNotFoundError:  # renamed or deleted while scanning: the next scan sees it
+            continue
+        found.append((stat.st_mtime_ns, str(path), stat.st_size))
+    found.sort()
+    staging_dir.mkdir(parents=True, exist_ok=True)
+    units, changed = [], []
+    scanned_at = time.time()
+    for mtime_ns, name, size in found:
+        before = latest.get(name)
+        if before is not None and (before["file_size"], before["file_mtime_ns"]) == (size, mtime_ns):
+            continue
+        compressed = name.endswith(".gz")
+        prefix = before["file_size"] if before is not None and size >= before["file_size"] else None
+        try:
+            sha, head, newlines, ends_nl = _digest(Path(name), prefix)
+        except FileNotFoundError:
+            continue
+        version, offset, first_line, change = 1, 0, 1, "new"
+        if before is not None:
+            version = before["file_version"]
+            if size == before["file_size"] and sha == before["sha256"]:
+                change = "touched"  # same content, new modification time: nothing to read
+                offset, first_line = size, (before["newlines"] or 0) + 1
+            elif (not compressed and head == before["sha256"] and before["ends_with_newline"]):
+                change, offset, first_line = "appended", before["file_size"], before["newlines"] + 1
+            else:
+                change, version = "rewritten", version + 1
+            if change != "touched":
+                changed.append({"file": name, "change": change, "version": version})
+        length = size - offset
+        staged = None
+        if length > 0:
+            staged = f"{next_unit:012d}{'.jsonl.gz' if compressed else '.jsonl'}"
+            # A symlink is created whole under its final name; a leftover of a scan that died before
+            # its ledger commit carries the same unit number and is replaced.
+            tmp = staging_dir / f".{staged}.{os.getpid()}"
+            tmp.unlink(missing_ok=True)
+            os.symlink(name, tmp)
+            os.replace(tmp, staging_dir / staged)
+        units.append({
+            "unit": next_unit, "source_file": name, "file_version": version, "change": change,
+            "staged_name": staged, "compressed": compressed, "byte_offset": offset, "byte_length": length,
+            "first_line": first_line, "file_size": size, "file_mtime_ns": mtime_ns,
+            "file_modified_at": _utc(mtime_ns / 1e9), "sha256": sha,
+            "newlines": None if compressed else newlines, "ends_with_newline": None if compressed else ends_nl,
+            "scanned_at": _utc(scanned_at),
+        })
+        next_unit += 1
+    return ScanResult(units, changed)
+
+
+def _utc(seconds: float) -> datetime:
+    return datetime.fromtimestamp(seconds, tz=timezone.utc)
+
+
+def record_units(spark: SparkSession, ledger_path: Path, units: list[dict], per_commit: int) -> None:
+    """Append the scanned units to the ledger, `per_commit` units per commit: the ingest query's
+    Delta source then plans at most one commit's file per micro-batch, in unit order."""
+    for start in range(0, len(units), per_commit):
+        chunk = units[start:start + per_commit]
+        spark.createDataFrame([tuple(u[f] for f in LEDGER_SCHEMA.fieldNames()) for u in chunk], LEDGER_SCHEMA) \
+            .coalesce(1).write.format("delta").mode("append").save(str(ledger_path))
+
+
+def read_units(units: DataFrame, staging_dir: Path) -> tuple[DataFrame, list[str]]:
+    """The content of a micro-batch's units, one row per unit: unit, source_file (label),
+    file_modified_at, first_line, content (the unit's bytes). Also the files that vanished before
+    they could be read (deleted from landing before ingestion).
+
+    Each link is read by its exact, safe path; `byte_offset`/`byte_length` keep only the unit's bytes
+    (gzip files are always whole units, Spark decompresses them by their `.gz` name).
+    """
+    spark = units.sparkSession
+    wanted = units.where(F.col("staged_name").isNotNull()).select("unit", "source_file", "staged_name").collect()
+    present = [r for r in wanted if (staging_dir / r["staged_name"]).exists()]  # follows the link
+    vanished = sorted({r["source_file"] for r in wanted if r not in present})
+    schema = "unit bigint, source_file string, file_modified_at timestamp, first_line bigint, content binary"
+    if not present:
+        return spark.createDataFrame([], schema), vanished
+    texts = (
+        spark.read.format("text").option("wholetext", "true").option("ignoreMissingFiles", "true")
+        .load([str(staging_dir / r["staged_name"]) for r in present])
+        .select(F.col("value").cast("binary").alias("_content"), F.col("_metadata.file_name").alias("staged_name"))
     )
+    whole = F.col("compressed") | ((F.col("byte_offset") == 0) & (F.length("_content") == F.col("byte_length")))
+    content = F.when(whole, F.col("_content")).otherwise(
+        F.substring(F.col("_content"), (F.col("byte_offset") + 1).cast("int"), F.col("byte_length").cast("int")))
+    label = F.when(F.col("file_version") == 1, F.col("source_file")).otherwise(
+        F.concat(F.col("source_file"), F.lit("#v"), F.col("file_version").cast("string")))
+    return (
+        units.join(texts, "staged_name")
+        .select("unit", label.alias("source_file"), "file_modified_at", "first_line", content.alias("content"))
+    ), vanished
 
 
-def split_lines(files: DataFrame) -> DataFrame:
-    """One row per input line: source_file, file_modified_at, line_number (1-based), raw_bytes.
+def split_lines(units: DataFrame) -> DataFrame:
+    """One row per input line: unit, source_file, file_modified_at, line_number, raw_bytes.
 
-    The newline that ends a file is a terminator, not an empty last line; any other empty line is
-    a line (and will be quarantined as not JSON).
+    The split goes through ISO-8859-1, which maps every byte to one character and back, so the bytes
+    of each line survive exactly as received. The newline that ends a unit is a terminator, not an
+    empty last line; any other empty line is a line (and will be quarantined as not JSON).
     """
     # The array is built (and counted) below the explode, so each output row does not drag the
     # whole file along with it: Spark copies every column an explode's parent still needs per row.
-    arrays = files.select(
-        "source_file",
-        "file_modified_at",
+    arrays = units.select(
+        "unit", "source_file", "file_modified_at", "first_line",
         F.split(F.decode("content", "ISO-8859-1"), "\n", -1).alias("_lines"),
     ).withColumn("_line_count", F.size("_lines"))
     exploded = arrays.select(
-        "source_file", "file_modified_at", "_line_count", F.posexplode("_lines").alias("_pos", "_latin1")
+        "unit", "source_file", "file_modified_at", "first_line", "_line_count",
+        F.posexplode("_lines").alias("_pos", "_latin1"),
     )
     is_final_terminator = (F.col("_pos") == F.col("_line_count") - 1) & (F.col("_latin1") == "")
     return exploded.where(~is_final_terminator).select(
+        "unit",
         "source_file",
         "file_modified_at",
-        (F.col("_pos") + 1).cast("bigint").alias("line_number"),
+        (F.col("first_line") + F.col("_pos")).cast("bigint").alias("line_number"),
         F.encode("_latin1", "ISO-8859-1").alias("raw_bytes"),
     )
 
 
 def arrival_order() -> list[Column]:
-    """The order lines arrived in: file modification time, then file name, then line."""
-    return [F.col("file_modified_at"), F.col("source_file"), F.col("line_number")]
+    """The order lines arrived in: the ledger's unit order (scan order: modification time, then path), then line."""
+    return [F.col("unit"), F.col("line_number")]
+

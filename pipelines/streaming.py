@@ -48,6 +48,8 @@ class StreamRunResult:
     commits: dict[str, list[dict]] = field(default_factory=dict)
     # Set when the checkpoint was not trusted: {"problem", "set_aside", "action"}.
     recovery: dict | None = None
+    # Landing files appended to or rewritten after they were ingested: {"file", "change", "version"}.
+    changed_files: list[dict] = field(default_factory=list)
 
 
 @contextmanager
@@ -169,6 +171,12 @@ def require_writable(folders: list[Path]) -> None:
             raise StorageError(_storage_message(folder, exc.strerror or str(exc))) from exc
 
 
+def storage_fault(exc: BaseException) -> str | None:
+    """The storage cause named in an error (read-only, full, permissions), if it is one."""
+    text = str(exc)
+    return next((fault for fault in _STORAGE_FAULTS if fault in text), None)
+
+
 @contextmanager
 def storage_errors() -> Iterator[None]:
     """Turn an I/O failure deep inside Spark or Delta into a StorageError that says what to do."""
@@ -176,7 +184,7 @@ def storage_errors() -> Iterator[None]:
         yield
     except Exception as exc:  # Spark surfaces Java IOExceptions as several Python exception types
         text = str(exc)
-        cause = next((fault for fault in _STORAGE_FAULTS if fault in text), None)
+        cause = storage_fault(exc)
         if cause is None:
             raise
         path = next((word for word in text.split() if word.startswith(("/", "file:"))), "the storage root")

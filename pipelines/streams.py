@@ -56,6 +56,11 @@ class StreamSpec:
         return f"{self.name}_quarantine"
 
     @property
+    def files_table(self) -> str:
+        """The ledger of landing content (pipelines/source.py)."""
+        return f"{self.name}_files"
+
+    @property
     def ingest_query(self) -> str:
         return f"{self.name}_ingest"
 

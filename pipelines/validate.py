@@ -12,27 +12,70 @@ and, decided later against bronze, conflicting_duplicate.
 
 from __future__ import annotations
 
+from datetime import datetime, timedelta, timezone
+
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
 from pipelines.streams import FieldRule, StreamSpec
 
 VALUE_TYPE = "decimal(18,2)"
-# Wide enough to see a third decimal or a value beyond DECIMAL(18,2) before rounding hides it.
-WIDE_DECIMAL = "decimal(38,18)"
-MAX_VALUE = "9999999999999999.99"
 NUMERIC_JSON_TYPES = ("BIGINT", "INT", "SMALLINT", "TINYINT", "DOUBLE", "FLOAT")
-# ISO-8601 date-time with an explicit offset or Z; Spark's cast alone also accepts local times.
+# Contract: event time lies between the epoch and one day (configurable) after ingestion. An event from
+# the far past or the future would push watermarks and dedup horizons away from every real event.
+EARLIEST_EVENT_TIME = datetime(1970, 1, 1, tzinfo=timezone.utc)
+DEFAULT_MAX_AHEAD = timedelta(days=1)
+# What "trimmed" removes: JSON's own whitespace, both ends (Spark's trim() alone removes only spaces).
+TRIMMED = " \t\n\r"
+# A numeric string: sign, digits with an optional point, optional exponent. ASCII digits only.
+NUMBER_TEXT = r"^([+-]?)([0-9]*)(?:\.([0-9]*))?(?:[eE]([+-]?[0-9]+))?$"
+MAX_INTEGER_DIGITS = 16  # DECIMAL(18,2): |value| <= 9999999999999999.99
+MAX_DECIMALS = 2
 END_OF_LINE = "statetables:end-of-line"
-ISO_TIMESTAMP = r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}(:\d{2}(\.\d{1,6})?)?(Z|[+-]\d{2}:?\d{2})$"
+# ISO-8601 date-time with an explicit offset or Z; Spark's cast alone also accepts local times.
+ISO_TIMESTAMP = r"^[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}(:[0-9]{2}(\.[0-9]{1,6})?)?(Z|[+-][0-9]{2}:?[0-9]{2})$"
+
+
+def trimmed(text: Column) -> Column:
+    return F.trim(text, F.lit(TRIMMED))
 
 
 def _json_type(doc: Column, name: str) -> Column:
     return F.schema_of_variant(F.variant_get(doc, f"$.{name}", "variant"))
 
 
-def _field_checks(doc: Column, rule: FieldRule) -> tuple[list[tuple[Column, str, Column]], Column]:
-    """(condition, reason, detail) triples in the order they are tested, and the typed value."""
+def _decimal_text_facts(text: Column) -> tuple[Column, Column, Column, Column, Column]:
+    """(is a number, negative and not zero, more than 16 integer digits, more than 2 decimals, zero).
+
+    Decided on the digits of the text, exactly, with no cast that could overflow: a value
+    d1..dn x 10^k (trailing zeros folded into k) has n + k integer digits and max(0, -k) decimals.
+    """
+    part = lambda i: F.regexp_extract(text, NUMBER_TEXT, i)  # noqa: E731
+    is_number = text.rlike(NUMBER_TEXT) & ((F.length(part(2)) + F.length(part(3))) > 0)
+    digits = F.concat(part(2), part(3))
+    without_trailing = F.regexp_replace(digits, "0+$", "")
+    significant = F.length(F.regexp_replace(without_trailing, "^0+", ""))
+    is_zero = significant == 0
+    exponent_text = part(4)
+    # Up to 9 exponent digits fit a BIGINT sum below; longer exponents are "enormous" either way.
+    exponent = F.when(exponent_text == "", F.lit(0)).otherwise(
+        F.when(F.length(F.regexp_replace(exponent_text, "^[+-]?0*", "")) <= 9, exponent_text.try_cast("bigint")))
+    enormous = exponent.isNull()
+    k = exponent - F.length(part(3)) + (F.length(digits) - F.length(without_trailing))
+    negative = ~is_zero & (part(1) == "-")
+    too_big = ~is_zero & F.when(enormous, ~exponent_text.startswith("-")).otherwise(
+        significant + k > MAX_INTEGER_DIGITS)
+    too_precise = ~is_zero & F.when(enormous, exponent_text.startswith("-")).otherwise(-k > MAX_DECIMALS)
+    return is_number, negative, too_big, too_precise, is_zero
+
+
+def _field_checks(doc: Column, rule: FieldRule, ingested_at: Column,
+                  max_ahead: timedelta) -> tuple[list[tuple[Column, str, Column]], Column]:
+    """(condition, reason, detail) triples in the order they are tested, and the typed value.
+
+    Nothing here may throw on any input (a throw would stop the stream on every run): only try_*
+    casts and text arithmetic; the typed value is produced only where every check passed.
+    """
     path = f"$.{rule.name}"
     json_type = _json_type(doc, rule.name)
     missing = F.variant_get(doc, path, "variant").isNull() | (json_type == "VOID")
@@ -43,32 +86,35 @@ def _field_checks(doc: Column, rule: FieldRule) -> tuple[list[tuple[Column, str,
     present = ~missing
 
     if rule.kind == "string":
-        value = F.trim(as_string) if rule.trim else as_string
+        value = trimmed(as_string) if rule.trim else as_string
         checks.append((present & (json_type != "STRING"),
                        "wrong_type", F.concat(F.lit(f"{rule.name} must be a JSON string, got "), json_type)))
-        checks.append((present & (F.trim(as_string) == ""), "empty_field", F.lit(f"{rule.name} is empty")))
+        checks.append((present & (trimmed(as_string) == ""), "empty_field", F.lit(f"{rule.name} is empty")))
         if rule.max_length:
             checks.append((present & (F.char_length(value) > rule.max_length), "too_long",
                            F.lit(f"{rule.name} is longer than {rule.max_length} characters")))
         return checks, F.when(present, value)
 
     if rule.kind == "decimal":
-        numeric_type = json_type.isin(*NUMERIC_JSON_TYPES) | json_type.startswith("DECIMAL")
-        number = F.try_variant_get(doc, path, WIDE_DECIMAL)
+        # A JSON number's text as Spark's parser kept it: exact for plain literals of up to 38 digits,
+        # an IEEE double (e.g. "1.0E30", "Infinity") for exponents and longer literals.
         is_string = json_type == "STRING"
+        numeric_type = json_type.isin(*NUMERIC_JSON_TYPES) | json_type.startswith("DECIMAL")
+        text = trimmed(as_string)
+        is_number, negative, too_big, too_precise, is_zero = _decimal_text_facts(text)
         checks.append((present & ~numeric_type & ~is_string, "wrong_type",
                        F.concat(F.lit(f"{rule.name} must be a JSON number or numeric string, got "), json_type)))
-        checks.append((present & is_string & (F.trim(as_string) == ""), "empty_field", F.lit(f"{rule.name} is empty")))
-        checks.append((present & is_string & number.isNull(), "wrong_type",
+        checks.append((present & is_string & (text == ""), "empty_field", F.lit(f"{rule.name} is empty")))
+        checks.append((present & is_string & ~is_number, "wrong_type",
                        F.lit(f"{rule.name} is a string that is not a number")))
-        below = number < F.lit(rule.min_value).cast(WIDE_DECIMAL) if rule.min_inclusive \
-            else number <= F.lit(rule.min_value).cast(WIDE_DECIMAL)
+        below = negative if rule.min_inclusive else (negative | is_zero)
         bound = ">=" if rule.min_inclusive else ">"
-        checks.append((present & (below | (F.abs(number) > F.lit(MAX_VALUE).cast(WIDE_DECIMAL))),
-                       "out_of_range", F.lit(f"{rule.name} must be {bound} {rule.min_value} and fit DECIMAL(18,2)")))
-        checks.append((present & (number != F.round(number, 2)), "too_many_decimals",
-                       F.lit(f"{rule.name} has more than 2 decimals")))
-        return checks, F.when(present, number.cast(VALUE_TYPE))
+        checks.append((present & (~is_number | below | too_big), "out_of_range",
+                       F.lit(f"{rule.name} must be {bound} {rule.min_value} and at most 9999999999999999.99")))
+        checks.append((present & too_precise, "too_many_decimals",
+                       F.lit(f"{rule.name} has more than {MAX_DECIMALS} decimals")))
+        valid = is_number & ~below & ~too_big & ~too_precise
+        return checks, F.when(present & valid, text.try_cast(VALUE_TYPE))
 
     # timestamp
     parsed = as_string.try_cast("timestamp")
@@ -76,14 +122,34 @@ def _field_checks(doc: Column, rule: FieldRule) -> tuple[list[tuple[Column, str,
                    F.concat(F.lit(f"{rule.name} must be an ISO-8601 string, got "), json_type)))
     checks.append((present & (~as_string.rlike(ISO_TIMESTAMP) | parsed.isNull()), "invalid_timestamp",
                    F.lit(f"{rule.name} is not an ISO-8601 timestamp with offset or Z")))
+    latest = ingested_at + F.make_dt_interval(secs=F.lit(max_ahead.total_seconds()))
+    checks.append((present & ((parsed < F.lit(EARLIEST_EVENT_TIME)) | (parsed > latest)), "out_of_range",
+                   F.lit(f"{rule.name} must lie between 1970-01-01T00:00:00Z and "
+                         f"{max_ahead.total_seconds() / 3600:g} h after ingestion")))
     return checks, F.when(present, parsed)
 
 
-def validate_lines(lines: DataFrame, spec: StreamSpec) -> DataFrame:
+def content_identity(spec: StreamSpec) -> Column:
+    """The identity of an event's content for duplicate detection: the contract fields, normalised
+    (trimmed strings, DECIMAL(18,2), event time as UTC micros), so re-serialisation does not matter.
+
+    JSON of a struct is unambiguous (quoting, and a missing field is absent rather than a marker
+    value), so two contents share a hash only if they are equal. Computed from typed columns, it
+    reads bronze rows written by any earlier version the same way.
+    """
+    parts = [(F.unix_micros(F.col(f)) if f == spec.event_time_field else F.col(f)).alias(f) for f in spec.field_names]
+    return F.sha2(F.to_json(F.struct(*parts)), 256)
+
+
+def validate_lines(lines: DataFrame, spec: StreamSpec, *, ingested_at: datetime,
+                   max_ahead: timedelta = DEFAULT_MAX_AHEAD) -> DataFrame:
     """Add the stream's typed fields, `reason`/`reason_field`/`detail` (NULL when valid),
     `raw_line` (the line as text), `record_id` (id when readable) and `content_hash`.
 
-    >>> validated = validate_lines(split_lines(files), MOVIE_TICKET_SALES)
+    `ingested_at` is the batch's ingestion time, fixed on the driver so that a recomputed
+    partition classifies every line the same way.
+
+    >>> validated = validate_lines(split_lines(files), MOVIE_TICKET_SALES, ingested_at=now)
     >>> accepted = validated.where("reason IS NULL")
     """
     text = F.col("raw_bytes").cast("string")
@@ -104,7 +170,7 @@ def validate_lines(lines: DataFrame, spec: StreamSpec) -> DataFrame:
     ]
     typed: dict[str, Column] = {}
     for rule in spec.fields:
-        checks, value = _field_checks(F.col("_doc"), rule)
+        checks, value = _field_checks(F.col("_doc"), rule, F.lit(ingested_at), max_ahead)
         ordered.extend((cond, reason, rule.name, detail) for cond, reason, detail in checks)
         typed[rule.name] = value
 
@@ -121,18 +187,14 @@ def validate_lines(lines: DataFrame, spec: StreamSpec) -> DataFrame:
         verdict.alias("_verdict"),
     )
     id_col = spec.id_field
-    ts_col = spec.event_time_field
-    # Identity of an event's content for duplicate detection: the contract fields, normalised
-    # (trimmed strings, DECIMAL(18,2), event time in UTC micros), so re-serialisation does not matter.
-    hash_parts = [F.coalesce(F.col(f).cast("string"), F.lit("\u0000")) for f in spec.field_names if f != ts_col]
-    hash_parts.append(F.coalesce(F.unix_micros(F.col(ts_col)).cast("string"), F.lit("\u0000")))
+    typed_only = F.col("_verdict").isNull()
     return checked.select(
         *lines.columns,
         F.make_valid_utf8(text).alias("raw_line"),
         F.try_variant_get(F.col("_doc"), f"$.{id_col}", "string").alias("record_id"),
-        *spec.field_names,
+        *[F.when(typed_only, F.col(name)).alias(name) for name in spec.field_names],
         F.col("_verdict.reason").alias("reason"),
         F.col("_verdict.reason_field").alias("reason_field"),
         F.col("_verdict.detail").alias("detail"),
-        F.sha2(F.concat_ws("\u0001", *hash_parts), 256).alias("content_hash"),
+        F.when(typed_only, content_identity(spec)).alias("content_hash"),
     )
