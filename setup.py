@@ -14,6 +14,6 @@ setup(
         "dagster-webserver==1.13.27",
         "dagster-pyspark==0.29.27",
     ],
-    extras_require={"test": ["pytest==9.2.0", "deltalake==1.6.6", "pyarrow==22.0.0"]},
+    extras_require={"test": ["pytest==9.2.0", "deltalake==1.6.6", "pyarrow==22.0.0", "hypothesis==6.170.15"]},
     entry_points={"console_scripts": ["statetables=statetables.cli:main"]},
 )

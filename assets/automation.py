@@ -8,7 +8,6 @@
 
 
 import json
-import os
 import re
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from assets.keys import (
     ADVANCE_ALL_JOB, MAX_RECOVERY_ATTEMPTS, RECOVERY_ATTEMPT_TAG, RECOVERY_OF_TAG, RECOVERY_REASON_TAG, STREAM_TAG,
     stream_job_name, stream_of_step,
 )
-from pipelines.source import LANDING_GLOB
+from pipelines.source import landing_files
 from pipelines.streams import STREAMS, StreamSpec
 from resources import StorageResource
 
@@ -39,16 +38,14 @@ every_five_minutes = dg.ScheduleDefinition(
 
 
 def _newest_landing_file(folder: Path) -> tuple[int, str] | None:
-    """(mtime_ns, name) of the newest complete landing file, ignoring in-flight `_x`/`.x` names."""
-    if not folder.is_dir():
-        return None
+    """(mtime_ns, path) of the newest complete landing file at any depth (an append makes a file newer)."""
     newest = None
-    with os.scandir(folder) as entries:
-        for entry in entries:
-            if entry.name.startswith(("_", ".")) or not Path(entry.name).match(LANDING_GLOB) or not entry.is_file():
-                continue
-            key = (entry.stat().st_mtime_ns, entry.name)
-            newest = key if newest is None or key > newest else newest
+    for path in landing_files(folder):
+        try:
+            key = (path.stat().st_mtime_ns, str(path))
+        except FileNotFoundError:
+            continue
+        newest = key if newest is None or key > newest else newest
     return newest
 
 

@@ -41,6 +41,10 @@ def stream_job_name(spec: StreamSpec) -> str:
     return f"advance_{spec.name}"
 
 
+def job_names() -> list[str]:
+    return [ADVANCE_ALL_JOB, *(stream_job_name(spec) for spec in STREAMS.values())]
+
+
 def ingest_op_name(spec: StreamSpec) -> str:
     return spec.ingest_query
 

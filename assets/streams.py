@@ -25,6 +25,8 @@ TOP_ROWS = 10
 
 class IngestConfig(dg.Config):
     dedup_horizon_days: float = Field(default=7.0, description="How far apart in event time a re-delivery is still recognised.")
+    event_time_max_ahead_hours: float = Field(default=24.0, description=(
+        "How far after its ingestion an event's time may lie; later ones are quarantined as out_of_range."))
     max_files_per_trigger: int = Field(default=DEFAULT_MAX_FILES_PER_TRIGGER, description="Landing files per micro-batch.")
     lock_timeout_s: float = Field(default=60.0, description="How long to wait for the stream's writer lock.")
     quarantine_warn_rate: float = Field(default=0.05, description="Share of quarantined lines in a run that warns.")
@@ -71,8 +73,15 @@ def build_stream_assets(spec: StreamSpec) -> list:
                 f"number, a machine-readable `reason` (+ `reason_field`, `detail`). Conflicting re-uses of an "
                 f"accepted `{spec.id_field}` land here as `conflicting_duplicate`. Nothing is dropped.")),
         ],
-        check_specs=[dg.AssetCheckSpec("quarantine_rate", asset=quarantine, description=(
-            "Warns when the share of quarantined lines in this run passes `quarantine_warn_rate`."))],
+        check_specs=[
+            dg.AssetCheckSpec("quarantine_rate", asset=quarantine, description=(
+                "Warns when the share of quarantined lines in this run passes `quarantine_warn_rate`.")),
+            dg.AssetCheckSpec("landing_files_written_once", asset=bronze, description=(
+                "Warns, naming the files, when a landing file changed after it was ingested (appended to, or "
+                "rewritten under the same name) or vanished before it could be read. Appended lines are "
+                "ingested; a rewritten file's content is ingested as its next version, re-deliveries in it "
+                "counted once. See docs/recovery.md, 'Landing files that change'.")),
+        ],
         pool=pool(spec),
     )
     def ingest(context: dg.AssetExecutionContext, config: IngestConfig, spark: SparkSessionResource,
@@ -81,17 +90,26 @@ def build_stream_assets(spec: StreamSpec) -> list:
         result = ingest_stream(session, storage.layout(), spec,
                                max_files_per_trigger=config.max_files_per_trigger,
                                dedup_horizon=timedelta(days=config.dedup_horizon_days),
+                               max_ahead=timedelta(hours=config.event_time_max_ahead_hours),
                                lock_timeout_s=config.lock_timeout_s)
         counts = {k: sum(c["user"].get(k, 0) for c in result.commits["bronze"])
-                  for k in ("files", "lines", "accepted", "quarantined", "duplicates", "already_ingested")}
+                  for k in ("files", "lines", "accepted", "quarantined", "duplicates", "already_ingested",
+                            "unprocessable")}
+        vanished = sorted({f for c in result.commits["bronze"] for f in c["user"].get("files_vanished", [])})
         common = {"micro_batches": len([c for c in result.commits["bronze"] if "batch_id" in c["user"]]),
                   "files_read": counts["files"], "lines_read": counts["lines"],
                   "duration_s": round(result.duration_s, 2),
                   "source": dg.MetadataValue.path(str(storage.layout().landing(spec.name))),
                   **_recovery(result)}
+        changed = [{"file": c["file"], "change": c["change"], "version": c["version"]} for c in result.changed_files]
+        changed_md = dg.MetadataValue.md(
+            "| file | change | version |\n|---|---|---|\n"
+            + "".join(f"| {c['file']} | {c['change']} | {c['version']} |\n" for c in changed)
+            + "".join(f"| {f} | vanished before it was read | |\n" for f in vanished))
         yield dg.MaterializeResult(asset_key=bronze, metadata={
             **common, "rows_accepted": counts["accepted"], "duplicates_recognised": counts["duplicates"],
-            "lines_already_ingested": counts["already_ingested"], **_versions(result, "bronze")})
+            "lines_already_ingested": counts["already_ingested"], "files_changed_after_ingestion": len(changed),
+            "files_vanished": len(vanished), "changed_files": changed_md, **_versions(result, "bronze")})
         versions = result.versions["quarantine"]
         written = (session.read.format("delta").option("readChangeFeed", "true")
                    .option("startingVersion", (versions.before or 0) + 1).option("endingVersion", versions.after)
@@ -100,8 +118,14 @@ def build_stream_assets(spec: StreamSpec) -> list:
         reasons = (written.groupBy("reason", "reason_field").count().orderBy(F.desc("count")) if written is not None
                    else session.createDataFrame([], "reason string, reason_field string, count long"))
         yield dg.MaterializeResult(asset_key=quarantine, metadata={
-            **common, "rows_quarantined": counts["quarantined"], "reasons": markdown_table(reasons, 20),
+            **common, "rows_quarantined": counts["quarantined"], "rows_unprocessable": counts["unprocessable"],
+            "reasons": markdown_table(reasons, 20),
             **_versions(result, "quarantine")})
+        yield dg.AssetCheckResult(
+            check_name="landing_files_written_once", asset_key=bronze, passed=not changed and not vanished,
+            severity=dg.AssetCheckSeverity.WARN,
+            metadata={"files_changed_after_ingestion": len(changed), "files_vanished": len(vanished),
+                      "files": changed_md})
         rate = counts["quarantined"] / counts["lines"] if counts["lines"] else 0.0
         yield dg.AssetCheckResult(
             check_name="quarantine_rate", asset_key=quarantine, passed=rate <= config.quarantine_warn_rate,

@@ -29,6 +29,29 @@ def _inside(root: Path, path: Path) -> bool:
     return path == root or root in path.parents
 
 
+# Spark and Hadoop read these in a path as a URI scheme (`:`) or a glob pattern; tables and checkpoints
+# live under the root, so it must not hold them (landing file names may: they are staged, see source.py).
+UNSAFE_ROOT_CHARACTERS = ":[]{}*?"
+
+
+def _require_usable_root(root: Path) -> None:
+    """Fail before anything is created if the storage root can never work."""
+    bad = sorted({c for c in str(root) if c in UNSAFE_ROOT_CHARACTERS})
+    if bad:
+        raise ConfigurationError(
+            f"The storage root {root} contains {' '.join(bad)}, which Spark and Hadoop paths cannot hold. "
+            f"Fix: set {HOME_ENV} to a folder whose path has none of {UNSAFE_ROOT_CHARACTERS}."
+        )
+    existing = root
+    while not existing.exists() and existing.parent != existing:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigurationError(
+            f"The storage root {root} cannot be a folder: {existing} is a file. "
+            f"Fix: set {HOME_ENV} to a folder (it is created if missing), e.g. {HOME_ENV}=./data."
+        )
+
+
 @dataclass(frozen=True)
 class StorageLayout:
     """Absolute paths of every folder the project reads or writes.
@@ -58,6 +81,7 @@ class StorageLayout:
         everything the project writes lives under one root that can be backed up or wiped.
         """
         root = Path(home or os.environ.get(HOME_ENV) or DEFAULT_HOME).expanduser().resolve()
+        _require_usable_root(root)
         resolved = {}
         for name, sub in (("landing", landing), ("tables", tables), ("checkpoints", checkpoints)):
             path = (root / sub).resolve()

@@ -21,11 +21,17 @@ JARS_ENV = "STATETABLES_JARS_DIR"
 DEFAULT_JARS_DIR = Path(__file__).resolve().parent.parent / ".jars"
 DELTA_JAR_PREFIX = "delta-spark_"
 
+# What every engine's session needs for the tables to mean the same thing (local, cluster, Connect).
+# Parquet INT96 timestamps (Spark's default) cannot be read by other Delta readers (`deltalake`) for
+# instants outside 1677-2262; INT64 micros can. Files written before keep INT96: Spark reads both.
+SESSION_CONFS = {
+    "spark.sql.session.timeZone": "UTC",
+    "spark.sql.parquet.outputTimestampType": "TIMESTAMP_MICROS",
+}
 # Sized for a 2-core, 24 GiB machine; any key can be overridden through `SparkSettings.conf`.
 LOCAL_DEFAULTS = {
     "spark.sql.extensions": "io.delta.sql.DeltaSparkSessionExtension",
     "spark.sql.catalog.spark_catalog": "org.apache.spark.sql.delta.catalog.DeltaCatalog",
-    "spark.sql.session.timeZone": "UTC",
     "spark.sql.shuffle.partitions": "4",
     "spark.default.parallelism": "4",
     # Delta reconstructs table state with 50 partitions by default: far too many for 2 cores.
@@ -82,13 +88,13 @@ def build_spark_session(settings: SparkSettings | None = None) -> SparkSession:
     if settings.remote:
         # Spark Connect: the server holds Delta's jars and extensions; no local JVM is started.
         builder = SparkSession.builder.remote(settings.remote)
-        for key, value in settings.conf.items():
+        for key, value in {**SESSION_CONFS, **settings.conf}.items():
             builder = builder.config(key, value)
         return builder.getOrCreate()
 
     require_java()
     jars = delta_jars(settings.jars_dir)
-    conf = {**LOCAL_DEFAULTS, "spark.jars": ",".join(str(j) for j in jars)}
+    conf = {**SESSION_CONFS, **LOCAL_DEFAULTS, "spark.jars": ",".join(str(j) for j in jars)}
     if settings.master.startswith("local"):
         # The embedded engine talks to itself only: keep the driver on loopback.
         conf.update({"spark.driver.host": "127.0.0.1", "spark.driver.bindAddress": "127.0.0.1"})

@@ -78,6 +78,10 @@ def _print_state_tables(layout: StorageLayout) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from assets.keys import job_names
+
+    if args.job not in job_names():  # before anything is created under the storage root
+        raise ConfigurationError(f"Unknown job {args.job!r}. Fix: use one of {', '.join(job_names())}.")
     layout = StorageLayout.under()
     prepare_instance(layout)
     import dagster as dg

@@ -31,15 +31,15 @@ class Landing:
         self.written = 0
 
     def write(self, stream: str, name: str, lines: list[str | bytes]) -> Path:
-        folder = self.layout.landing(stream)
+        final = self.layout.landing(stream) / name  # `name` may hold sub-folders
+        folder = final.parent
         folder.mkdir(parents=True, exist_ok=True)
         data = b"".join((line.encode() if isinstance(line, str) else line) + b"\n" for line in lines)
-        hidden = folder / f".{name}"
+        hidden = folder / f".{final.name}"
         hidden.write_bytes(data)
         self.written += 1
         stamp = 1_700_000_000 + self.written  # strictly increasing arrival order
         os.utime(hidden, (stamp, stamp))
-        final = folder / name
         os.replace(hidden, final)
         return final
 

@@ -1,98 +1,277 @@
-"""An independent reading of ../shared/contract.md in plain Python (json, Decimal, datetime).
+"""An independent reading of ../shared/contract.md in plain Python (json, Decimal, datetime, re).
 
 It shares no code with pipelines/: tests compare what Spark + Delta produced with what this
 oracle expects from the same landing files, key by key, with exact decimals.
+
+The validation rules it reads, in the order they are applied to a line:
+- bytes that are not UTF-8 → invalid_utf8; not exactly one JSON value (syntax error, trailing
+  content, NaN/Infinity, a key twice in one object) → not_json; a JSON value that is not an
+  object → not_object;
+- then the stream's fields in order (movie_ticket_sales: event_id, title, ticket_total_value,
+  sale_ts, customer_id; payments: payment_id, customer_id, amount, paid_at); the first failing
+  check wins. "Trimmed" always means without JSON whitespace (space, tab, LF, CR) at both ends;
+- strings: missing_field, wrong_type, empty_field, too_long (title: > 500 code points, trimmed);
+  the title is kept trimmed, the other strings as given;
+- the value: missing_field; wrong_type (bool, object, array, or a string that is not a number);
+  empty_field (blank string); out_of_range (< 0 for tickets, <= 0 for payments,
+  > 9999999999999999.99, not finite); too_many_decimals; kept as DECIMAL(18,2). A JSON number
+  literal is exact when it has no exponent and at most 38 digits, otherwise it is read as an
+  IEEE double first (what Spark's JSON parser does with it);
+- the event time: missing_field; wrong_type (not a string); invalid_timestamp (not
+  `YYYY-MM-DDTHH:MM[:SS[.ffffff]](Z|±HH[:]MM)`, not a real date-time, offset beyond ±18:00);
+  out_of_range (in UTC, before 1970-01-01T00:00:00Z or after ingestion time + 1 day).
+Re-deliveries: same id and same normalised content (every contract field as kept) counts once;
+same id, other content → conflicting_duplicate. First arrival wins; arrival order is file
+modification time, then full path, then line number.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import re
+import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
-from decimal import Decimal, InvalidOperation
+from datetime import datetime, timedelta, timezone
+from decimal import Decimal
 from pathlib import Path
+from typing import Iterable, NamedTuple
 
-ISO = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}(:\d{2}(\.\d{1,6})?)?(Z|[+-]\d{2}:?\d{2})$")
 MAX = Decimal("9999999999999999.99")
+CENT = Decimal("0.01")
+DEFAULT_MAX_AHEAD = timedelta(days=1)
+EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+JSON_WHITESPACE = " \t\n\r"
+TITLE_MAX = 500
+NESTING_LIMIT = 20_000  # deeper lines are not judged (RecursionError → not_json): tests stay below
+EXACT_DIGITS = 38  # a JSON number literal with more digits (or an exponent) is read as a double
+
+# re.fullmatch, not `$`: Python's (and Java's) `$` also matches before a final "\n".
+ISO = re.compile(r"([0-9]{4})-([0-9]{2})-([0-9]{2})T([0-9]{2}):([0-9]{2})(?::([0-9]{2})(?:\.([0-9]{1,6}))?)?"
+                 r"(Z|([+-])([0-9]{2}):?([0-9]{2}))")
+NUMERIC_STRING = re.compile(r"([+-]?)(?:([0-9]+)(?:\.([0-9]*))?|\.([0-9]+))(?:[eE]([+-]?[0-9]+))?")
+
+
+@dataclass(frozen=True)
+class StreamRules:
+    id: str
+    key: str
+    value: str
+    ts: str
+    fields: tuple[str, ...]  # contract fields, in the order they are checked
+    strings: dict[str, bool]  # string field → required
+    positive: bool  # value must be > 0 (else >= 0)
+
 
 STREAMS = {
-    "movie_ticket_sales": {"id": "event_id", "key": "title", "value": "ticket_total_value", "ts": "sale_ts",
-                           "strings": {"event_id": True, "title": True, "customer_id": False},
-                           "positive": False},
-    "payments": {"id": "payment_id", "key": "customer_id", "value": "amount", "ts": "paid_at",
-                 "strings": {"payment_id": True, "customer_id": True}, "positive": True},
+    "movie_ticket_sales": StreamRules(
+        id="event_id", key="title", value="ticket_total_value", ts="sale_ts",
+        fields=("event_id", "title", "ticket_total_value", "sale_ts", "customer_id"),
+        strings={"event_id": True, "title": True, "customer_id": False}, positive=False),
+    "payments": StreamRules(
+        id="payment_id", key="customer_id", value="amount", ts="paid_at",
+        fields=("payment_id", "customer_id", "amount", "paid_at"),
+        strings={"payment_id": True, "customer_id": True}, positive=True),
 }
 
 
-def _number(raw) -> Decimal | None:
-    if isinstance(raw, bool):
-        return None
-    if isinstance(raw, (int, float)):
-        return Decimal(str(raw))
+@dataclass(frozen=True)
+class Number:
+    """A JSON number as its literal text, so the oracle decides how exactly it is read."""
+
+    text: str
+
+
+class Verdict(NamedTuple):
+    event: dict | None  # the normalised event when valid
+    reason: str | None  # None when valid
+    field: str | None  # the offending field, for field-level reasons
+
+
+class _Invalid(Exception):
+    def __init__(self, reason: str, field_name: str | None = None):
+        super().__init__(reason)
+        self.reason, self.field = reason, field_name
+
+
+def trim(text: str) -> str:
+    return text.strip(JSON_WHITESPACE)
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def _object_without_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys):
+        raise ValueError("duplicate key")
+    return dict(pairs)
+
+
+def parse_json(text: str):
+    """The one JSON value of `text`; ValueError when it is not exactly one (strict) JSON value."""
+    # Python's parser recurses once per nesting level; deep nesting is still JSON, so the limit is
+    # raised for the parse (a line is at most a few MB: far below what the C stack holds).
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, NESTING_LIMIT))
+    try:
+        return json.loads(text, parse_float=Number, parse_int=Number, parse_constant=_refuse_constant,
+                          object_pairs_hook=_object_without_duplicate_keys)
+    finally:
+        sys.setrecursionlimit(limit)
+
+
+def _exact_decimal(sign: str, whole: str, fraction: str, exponent: str) -> Decimal | str:
+    """The exact value of a numeric text, or "huge"/"tiny" when its exponent is beyond what
+    Decimal can hold (a value that is surely > MAX, or nonzero and surely < 0.01)."""
+    digits = (whole + fraction).lstrip("0")
+    if not digits:
+        return Decimal(0)
+    exp_digits = exponent.lstrip("+-").lstrip("0") or "0"
+    if len(exp_digits) > 18:  # |exponent| >= 1e18: no Decimal, and no int(): str→int has a digit limit
+        huge = not exponent.startswith("-")
+        return ("-" if sign == "-" else "") + ("huge" if huge else "tiny")
+    exp = int(exp_digits) * (-1 if exponent.startswith("-") else 1)
+    # value = 0.d1d2... × 10^(adjusted + 1), with d1 != 0
+    adjusted = exp + len(whole) - 1 - (len(whole + fraction) - len((whole + fraction).lstrip("0")))
+    if adjusted > 17:
+        return ("-" if sign == "-" else "") + "huge"
+    if adjusted < -3:
+        return ("-" if sign == "-" else "") + "tiny"
+    return Decimal(f"{sign}{whole or '0'}.{fraction or '0'}E{exp}")
+
+
+def _value(raw, rules: StreamRules) -> Decimal:
+    name = rules.value
+    if raw is None:
+        raise _Invalid("missing_field", name)
     if isinstance(raw, str):
-        try:
-            return Decimal(raw.strip())
-        except InvalidOperation:
-            return None
-    return None
+        text = trim(raw)
+        if not text:
+            raise _Invalid("empty_field", name)
+        match = NUMERIC_STRING.fullmatch(text)
+        if not match:
+            raise _Invalid("wrong_type", name)
+        sign, whole, fraction, only_fraction, exponent = match.groups()
+        value = _exact_decimal(sign, whole or "", (fraction if whole is not None else only_fraction) or "",
+                               exponent or "0")
+    elif isinstance(raw, Number):
+        literal = raw.text
+        if "e" in literal or "E" in literal or sum(c.isdigit() for c in literal) > EXACT_DIGITS:
+            value = Decimal(repr(float(literal)))  # overflow gives inf, underflow 0.0
+        else:
+            value = Decimal(literal)
+    else:  # bool, object, array
+        raise _Invalid("wrong_type", name)
+    if isinstance(value, str):
+        if value.startswith("-") or value == "huge":
+            raise _Invalid("out_of_range", name)
+        raise _Invalid("too_many_decimals", name)  # "tiny": nonzero, smaller than a cent
+    if not value.is_finite() or value < 0 or (rules.positive and value == 0) or value > MAX:
+        raise _Invalid("out_of_range", name)
+    kept = value.quantize(CENT)
+    if kept != value:
+        raise _Invalid("too_many_decimals", name)
+    return abs(kept)  # -0 is kept as 0.00
 
 
-def check_line(stream: str, raw: bytes) -> tuple[dict | None, str | None]:
-    """(normalised event, None) if valid, else (None, reason)."""
-    s = STREAMS[stream]
+def _event_time(raw, name: str, ingested_at: datetime, max_ahead: timedelta) -> datetime:
+    if raw is None:
+        raise _Invalid("missing_field", name)
+    if not isinstance(raw, str):
+        raise _Invalid("wrong_type", name)
+    match = ISO.fullmatch(raw)
+    if not match:
+        raise _Invalid("invalid_timestamp", name)
+    year, month, day, hour, minute, second, fraction, zone, sign, off_h, off_m = match.groups()
+    # ISO 8601's proleptic calendar has a year 0000 (1 BC, a leap year); Python's datetime starts at
+    # year 1, so year 0 is read as year 400 (same calendar: 400 years repeat exactly) moved back.
+    shift = timedelta(days=146097) if year == "0000" else timedelta(0)
+    try:
+        local = datetime(int(year) + (400 if shift else 0), int(month), int(day), int(hour), int(minute),
+                         int(second or 0), int((fraction or "").ljust(6, "0")))
+    except ValueError:
+        raise _Invalid("invalid_timestamp", name) from None
+    offset = timedelta(0)
+    if zone != "Z":
+        if int(off_m) > 59:
+            raise _Invalid("invalid_timestamp", name)
+        offset = timedelta(hours=int(off_h), minutes=int(off_m))
+        if offset > timedelta(hours=18):
+            raise _Invalid("invalid_timestamp", name)
+        offset = -offset if sign == "-" else offset
+    # Instant as a distance from the epoch: no datetime arithmetic that overflows at year 1 or 9999.
+    since_epoch = (local - datetime(1970, 1, 1)) - shift - offset
+    if since_epoch < timedelta(0) or since_epoch > ingested_at + max_ahead - EPOCH:
+        raise _Invalid("out_of_range", name)
+    return EPOCH + since_epoch
+
+
+def judge_line(stream: str, raw: bytes, *, ingested_at: datetime | None = None,
+               max_ahead: timedelta = DEFAULT_MAX_AHEAD) -> Verdict:
+    """The verdict on one line: the normalised event, or the reason and field it is malformed."""
+    rules = STREAMS[stream]
+    ingested_at = _utc(ingested_at or datetime.now(timezone.utc))
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
-        return None, "invalid_utf8"
+        return Verdict(None, "invalid_utf8", None)
     try:
-        doc = json.loads(text)
-    except ValueError:
-        return None, "not_json"
+        doc = parse_json(text)
+    except (ValueError, RecursionError):  # RecursionError: beyond NESTING_LIMIT, see parse_json
+        return Verdict(None, "not_json", None)
     if not isinstance(doc, dict):
-        return None, "not_object"
-    event = {}
-    for name, required in s["strings"].items():
-        value = doc.get(name)
-        if value is None:
-            if required:
-                return None, "missing_field"
-            event[name] = None
-            continue
-        if not isinstance(value, str):
-            return None, "wrong_type"
-        if not value.strip():
-            return None, "empty_field"
-        if name == "title":
-            value = value.strip()
-            if len(value) > 500:
-                return None, "too_long"
-        event[name] = value
-    raw_value = doc.get(s["value"])
-    if raw_value is None:
-        return None, "missing_field"
-    amount = _number(raw_value)
-    if amount is None or not amount.is_finite():
-        return None, "wrong_type"
-    if amount < 0 or (s["positive"] and amount == 0) or abs(amount) > MAX:
-        return None, "out_of_range"
-    if amount != amount.quantize(Decimal("0.01")):
-        return None, "too_many_decimals"
-    event[s["value"]] = amount.quantize(Decimal("0.01"))
-    raw_ts = doc.get(s["ts"])
-    if raw_ts is None:
-        return None, "missing_field"
-    if not isinstance(raw_ts, str):
-        return None, "wrong_type"
-    if not ISO.match(raw_ts):
-        return None, "invalid_timestamp"
+        return Verdict(None, "not_object", None)
+    event: dict = {}
     try:
-        event[s["ts"]] = datetime.fromisoformat(raw_ts.replace("Z", "+00:00")).astimezone(timezone.utc)
-    except ValueError:
-        return None, "invalid_timestamp"
-    return event, None
+        for name in rules.fields:
+            raw_value = doc.get(name)
+            if name == rules.value:
+                event[name] = _value(raw_value, rules)
+            elif name == rules.ts:
+                event[name] = _event_time(raw_value, name, ingested_at, max_ahead)
+            else:
+                event[name] = _string(raw_value, name, rules.strings[name])
+    except _Invalid as invalid:
+        return Verdict(None, invalid.reason, invalid.field)
+    return Verdict(event, None, None)
+
+
+def _string(raw, name: str, required: bool) -> str | None:
+    if raw is None:
+        if required:
+            raise _Invalid("missing_field", name)
+        return None
+    if not isinstance(raw, str):
+        raise _Invalid("wrong_type", name)
+    trimmed = trim(raw)
+    if not trimmed:
+        raise _Invalid("empty_field", name)
+    if name == "title":
+        if len(trimmed) > TITLE_MAX:
+            raise _Invalid("too_long", name)
+        return trimmed
+    return raw
+
+
+def check_line(stream: str, raw: bytes, ingested_at: datetime | None = None,
+               max_ahead: timedelta = DEFAULT_MAX_AHEAD) -> tuple[dict | None, str | None]:
+    """(normalised event, None) if valid, else (None, reason)."""
+    verdict = judge_line(stream, raw, ingested_at=ingested_at, max_ahead=max_ahead)
+    return verdict.event, verdict.reason
+
+
+def content(stream: str, event: dict) -> tuple:
+    """An event's normalised content: every contract field as kept (title trimmed, DECIMAL(18,2)
+    value, UTC instant; a missing optional field is None, unlike any present value)."""
+    return tuple(event[name] for name in STREAMS[stream].fields)
+
+
+def _utc(moment: datetime) -> datetime:
+    return moment.replace(tzinfo=timezone.utc) if moment.tzinfo is None else moment.astimezone(timezone.utc)
 
 
 @dataclass
@@ -103,43 +282,92 @@ class Expected:
     quarantined: int = 0
     duplicates: int = 0
     reasons: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    # id → accepted event; (source, line number, reason) of every quarantined line
+    events: dict[str, dict] = field(default_factory=dict)
+    quarantine: list[tuple[str, int, str]] = field(default_factory=list)
+    lines: int = 0
 
 
-def expected_state(stream: str, files: list[Path]) -> Expected:
-    """Per-key counts and sums the state table must hold after ingesting `files` (any batching).
+class Oracle:
+    """Takes deliveries in arrival order and keeps what the tables must hold after them.
 
-    Files are taken in arrival order (modification time, then name); the first accepted content of
-    an id wins, an identical re-delivery counts once, a different one is a conflict.
+    >>> oracle = Oracle("payments")
+    >>> oracle.deliver("a.jsonl", [b'{"payment_id":"p1",...}'])
+    >>> oracle.expected.counts
     """
-    s = STREAMS[stream]
-    out = Expected()
-    seen: dict[str, tuple] = {}
-    for path in sorted(files, key=lambda p: (os.stat(p).st_mtime_ns, str(p))):
-        data = path.read_bytes()
-        lines = data.split(b"\n")
-        if lines and lines[-1] == b"":
-            lines.pop()
-        for raw in lines:
-            event, reason = check_line(stream, raw)
-            if reason:
-                out.quarantined += 1
-                out.reasons[reason] += 1
-                continue
-            identity = tuple(sorted((k, str(v)) for k, v in event.items()))
-            previous = seen.get(event[s["id"]])
-            if previous is not None:
+
+    def __init__(self, stream: str, *, max_ahead: timedelta = DEFAULT_MAX_AHEAD):
+        self.stream, self.max_ahead = stream, max_ahead
+        self.expected = Expected()
+        self._seen: dict[str, tuple] = {}
+
+    def deliver(self, source: str, lines: Iterable[bytes], *, first_line_number: int = 1,
+                ingested_at: datetime | None = None) -> None:
+        rules, out = STREAMS[self.stream], self.expected
+        for number, raw in enumerate(lines, start=first_line_number):
+            out.lines += 1
+            verdict = judge_line(self.stream, raw, ingested_at=ingested_at, max_ahead=self.max_ahead)
+            reason = verdict.reason
+            if reason is None:
+                event = verdict.event
+                identity, previous = content(self.stream, event), self._seen.get(event[rules.id])
+                if previous is None:
+                    self._seen[event[rules.id]] = identity
+                    out.accepted += 1
+                    out.events[event[rules.id]] = event
+                    out.counts[event[rules.key]] += 1
+                    out.sums[event[rules.key]] += event[rules.value]
+                    continue
                 if previous == identity:
                     out.duplicates += 1
-                else:
-                    out.quarantined += 1
-                    out.reasons["conflicting_duplicate"] += 1
-                continue
-            seen[event[s["id"]]] = identity
-            out.accepted += 1
-            out.counts[event[s["key"]]] += 1
-            out.sums[event[s["key"]]] += event[s["value"]]
-    return out
+                    continue
+                reason = "conflicting_duplicate"
+            out.quarantined += 1
+            out.reasons[reason] += 1
+            out.quarantine.append((source, number, reason))
+
+
+def file_lines(path: Path) -> list[bytes]:
+    """A landing file's lines as received (gunzipped for .gz); a final newline ends the last line."""
+    data = path.read_bytes()
+    if path.name.endswith(".gz"):
+        data = gzip.decompress(data)
+    lines = data.split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()
+    return lines
+
+
+def arrival_key(path: Path) -> tuple[int, str]:
+    return os.stat(path).st_mtime_ns, str(path)
+
+
+def expected_state(stream: str, files: list[Path], ingested_at: datetime | None = None,
+                   max_ahead: timedelta = DEFAULT_MAX_AHEAD) -> Expected:
+    """Per-key counts and sums the state table must hold after ingesting `files` (any batching).
+
+    Files are taken in arrival order (modification time, then full path); the first accepted
+    content of an id wins, an identical re-delivery counts once, a different one is a conflict.
+    """
+    oracle = Oracle(stream, max_ahead=max_ahead)
+    for path in sorted(files, key=arrival_key):
+        oracle.deliver(str(path), file_lines(path), ingested_at=ingested_at)
+    return oracle.expected
+
+
+def is_landing_file(relative: Path) -> bool:
+    """A landing file, by its path below landing/<stream>/: *.jsonl or *.jsonl.gz, and no part of
+    the path (file or folder) starting with `_` or `.` (still being written)."""
+    return (relative.name.endswith((".jsonl", ".jsonl.gz"))
+            and not any(part.startswith(("_", ".")) for part in relative.parts))
 
 
 def landing_files(folder: Path) -> list[Path]:
-    return [p for p in folder.glob("*.jsonl") if not p.name.startswith(("_", "."))]
+    """Every landing file under `folder`, at any depth (names are never patterns)."""
+    found = []
+    for root, dirs, names in os.walk(folder):
+        for name in names:
+            path = Path(root) / name
+            if path.is_file() and is_landing_file(path.relative_to(folder)):
+                found.append(path)
+    return found
