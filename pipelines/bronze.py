@@ -168,16 +168,16 @@ def _classify(lines: DataFrame, batch_id: int, settings: IngestSettings, ingeste
     spec = settings.spec
     spark = lines.sparkSession
     ts_col = spec.event_time_field
-    poison = fault_marker(INGEST_POISON)
-    if poison:  # fault injection: a line that makes Spark fail while evaluating it, as an engine bug would
-        lines = lines.withColumn("raw_bytes", F.when(F.col("raw_bytes").cast("string").contains(poison),
-                                                     F.raise_error(F.lit(f"injected poison {poison}")).cast("binary"))
-                                 .otherwise(F.col("raw_bytes")))
     isolated = None
     if unprocessable is not None:
         keys = ["unit", "line_number"]
         isolated = lines.join(unprocessable, keys, "left_semi")
         lines = lines.join(unprocessable, keys, "left_anti")
+    poison = fault_marker(INGEST_POISON)
+    if poison:  # fault injection: a line that makes Spark fail while evaluating it, as an engine bug would
+        lines = lines.withColumn("raw_bytes", F.when(F.col("raw_bytes").cast("string").contains(poison),
+                                                     F.raise_error(F.lit(f"injected poison {poison}")).cast("binary"))
+                                 .otherwise(F.col("raw_bytes")))
     stamp = {"ingest_batch_id": F.lit(batch_id).cast("bigint"), "ingested_at": F.lit(ingested_at)}
     stamped = validate_lines(lines, spec, ingested_at=ingested_at, max_ahead=settings.max_ahead).withColumns(stamp)
     if isolated is not None:
@@ -196,8 +196,12 @@ def _classify(lines: DataFrame, batch_id: int, settings: IngestSettings, ingeste
         "reason": F.when(F.col("reason").isNull() & hole, F.lit(UNPROCESSABLE)).otherwise(F.col("reason")),
     }).persist()
     valid_ts = F.when(F.col("reason").isNull(), F.col(ts_col))
-    facts = stamped.agg(F.unix_micros(F.min(valid_ts)).alias("lo"), F.unix_micros(F.max(valid_ts)).alias("hi"),
-                        F.count("*").alias("lines"), F.collect_set("source_file").alias("files")).first()
+    try:
+        facts = stamped.agg(F.unix_micros(F.min(valid_ts)).alias("lo"), F.unix_micros(F.max(valid_ts)).alias("hi"),
+                            F.count("*").alias("lines"), F.collect_set("source_file").alias("files")).first()
+    except Exception:
+        stamped.unpersist()
+        raise
     # Event times are compared as micros, never as Python datetimes: no year-0 or year-10000 surprises.
     lo, hi = facts["lo"] or 0, facts["hi"] or 0
     bronze = spark.read.format("delta").load(settings.bronze_path)
@@ -228,14 +232,16 @@ def _classify(lines: DataFrame, batch_id: int, settings: IngestSettings, ingeste
 
 def _probe(lines: DataFrame, batch_id: int, settings: IngestSettings, ingested_at: datetime) -> str | None:
     """Evaluate the batch's classification of `lines` without writing; the error, or None."""
-    classified, facts = _classify(lines, batch_id, settings, ingested_at, None, None)
+    facts = None
     try:
+        classified, facts = _classify(lines, batch_id, settings, ingested_at, None, None)
         classified.write.format("noop").mode("overwrite").save()
         return None
     except Exception as exc:  # any evaluation error is what is being looked for
         return _first_line(exc)
     finally:
-        facts["_stamped"].unpersist()
+        if facts is not None:
+            facts["_stamped"].unpersist()
 
 
 def _first_line(exc: BaseException) -> str:
@@ -258,9 +264,16 @@ def _isolate(lines: DataFrame, batch_id: int, settings: IngestSettings, ingested
         subset = lines.join(spark.createDataFrame(part, schema), ["unit", "line_number"], "left_semi")
         return _probe(subset, batch_id, settings, ingested_at) is not None
 
-    culprits, probes, pending = [], 0, [keys] if keys and failing(keys) else []
+    # The batch as a whole just failed: start from its halves. Only single lines (or, past the
+    # budget, ranges) that fail on their own end up as culprits. If no part ever passes, the fault
+    # is not in particular lines (a damaged table, a broken engine): nothing is blamed on data.
+    culprits, probes, passed_any, pending = [], 0, False, [keys]
     while pending:
         part = pending.pop()
+        if len(part) == 1 and probes == 0:
+            probes += 1
+            if not failing(part):
+                return []
         if len(part) == 1 or probes >= MAX_ISOLATION_PROBES:
             culprits.extend(part)
             continue
@@ -269,7 +282,9 @@ def _isolate(lines: DataFrame, batch_id: int, settings: IngestSettings, ingested
             probes += 1
             if failing(piece):
                 pending.append(piece)
-    return culprits
+            else:
+                passed_any = True
+    return culprits if passed_any or len(keys) == 1 else []
 
 
 def ingest_batch(units: DataFrame, batch_id: int, *, settings: IngestSettings) -> None:
