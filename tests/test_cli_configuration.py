@@ -1,0 +1,50 @@
+"""Configuration errors of the `statetables` command: one clear message naming the fix, exit code 2,
+no traceback, and nothing created under the storage root. Runs the real command as a subprocess (no
+Spark is started: every error here is found before). Not covered: errors inside a Dagster run
+(tests/assets/test_dagster.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+COMMAND = [sys.executable, "-m", "statetables.cli"]
+
+
+def _statetables(home: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "STATETABLES_HOME": str(home)}
+    env.pop("DAGSTER_HOME", None)
+    return subprocess.run([*COMMAND, *args], env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("args", [["run"], ["generate", "--events", "1"], ["savepoint", "list"]])
+def test_a_file_as_storage_root_is_refused_with_the_fix(tmp_path, args):
+    root = tmp_path / "not-a-folder"
+    root.write_text("x")
+    for home in (root, root / "below"):
+        done = _statetables(home, *args)
+        assert done.returncode == 2, done.stderr
+        assert "is a file" in done.stderr and "Fix: set STATETABLES_HOME" in done.stderr
+        assert "Traceback" not in done.stderr + done.stdout
+    assert root.read_text() == "x"
+
+
+def test_an_unknown_job_is_refused_before_anything_is_created(tmp_path):
+    home = tmp_path / "home"
+    done = _statetables(home, "run", "--job", "nope")
+    assert done.returncode == 2
+    assert "Unknown job 'nope'" in done.stderr and "advance_all" in done.stderr
+    assert "Traceback" not in done.stderr + done.stdout
+    assert not home.exists()
+
+
+@pytest.mark.parametrize("name", ["with:colon", "glob[x]", "{a,b}", "star*"])
+def test_a_storage_root_spark_cannot_address_is_refused(tmp_path, name):
+    done = _statetables(tmp_path / name, "run")
+    assert done.returncode == 2 and "Fix: set STATETABLES_HOME" in done.stderr
+    assert "Traceback" not in done.stderr + done.stdout
+    assert not (tmp_path / name).exists()
