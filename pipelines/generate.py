@@ -98,7 +98,10 @@ def generate(spec: StreamSpec, landing_dir: Path, *, events: int, malformed: flo
     """
     rng = random.Random(seed)
     landing_dir.mkdir(parents=True, exist_ok=True)
-    clock = start or datetime(2026, 11, 1, tzinfo=timezone.utc)
+    # Events advance up to 30 s each; they must all lie in the past (the contract quarantines events
+    # more than a day after ingestion), so a large run starts early enough.
+    clock = start or min(datetime(2026, 11, 1, tzinfo=timezone.utc),
+                         datetime.now(timezone.utc) - timedelta(seconds=30 * events, days=1))
     tag = f"{seed}-{time.time_ns()}"
     summary = GenerationSummary(stream=spec.name)
     accepted: list[bytes] = []
