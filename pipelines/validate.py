@@ -28,12 +28,13 @@ DEFAULT_MAX_AHEAD = timedelta(days=1)
 # What "trimmed" removes: JSON's own whitespace, both ends (Spark's trim() alone removes only spaces).
 TRIMMED = " \t\n\r"
 # A numeric string: sign, digits with an optional point, optional exponent. ASCII digits only.
-NUMBER_TEXT = r"^([+-]?)([0-9]*)(?:\.([0-9]*))?(?:[eE]([+-]?[0-9]+))?$"
+NUMBER_TEXT = r"^([+-]?)([0-9]*)(?:\.([0-9]*))?(?:[eE]([+-]?[0-9]+))?\z"  # \z: `$` would allow a final newline
 MAX_INTEGER_DIGITS = 16  # DECIMAL(18,2): |value| <= 9999999999999999.99
 MAX_DECIMALS = 2
 END_OF_LINE = "statetables:end-of-line"
 # ISO-8601 date-time with an explicit offset or Z; Spark's cast alone also accepts local times.
-ISO_TIMESTAMP = r"^[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}(:[0-9]{2}(\.[0-9]{1,6})?)?(Z|[+-][0-9]{2}:?[0-9]{2})$"
+ISO_TIMESTAMP = r"^[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}(:[0-9]{2}(\.[0-9]{1,6})?)?(Z|[+-][0-9]{2}:?[0-9]{2})\z"
+MAX_VALUE = "9999999999999999.99"
 
 
 def trimmed(text: Column) -> Column:
@@ -53,8 +54,9 @@ def _decimal_text_facts(text: Column) -> tuple[Column, Column, Column, Column, C
     part = lambda i: F.regexp_extract(text, NUMBER_TEXT, i)  # noqa: E731
     is_number = text.rlike(NUMBER_TEXT) & ((F.length(part(2)) + F.length(part(3))) > 0)
     digits = F.concat(part(2), part(3))
-    without_trailing = F.regexp_replace(digits, "0+$", "")
-    significant = F.length(F.regexp_replace(without_trailing, "^0+", ""))
+    # trim, not a regex: `0+$` backtracks quadratically on a long run of zeros (a hostile line)
+    without_trailing = F.rtrim(digits, F.lit("0"))
+    significant = F.length(F.ltrim(without_trailing, F.lit("0")))
     is_zero = significant == 0
     exponent_text = part(4)
     # Up to 9 exponent digits fit a BIGINT sum below; longer exponents are "enormous" either way.
@@ -63,8 +65,12 @@ def _decimal_text_facts(text: Column) -> tuple[Column, Column, Column, Column, C
     enormous = exponent.isNull()
     k = exponent - F.length(part(3)) + (F.length(digits) - F.length(without_trailing))
     negative = ~is_zero & (part(1) == "-")
+    integer_digits = significant + k
+    # 16 integer digits can still exceed 9999999999999999.99 in the decimals (…99.994): compared exactly
+    # at 22 decimals, which DECIMAL(38,22) holds for 16 integer digits.
     too_big = ~is_zero & F.when(enormous, ~exponent_text.startswith("-")).otherwise(
-        significant + k > MAX_INTEGER_DIGITS)
+        (integer_digits > MAX_INTEGER_DIGITS) | ((integer_digits == MAX_INTEGER_DIGITS)
+                                                 & (text.try_cast("decimal(38,22)") > F.lit(MAX_VALUE).cast("decimal(38,22)"))))
     too_precise = ~is_zero & F.when(enormous, exponent_text.startswith("-")).otherwise(-k > MAX_DECIMALS)
     return is_number, negative, too_big, too_precise, is_zero
 
@@ -114,10 +120,13 @@ def _field_checks(doc: Column, rule: FieldRule, ingested_at: Column,
         checks.append((present & too_precise, "too_many_decimals",
                        F.lit(f"{rule.name} has more than {MAX_DECIMALS} decimals")))
         valid = is_number & ~below & ~too_big & ~too_precise
-        return checks, F.when(present & valid, text.try_cast(VALUE_TYPE))
+        # A zero with an enormous exponent ("0e999999999999") is 0, which no cast would say.
+        return checks, F.when(present & valid, F.when(is_zero, F.lit(0).cast(VALUE_TYPE))
+                              .otherwise(text.try_cast(VALUE_TYPE)))
 
-    # timestamp
-    parsed = as_string.try_cast("timestamp")
+    # timestamp; ISO-8601 allows leaving out the seconds, Spark's cast does not: they are added.
+    with_seconds = F.regexp_replace(as_string, r"^([0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2})(Z|[+-])", "$1:00$2")
+    parsed = with_seconds.try_cast("timestamp")
     checks.append((present & (json_type != "STRING"), "wrong_type",
                    F.concat(F.lit(f"{rule.name} must be an ISO-8601 string, got "), json_type)))
     checks.append((present & (~as_string.rlike(ISO_TIMESTAMP) | parsed.isNull()), "invalid_timestamp",
