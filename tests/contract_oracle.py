@@ -46,7 +46,12 @@ EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 JSON_WHITESPACE = " \t\n\r"
 TITLE_MAX = 500
 NESTING_LIMIT = 20_000  # deeper lines are not judged (RecursionError → not_json): tests stay below
-EXACT_DIGITS = 38  # a JSON number literal with more digits (or an exponent) is read as a double
+EXACT_DIGITS = 38  # a JSON number literal that does not fit DECIMAL(38) (or has an exponent) is read as a double
+# Limits of Spark's JSON parser (Jackson's StreamReadConstraints), which the implementation inherits:
+# a number literal longer than 1000 characters, or a line nested 1000 levels deep (the implementation
+# wraps each line in one array), is not readable JSON.
+MAX_NUMBER_LENGTH = 1000
+MAX_NESTING = 1000
 
 # re.fullmatch, not `$`: Python's (and Java's) `$` also matches before a final "\n".
 ISO = re.compile(r"([0-9]{4})-([0-9]{2})-([0-9]{2})T([0-9]{2}):([0-9]{2})(?::([0-9]{2})(?:\.([0-9]{1,6}))?)?"
@@ -118,10 +123,31 @@ def parse_json(text: str):
     limit = sys.getrecursionlimit()
     sys.setrecursionlimit(max(limit, NESTING_LIMIT))
     try:
-        return json.loads(text, parse_float=Number, parse_int=Number, parse_constant=_refuse_constant,
-                          object_pairs_hook=_object_without_duplicate_keys)
+        value = json.loads(text, parse_float=_number, parse_int=_number, parse_constant=_refuse_constant,
+                           object_pairs_hook=_object_without_duplicate_keys)
     finally:
         sys.setrecursionlimit(limit)
+    if _depth(value) + 1 >= MAX_NESTING:
+        raise ValueError("nested too deep for Spark's JSON parser")
+    return value
+
+
+def _number(literal: str) -> "Number":
+    is_integer = not any(c in literal for c in ".eE")
+    if len(literal.lstrip("-") if is_integer else literal) > MAX_NUMBER_LENGTH:
+        raise ValueError("number literal longer than Spark's JSON parser reads")
+    return Number(literal)
+
+
+def _depth(value) -> int:
+    """Nesting levels of arrays and objects (iterative: a deep line must not exhaust the stack)."""
+    deepest, pending = 0, [(value, 1)]
+    while pending:
+        item, level = pending.pop()
+        if isinstance(item, (list, dict)):
+            deepest = max(deepest, level)
+            pending.extend((child, level + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
 
 
 def _exact_decimal(sign: str, whole: str, fraction: str, exponent: str) -> Decimal | str:
@@ -160,10 +186,12 @@ def _value(raw, rules: StreamRules) -> Decimal:
                                exponent or "0")
     elif isinstance(raw, Number):
         literal = raw.text
-        if "e" in literal or "E" in literal or sum(c.isdigit() for c in literal) > EXACT_DIGITS:
+        exact = Decimal(literal) if "e" not in literal and "E" not in literal else None
+        places = exact.as_tuple() if exact is not None else None
+        if places is None or max(len(places.digits), -places.exponent) > EXACT_DIGITS:
             value = Decimal(repr(float(literal)))  # overflow gives inf, underflow 0.0
         else:
-            value = Decimal(literal)
+            value = exact
     else:  # bool, object, array
         raise _Invalid("wrong_type", name)
     if isinstance(value, str):

@@ -25,20 +25,20 @@ from datetime import datetime, timedelta, timezone
 from decimal import Decimal
 from itertools import combinations
 
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, Verbosity, given, settings
 from hypothesis import strategies as st
 from pyspark.sql import functions as F
 from pyspark.sql.types import BinaryType, LongType, StringType, StructField, StructType, TimestampType
 
 from pipelines.bronze import ingest_stream
 from pipelines.layout import StorageLayout
-from pipelines.streams import MOVIE_TICKET_SALES, PAYMENTS, STREAMS
+from pipelines.streams import MOVIE_TICKET_SALES, PAYMENTS
 from pipelines.validate import validate_lines
-from tests.contract_oracle import EPOCH, STREAMS as ORACLE_STREAMS, Oracle, content, judge_line
+from tests.contract_oracle import EPOCH, Oracle, content, judge_line
 
 # A fixed ingestion time (with micros, to test the micro boundary) makes every verdict reproducible.
 INGESTED_AT = datetime(2026, 11, 22, 12, 0, 0, 123456, tzinfo=timezone.utc)
-LINES_PER_EXAMPLE = 200
+LINES_PER_EXAMPLE = 300
 SPECS = [MOVIE_TICKET_SALES, PAYMENTS]
 LINE_SCHEMA = StructType([
     StructField("source_file", StringType()),
@@ -47,6 +47,7 @@ LINE_SCHEMA = StructType([
     StructField("raw_bytes", BinaryType()),
 ])
 REPRODUCIBLE = dict(deadline=None, derandomize=True, database=None, phases=[Phase.explicit, Phase.generate],
+                    verbosity=Verbosity.quiet,  # the disagreeing lines are listed; the whole draw is noise
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                            HealthCheck.large_base_example])
 
@@ -54,7 +55,6 @@ REPRODUCIBLE = dict(deadline=None, derandomize=True, database=None, phases=[Phas
 # Strategies: JSON text fragments, written by hand so number literals and spellings are controlled.
 
 NO_SURROGATES = st.characters(exclude_categories=("Cs",))
-JSON_WS = st.sampled_from(["", "", "", " ", "\t", "\r", " \t "])  # never "\n": it ends a line
 
 
 def string_literal(text: str, ascii_only: bool = False) -> str:
@@ -95,10 +95,14 @@ BOUNDARY_NUMBERS = [
 ]
 BOUNDARY_NUMERIC_TEXT = BOUNDARY_NUMBERS + [
     "+5", ".5", "5.", "+.5", "-.0", "1e99999999999999999999", "1e-99999999999999999999", "-1e99999999999999999999",
-    "1e999999999", "1e-999999999", "00012.50", "1E-2", "0e999999999999", "1" * 5000, "0." + "0" * 3000 + "1",
+    "1e999999999", "1e-999999999", "00012.50", "1E-2", "0e999999999999",
     "1.", "-", "+", ".", "e5", "1e", "1e+", "--1", "1,5", "0x10", "NaN", "Infinity", "-Infinity", "inf", "1_000",
     "١٢", "１２", "12 5", "", " ", "\t", "\u00a012", "\f12", "12\u2003", "ten", "1e5.5", "1.2.3",
 ]
+# Long texts cost seconds per line to validate (see the report on quadratic regexes): they are
+# tested once, in the boundary test, not in every generated batch.
+LONG_NUMERIC_TEXT = ["1" * 5000, "0." + "0" * 3000 + "1", "1" + "0" * 3000, " " * 3000 + "1"]
+LONG_NUMBERS = ["1" * 999, "1" * 1000, "1" * 1001, "0." + "0" * 1100 + "1", "1" + "0" * 1200 + "e-1200"]
 NUMERIC_PADDING = st.sampled_from(["", "", " ", "\t", "\n", "\r", " \t\r\n ", "\u00a0", "\f", "\u2003"])
 
 
@@ -375,10 +379,10 @@ def _disagreements(spec, lines: list[bytes], rows: list, ingested_at: datetime =
 
 def _assert_agree(spec, lines, rows):
     found = _disagreements(spec, lines, rows)
-    assert not found, f"{len(found)} of {len(lines)} lines disagree with the oracle:\n" + "\n".join(found[:25])
+    assert not found, f"{len(found)} of {len(lines)} lines disagree with the oracle:\n" + "\n".join(found[:60])
 
 
-@settings(max_examples=12, **REPRODUCIBLE)
+@settings(max_examples=3, **REPRODUCIBLE)
 @given(data=st.data())
 def test_any_line_is_judged_as_the_oracle_judges_it(spark, data):
     """(a) + (b): arbitrary lines never make validation throw, and every verdict is the oracle's."""
@@ -387,7 +391,7 @@ def test_any_line_is_judged_as_the_oracle_judges_it(spark, data):
         _assert_agree(spec, lines, _validate(spark, spec, lines))
 
 
-@settings(max_examples=15, **REPRODUCIBLE)
+@settings(max_examples=3, **REPRODUCIBLE)
 @given(data=st.data())
 def test_event_shaped_lines_get_the_oracles_verdict_and_values(spark, data):
     """(b): event-shaped objects, every field drawn around its boundaries."""
@@ -409,9 +413,9 @@ def test_every_boundary_value_alone_in_a_good_line(spark):
     """Each boundary value of the strategies, substituted into an otherwise valid line (one Spark job)."""
     for spec in SPECS:
         lines = []
-        for text in BOUNDARY_NUMBERS:
+        for text in BOUNDARY_NUMBERS + LONG_NUMBERS:
             lines.append(_with(spec, **{spec.value_field: text}))
-        for text in BOUNDARY_NUMERIC_TEXT:
+        for text in BOUNDARY_NUMERIC_TEXT + LONG_NUMERIC_TEXT:
             for pad in ("", " \t", "\n\r "):
                 lines.append(_with(spec, **{spec.value_field: string_literal(pad + text + pad)}))
         for text in BOUNDARY_TIMESTAMPS:
@@ -424,6 +428,9 @@ def test_every_boundary_value_alone_in_a_good_line(spark):
             lines.append(_with(spec, **{rule.name: "null"}))
         lines.append(_with(spec) + b"\r")
         lines.append(b"\t " + _with(spec))
+        for depth in (997, 998, 999, 1000, 1001):  # a deeply nested unknown field; the line is one level deeper
+            lines.append(_with(spec, deep="[" * depth + "1" + "]" * depth))
+            lines.append(("[" * depth + "1" + "]" * depth).encode())
         _assert_agree(spec, lines, _validate(spark, spec, lines))
 
 
@@ -463,7 +470,7 @@ def variant_batch(draw, spec, size: int = LINES_PER_EXAMPLE) -> list[bytes]:
     return lines
 
 
-@settings(max_examples=10, **REPRODUCIBLE)
+@settings(max_examples=3, **REPRODUCIBLE)
 @given(data=st.data())
 def test_content_hash_is_equal_exactly_when_normalised_content_is(spark, data):
     """(c): for two lines with the same id that both sides find valid, equal hashes ⇔ equal
@@ -508,7 +515,7 @@ def _bronze_totals(result) -> dict[str, int]:
     return totals
 
 
-@settings(max_examples=3, **REPRODUCIBLE)
+@settings(max_examples=2, **REPRODUCIBLE)
 @given(data=st.data())
 def test_every_generated_line_lands_exactly_once_through_ingest(spark, tmp_path_factory, data):
     """ingest_stream over Hypothesis lines (one plain, one gzip, one nested file): the run succeeds
@@ -522,14 +529,16 @@ def test_every_generated_line_lands_exactly_once_through_ingest(spark, tmp_path_
     folder = layout.landing(spec.name)
     oracle = Oracle(spec.name)
     names = ["first.jsonl", "2026/11/22/second [x].jsonl.gz", "2026/11/22/deeper/third:{a,b}.jsonl"]
+    written = {}
     for number, name in enumerate(names):
-        lines = data.draw(line_batch(spec, data.draw(st.integers(20, 60)), around=now, boundaries=boundaries))
+        lines = data.draw(line_batch(spec, data.draw(st.integers(20, 80)), around=now, boundaries=boundaries))
         path = folder / name
         path.parent.mkdir(parents=True, exist_ok=True)
         body = b"".join(line + b"\n" for line in lines)
         path.write_bytes(gzip.compress(body) if name.endswith(".gz") else body)
         os.utime(path, ns=(1_700_000_000_000_000_000 + number * 10**9,) * 2)
         oracle.deliver(str(path), lines)
+        written.update({(str(path), n): line for n, line in enumerate(lines, start=1)})
 
     result = ingest_stream(spark, layout, spec)
 
@@ -544,6 +553,12 @@ def test_every_generated_line_lands_exactly_once_through_ingest(spark, tmp_path_
     placed = [(r["source_file"], r["line_number"]) for r in bronze + quarantine]
     assert len(set(placed)) == len(placed)
     # And the same verdicts as the oracle.
+    actual_quarantine = {(r["source_file"], r["line_number"]): r["reason"] for r in quarantine}
+    expected_quarantine = {(source, number): reason for source, number, reason in expected.quarantine}
+    differ = sorted({key for key, _ in set(actual_quarantine.items()) ^ set(expected_quarantine.items())})
+    assert not differ, f"{len(differ)} lines disagree:\n" + "\n".join(
+        f"{written.get(key)!r}: oracle {expected_quarantine.get(key)}, implementation {actual_quarantine.get(key)}"
+        for key in differ[:20])
     assert (totals["accepted"], totals["quarantined"], totals["duplicates"]) == (
         expected.accepted, expected.quarantined, expected.duplicates)
     assert sorted(r[spec.id_field] for r in bronze) == sorted(expected.events)
