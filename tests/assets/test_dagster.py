@@ -55,12 +55,25 @@ def test_all_assets_materialize_with_checks_passing(spark, layout):
         result = _job().execute_in_process(instance=instance)
         assert result.success
         checks = [e.event_specific_data for e in result.all_events if e.event_type_value == "ASSET_CHECK_EVALUATION"]
-        assert len(checks) == 8 and all(c.passed for c in checks)
+        assert len(checks) == 10 and all(c.passed for c in checks)
         bronze = result.asset_materializations_for_node("movie_ticket_sales_ingest")[0].metadata
         assert bronze["lines_read"].value == 1500
         state = result.asset_materializations_for_node("movie_tickets_sold")[0].metadata
         assert state["events_counted"].value == bronze["rows_accepted"].value
         assert "| title |" in state["top_rows"].value
+
+        # A landing file appended to after ingestion: its new line is ingested, and the change is
+        # reported as a warning naming the file, without failing the run.
+        grown = sorted(layout.landing("payments").glob("*.jsonl"))[0]
+        with open(grown, "a") as handle:
+            handle.write('{"payment_id":"late-append","customer_id":"c1","amount":1,"paid_at":"2026-11-01T10:00:00Z"}\n')
+        again = _job("advance_payments").execute_in_process(instance=instance)
+        assert again.success
+        warned = [e.event_specific_data for e in again.all_events if e.event_type_value == "ASSET_CHECK_EVALUATION"
+                  and e.event_specific_data.check_name == "landing_files_written_once"]
+        assert len(warned) == 1 and not warned[0].passed and warned[0].severity == dg.AssetCheckSeverity.WARN
+        assert str(grown) in warned[0].metadata["files"].value
+        assert again.asset_materializations_for_node("payments_ingest")[0].metadata["rows_accepted"].value == 1
 
 
 def test_a_failing_blocking_check_fails_the_run(spark, layout):
