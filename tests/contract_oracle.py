@@ -48,7 +48,7 @@ TITLE_MAX = 500
 NESTING_LIMIT = 20_000  # deeper lines are not judged (RecursionError → not_json): tests stay below
 EXACT_DIGITS = 38  # a JSON number literal that does not fit DECIMAL(38) (or has an exponent) is read as a double
 # Limits of Spark's JSON parser (Jackson's StreamReadConstraints), which the implementation inherits:
-# a number literal longer than 1000 characters, or a line nested 1000 levels deep (the implementation
+# a number literal longer than 1000 characters, or a line nested more than 999 levels deep (the implementation
 # wraps each line in one array), is not readable JSON.
 MAX_NUMBER_LENGTH = 1000
 MAX_NESTING = 1000
@@ -127,7 +127,7 @@ def parse_json(text: str):
                            object_pairs_hook=_object_without_duplicate_keys)
     finally:
         sys.setrecursionlimit(limit)
-    if _depth(value) + 1 >= MAX_NESTING:
+    if _depth(value) + 1 > MAX_NESTING:
         raise ValueError("nested too deep for Spark's JSON parser")
     return value
 
