@@ -62,7 +62,8 @@ CORRUPTIONS = {
     "garbage commit file": lambda cp, n: (cp / "commits" / n).write_bytes(b"\x00\xff garbage"),
     "truncated commit file, checksum gone": lambda cp, n: (
         (cp / "commits" / n).write_text("v1\n"), (cp / "commits" / f".{n}.crc").unlink()),
-    "empty source log": lambda cp, n: (cp / "sources" / "0" / "0").write_bytes(b""),
+    # The ingest query reads the landing ledger (a Delta source), which keeps no sources/ log.
+    "empty query metadata": lambda cp, n: (cp / "metadata").write_bytes(b""),
     "offsets folder lost": lambda cp, n: shutil.rmtree(cp / "offsets"),
     "origin record lost": lambda cp, n: (cp / "statetables_checkpoint.json").unlink(),
 }
