@@ -30,6 +30,8 @@ from pyspark.sql import Column, DataFrame, Row, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.types import BooleanType, IntegerType, LongType, StringType, StructField, StructType, TimestampType
 
+from pipelines.errors import ConfigurationError
+
 LANDING_SUFFIXES = (".jsonl", ".jsonl.gz")
 IN_FLIGHT_PREFIXES = ("_", ".")  # files (and folders) still being written
 READ_CHUNK = 1 << 20
@@ -119,6 +121,10 @@ def scan_landing(spark: SparkSession, landing_dir: Path, ledger_path: Path, stag
     Files are taken in arrival order (modification time, then path); a file whose size and
     modification time are unchanged is not read again.
     """
+    if landing_dir.exists() and not landing_dir.is_dir():
+        raise ConfigurationError(f"The landing folder {landing_dir} is a file. Fix: move it away; landing files go "
+                                 f"inside that folder (any depth).")
+    landing_dir.mkdir(parents=True, exist_ok=True)
     latest, next_unit = _latest_units(spark, ledger_path)
     found = []
     for path in landing_files(landing_dir):

@@ -109,7 +109,10 @@ def test_landing_sensor_requests_one_run_per_stream_with_new_files(layout, landi
     with dg.build_sensor_context(resources={"storage": storage}, cursor=first.cursor) as context:
         second = landing_files_sensor(context)
     assert sorted(r.job_name for r in second.run_requests) == ["advance_movie_ticket_sales", "advance_payments"]
-    assert json.loads(second.cursor)["payments"][1] == "b.jsonl"
+    assert json.loads(second.cursor)["payments"][1] == str(layout.landing("payments") / "b.jsonl")
+    landing.write("payments", "2026/11/22/deep.jsonl.gz", ["{}"])  # date folders and gzip count too
+    with dg.build_sensor_context(resources={"storage": storage}, cursor=second.cursor) as context:
+        assert [r.job_name for r in landing_files_sensor(context).run_requests] == ["advance_payments"]
 
 
 def _failed_run(instance, layout, tags=None):
