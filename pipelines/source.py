@@ -70,19 +70,10 @@ def landing_files(folder: Path) -> Iterator[Path]:
                 yield path
 
 
-def file_label(source_file: str, version: int) -> str:
-    """How lines of a file are labelled in bronze and quarantine: the real path, `#v<N>` after a rewrite."""
-    return source_file if version == 1 else f"{source_file}#v{version}"
-
-
 @dataclass
 class ScanResult:
     units: list[dict]  # new ledger rows, in arrival order
     changed: list[dict]  # {"file", "change", "version"} for files appended to or rewritten after ingestion
-
-    @property
-    def files(self) -> int:
-        return len({u["source_file"] for u in self.units if u["change"] != "touched"})
 
 
 def _digest(path: Path, prefix: int | None) -> tuple[str, str | None, int, bool]:
