@@ -6,14 +6,14 @@ INSTALLED := $(VENV)/.installed
 JARS := .jars/.resolved
 export STATETABLES_HOME ?= $(CURDIR)/data
 
-.PHONY: install jars demo run dev test bench chaos clean
+.PHONY: install jars demo run dev test bench bench-quick bench-full chaos clean
 
 install: $(INSTALLED)
 $(INSTALLED): setup.py
 	@command -v $(PYTHON) >/dev/null || { echo "$(PYTHON) not found: install Python 3.11 (or make PYTHON=/path/to/python3.11)"; exit 2; }
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[test,bench]'
 	@touch $@
 
 # Delta's jars, resolved once with Maven into .jars/; runs and tests load them from there, offline.
@@ -41,8 +41,15 @@ dev: install jars
 test: install jars
 	$(BIN)/pytest -q tests
 
+# Side by side with the alternatives on the same files; writes docs/bench/ (see docs/performance.md).
 bench: install jars
-	$(BIN)/python -m benchmarks.run_wall_time
+	$(BIN)/python -m benchmarks.run
+
+bench-quick: install jars
+	$(BIN)/python -m benchmarks.run --quick
+
+bench-full: install jars
+	$(BIN)/python -m benchmarks.run --full
 
 # kill -9 the real pipeline KILLS times (named fault points and random instants), then compare every key.
 KILLS ?= 24

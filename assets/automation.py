@@ -1,6 +1,7 @@
 """Jobs, the schedule and the sensors that advance the streams without a person.
 
-- `advance_all`: every asset and check once (what `make run` launches); schedule every 5 min, off by default.
+- `advance_all`: every asset and per-run check once (what `make run` launches); schedule every 5 min, off by default.
+- `reconcile_state_tables`: the deep check of every state table against all of bronze; nightly.
 - `advance_<stream>`: one stream; launched by the landing-files sensor and by recovery.
 - `recover_failed_stream`: a run failure starts a recovery run of each failed stream, which resumes
   from its checkpoint; bounded by MAX_RECOVERY_ATTEMPTS so a persistent fault cannot loop.
@@ -14,23 +15,33 @@ from pathlib import Path
 import dagster as dg
 
 from assets.keys import (
-    ADVANCE_ALL_JOB, MAX_RECOVERY_ATTEMPTS, RECOVERY_ATTEMPT_TAG, RECOVERY_OF_TAG, RECOVERY_REASON_TAG, STREAM_TAG,
-    stream_job_name, stream_of_step,
+    ADVANCE_ALL_JOB, DEEP_CHECK_JOB, MAX_RECOVERY_ATTEMPTS, RECOVERY_ATTEMPT_TAG, RECOVERY_OF_TAG, RECOVERY_REASON_TAG, STREAM_TAG,
+    deep_check_keys, stream_job_name, stream_of_step,
 )
 from pipelines.source import landing_files
 from pipelines.streams import STREAMS, StreamSpec
 from resources import StorageResource
 
+DEEP_CHECKS = dg.AssetSelection.checks(*deep_check_keys())
+
 advance_all = dg.define_asset_job(
-    ADVANCE_ALL_JOB, selection=dg.AssetSelection.all(),
-    description="Advance every stream once: ingest landing files, update state tables, run all checks.")
+    ADVANCE_ALL_JOB, selection=dg.AssetSelection.all() - DEEP_CHECKS,
+    description="Advance every stream once: ingest landing files, update state tables, run the per-run checks.")
 
 stream_jobs = {
     name: dg.define_asset_job(
-        stream_job_name(spec), selection=dg.AssetSelection.groups(name), tags={STREAM_TAG: name},
+        stream_job_name(spec), selection=dg.AssetSelection.groups(name) - DEEP_CHECKS, tags={STREAM_TAG: name},
         description=f"Advance {name} once: ingest its landing files, update {spec.state_table.name}, check it.")
     for name, spec in STREAMS.items()
 }
+
+reconcile_state_tables = dg.define_asset_job(
+    DEEP_CHECK_JOB, selection=DEEP_CHECKS,
+    description="Deep check: every state table recomputed from all of bronze and compared key by key.")
+
+nightly_reconciliation = dg.ScheduleDefinition(
+    name="reconcile_state_tables_nightly", job=reconcile_state_tables, cron_schedule="30 2 * * *",
+    default_status=dg.DefaultScheduleStatus.RUNNING)
 
 every_five_minutes = dg.ScheduleDefinition(
     name="advance_all_every_5_minutes", job=advance_all, cron_schedule="*/5 * * * *",

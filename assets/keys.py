@@ -13,6 +13,8 @@ RECOVERY_OF_TAG = "statetables/recovery_of"
 RECOVERY_ATTEMPT_TAG = "statetables/recovery_attempt"
 RECOVERY_REASON_TAG = "statetables/recovery_reason"
 MAX_RECOVERY_ATTEMPTS = 3
+DEEP_CHECK = "reconciles_with_bronze"  # reads all of bronze: nightly and on demand, not in every run
+DEEP_CHECK_JOB = "reconcile_state_tables"
 
 
 def bronze_key(spec: StreamSpec) -> dg.AssetKey:
@@ -31,6 +33,10 @@ def changelog_key(spec: StreamSpec) -> dg.AssetKey:
     return dg.AssetKey(f"{spec.state_table.name}_changelog")
 
 
+def deep_check_keys() -> list[dg.AssetCheckKey]:
+    return [dg.AssetCheckKey(state_key(spec), DEEP_CHECK) for spec in STREAMS.values()]
+
+
 def pool(spec: StreamSpec) -> str:
     """One Dagster concurrency pool per stream: with run granularity and limit 1, the daemon never
     runs two runs that advance the same stream at once."""
@@ -42,7 +48,7 @@ def stream_job_name(spec: StreamSpec) -> str:
 
 
 def job_names() -> list[str]:
-    return [ADVANCE_ALL_JOB, *(stream_job_name(spec) for spec in STREAMS.values())]
+    return [ADVANCE_ALL_JOB, DEEP_CHECK_JOB, *(stream_job_name(spec) for spec in STREAMS.values())]
 
 
 def ingest_op_name(spec: StreamSpec) -> str:

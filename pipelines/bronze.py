@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from decimal import Decimal
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta, timezone
 from functools import partial, reduce
 from pathlib import Path
@@ -26,7 +27,7 @@ from pyspark.sql.types import (
 from pipelines.layout import StorageLayout
 from pipelines.errors import ConcurrentWriterError, StorageError
 from pipelines.source import LEDGER_SCHEMA, arrival_order, read_units, record_units, scan_landing, split_lines
-from pipelines.checkpoints import checkpoint_for_run, start_checkpoint
+from pipelines.checkpoints import checkpoint_for_run, start_checkpoint, write_origin
 from pipelines.faults import (
     INGEST_AFTER_BRONZE_COMMIT, INGEST_AFTER_QUARANTINE_COMMIT, INGEST_BATCH_END, INGEST_POISON, InjectedFault,
     fault_marker, fault_point,
@@ -118,8 +119,11 @@ def _classify_duplicates(accepted: DataFrame, bronze: DataFrame, spec: StreamSpe
         "_rank": F.row_number().over(by_arrival),
         "_first_hash": F.first("content_hash").over(by_arrival),
     })
+    # Only bronze rows of the batch's ids are hashed: the event-time range skips files by their
+    # statistics, the semi join skips every other id before the (costly) content hash.
     prior = (
         bronze.where(F.col(ts_col).between(lo, hi))
+        .join(accepted.select(id_col).distinct(), id_col, "left_semi")
         .groupBy(F.col(id_col).alias("_prior_id"))
         .agg(F.collect_set(content_identity(spec)).alias("_prior_hashes"))
     )
@@ -152,6 +156,7 @@ class IngestSettings:
     app_id: str
     horizon: timedelta
     max_ahead: timedelta
+    recheck_through_unit: int | None  # CheckpointOrigin.recheck_through_unit
 
 
 def _micros(value: timedelta) -> int:
@@ -159,11 +164,12 @@ def _micros(value: timedelta) -> int:
 
 
 def _classify(lines: DataFrame, batch_id: int, settings: IngestSettings, ingested_at: datetime,
-              unprocessable: DataFrame | None, error: str | None) -> tuple[DataFrame, dict]:
+              unprocessable: DataFrame | None, error: str | None, may_repeat: bool = True) -> tuple[DataFrame, dict]:
     """Every line of the batch with its `outcome` (one of OUTCOMES), and facts about the batch.
 
     Lines in `unprocessable` (found by `_isolate`) skip validation: they go to quarantine as they
-    are, with reason `unprocessable` and the error that made the batch fail.
+    are, with reason `unprocessable` and the error that made the batch fail. Unless `may_repeat`,
+    no line of the batch can be in bronze or quarantine yet, and they are not looked up there.
     """
     spec = settings.spec
     spark = lines.sparkSession
@@ -206,9 +212,12 @@ def _classify(lines: DataFrame, batch_id: int, settings: IngestSettings, ingeste
     lo, hi = facts["lo"] or 0, facts["hi"] or 0
     bronze = spark.read.format("delta").load(settings.bronze_path)
     quarantine = spark.read.format("delta").load(settings.quarantine_path)
-    done = _already_ingested(bronze, quarantine, spec, facts["files"], F.timestamp_micros(F.lit(lo)),
-                             F.timestamp_micros(F.lit(hi))).withColumn("_done", F.lit(True))
-    marked = stamped.join(done, ["source_file", "line_number"], "left")
+    if may_repeat:
+        done = _already_ingested(bronze, quarantine, spec, facts["files"], F.timestamp_micros(F.lit(lo)),
+                                 F.timestamp_micros(F.lit(hi))).withColumn("_done", F.lit(True))
+        marked = stamped.join(done, ["source_file", "line_number"], "left")
+    else:
+        marked = stamped.withColumn("_done", F.lit(None).cast("boolean"))
     fresh = marked.where(F.col("_done").isNull()).drop("_done")
     horizon = _micros(settings.horizon)
     new, duplicates, conflicts = _classify_duplicates(
@@ -298,10 +307,14 @@ def ingest_batch(units: DataFrame, batch_id: int, *, settings: IngestSettings) -
     """
     # Fixed once per attempt, so a recomputed partition classifies every line the same way.
     ingested_at = datetime.now(timezone.utc)
-    lines_of_units, vanished = read_units(units, settings.staging_dir)
-    lines = split_lines(lines_of_units)
+    lines_of_units, vanished, unit_numbers = read_units(units, settings.staging_dir)
+    # A unit is one row until it is split: spread its lines over every core before validating them.
+    lines = split_lines(lines_of_units).repartition(_partitions(units.sparkSession))
+    recheck = settings.recheck_through_unit
+    may_repeat = recheck is None or any(u <= recheck for u in unit_numbers)
+    write = partial(_write_batch, lines, batch_id, settings, ingested_at, vanished, may_repeat=may_repeat)
     try:
-        _write_batch(lines, batch_id, settings, ingested_at, vanished, None, None)
+        write(None, None)
     except (StorageError, ConcurrentWriterError, InjectedFault):
         raise
     except Exception as exc:
@@ -311,27 +324,70 @@ def ingest_batch(units: DataFrame, batch_id: int, *, settings: IngestSettings) -
         if not culprits:
             raise
         bad = lines.sparkSession.createDataFrame(culprits, "unit bigint, line_number bigint")
-        _write_batch(lines, batch_id, settings, ingested_at, vanished, bad, _first_line(exc))
+        write(bad, _first_line(exc))
     fault_point(INGEST_BATCH_END)
 
 
+ACCEPTED_TOTAL = "accepted_total"
+ACCEPTED_VALUE_TOTAL = "accepted_value_total"
+TOTALS_SEARCHED = 50  # newest bronze commits searched for running totals before counting bronze itself
+
+
+def accepted_totals(spark: SparkSession, bronze_path: str, value_field: str,
+                    version: int | None = None) -> tuple[int, Decimal]:
+    """(events, sum of values) in bronze at `version` (default: latest), from the running totals its
+    ingest commits carry; bronze itself is counted only when no commit near that version has them
+    (tables written by an earlier version, or a version far behind the latest)."""
+    history = DeltaTable.forPath(spark, bronze_path).history(TOTALS_SEARCHED).select("version", "userMetadata")
+    for row in sorted(history.collect(), key=lambda r: -r["version"]):
+        if version is not None and row["version"] > version:
+            continue
+        meta = json.loads(row["userMetadata"]) if row["userMetadata"] else {}
+        if isinstance(meta, dict) and ACCEPTED_TOTAL in meta:
+            return int(meta[ACCEPTED_TOTAL]), Decimal(meta[ACCEPTED_VALUE_TOTAL])
+        if row["version"] == 0:
+            return 0, Decimal(0)
+    reader = spark.read.format("delta")
+    if version is not None:
+        reader = reader.option("versionAsOf", version)
+    bronze = reader.load(bronze_path)
+    row = bronze.agg(F.count("*").alias("n"), F.sum(value_field).alias("v")).first()
+    return row["n"], row["v"] or Decimal(0)
+
+
+def _partitions(spark: SparkSession) -> int:
+    return int(spark.conf.get("spark.sql.shuffle.partitions"))
+
+
 def _write_batch(lines: DataFrame, batch_id: int, settings: IngestSettings, ingested_at: datetime,
-                 vanished: list[str], unprocessable: DataFrame | None, error: str | None) -> None:
+                 vanished: list[str], unprocessable: DataFrame | None, error: str | None, *,
+                 may_repeat: bool) -> None:
     spec = settings.spec
-    classified, facts = _classify(lines, batch_id, settings, ingested_at, unprocessable, error)
+    classified, facts = _classify(lines, batch_id, settings, ingested_at, unprocessable, error, may_repeat)
     classified = classified.persist()
     try:
-        outcomes = {r["outcome"]: r["count"] for r in classified.groupBy("outcome").count().collect()}
+        by_outcome = classified.groupBy("outcome").agg(F.count("*").alias("count"),
+                                                       F.sum(spec.value_field).alias("value"))
+        outcomes = {r["outcome"]: r for r in by_outcome.collect()}
+        accepted = outcomes.get("accepted")
+        # Running totals of everything bronze holds after this commit: the per-run checks compare the
+        # state tables with them instead of reading all of bronze again (one writer: the lock).
+        events_before, value_before = accepted_totals(lines.sparkSession, settings.bronze_path, spec.value_field)
         counts = {"app_id": settings.app_id, "batch_id": batch_id, "files": len(facts["files"]),
-                  "lines": facts["lines"], **{k: outcomes.get(k, 0) for k in OUTCOMES},
+                  "lines": facts["lines"], **{k: outcomes[k]["count"] if k in outcomes else 0 for k in OUTCOMES},
                   UNPROCESSABLE: classified.where(F.col("reason") == UNPROCESSABLE).count() if error else 0,
-                  "files_vanished": vanished}
+                  "files_vanished": vanished,
+                  ACCEPTED_TOTAL: events_before + (accepted["count"] if accepted else 0),
+                  ACCEPTED_VALUE_TOTAL: str(value_before + (accepted["value"] or 0 if accepted else 0))}
         if counts["lines"] != sum(counts[k] for k in OUTCOMES):
             raise AssertionError(f"line accounting broken in batch {batch_id}: {counts}")
         writes = (
             (classified.where(F.col("outcome") == "quarantined").select(*QUARANTINE_SCHEMA.fieldNames()),
              settings.quarantine_path, INGEST_AFTER_QUARANTINE_COMMIT),
-            (classified.where(F.col("outcome") == "accepted").select(*bronze_schema(spec).fieldNames()),
+            # Each bronze file holds one range of event times: the dedup lookup of later batches (an
+            # event-time window) then skips the other files by their statistics.
+            (classified.where(F.col("outcome") == "accepted").select(*bronze_schema(spec).fieldNames())
+             .repartitionByRange(_partitions(classified.sparkSession), spec.event_time_field),
              settings.bronze_path, INGEST_AFTER_BRONZE_COMMIT),
         )
         for frame, path, fault in writes:
@@ -375,14 +431,23 @@ def ingest_stream(spark: SparkSession, layout: StorageLayout, spec: StreamSpec, 
         origin, recovery = verdict.origin, None
         if origin is None:
             reason = verdict.problem or "no checkpoint yet"
-            origin = start_checkpoint(checkpoint, spec.ingest_query, reason, source_table_id=ledger_id)
+            # Lines of the units recorded so far may already be in bronze or quarantine (written under
+            # the checkpoint that was lost); units scanned later are new content.
+            holds_lines = any(version not in (None, 0) for version in before.values())
+            origin = start_checkpoint(checkpoint, spec.ingest_query, reason, source_table_id=ledger_id,
+                                      recheck_through_unit=scan.known_units + len(scan.units) - 1 if holds_lines
+                                      else -1)
             if verdict.problem or moved:
                 recovery = {"problem": reason, "set_aside": str(moved) if moved else None,
                             "action": "new checkpoint: every landing file is read again; lines already in "
                                       "bronze or quarantine are recognised by file and line number and skipped"}
+        elif origin.recheck_through_unit is None:
+            # A checkpoint started by an earlier version: units scanned from now on are new content.
+            origin = replace(origin, recheck_through_unit=scan.known_units - 1)
+            write_origin(checkpoint, origin)
         settings = IngestSettings(spec=spec, bronze_path=str(bronze_path), quarantine_path=str(quarantine_path),
                                   staging_dir=staging_dir, app_id=origin.app_id, horizon=dedup_horizon,
-                                  max_ahead=max_ahead)
+                                  max_ahead=max_ahead, recheck_through_unit=origin.recheck_through_unit)
         # One ledger commit file per micro-batch, in unit order (record_units writes them that way).
         units = spark.readStream.format("delta").option("maxFilesPerTrigger", "1").load(str(ledger_path))
         batches, rows = run_available_now(units, query_name=spec.ingest_query, checkpoint_dir=checkpoint,

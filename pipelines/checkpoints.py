@@ -43,6 +43,9 @@ class CheckpointOrigin:
     reason: str
     source_start_version: int | None = None  # state queries: first bronze version to read
     source_table_id: str | None = None  # state queries: the bronze table's Delta id
+    # Ingest: landing units up to this number may hold lines an earlier checkpoint already wrote, so
+    # their lines are looked up in bronze and quarantine; later units are new. None: look up all.
+    recheck_through_unit: int | None = None
 
 
 @dataclass(frozen=True)
@@ -107,7 +110,7 @@ def new_app_id(query_name: str) -> str:
 
 def start_checkpoint(checkpoint_dir: Path, query_name: str, reason: str, *, first_batch: int = 0,
                      source_start_version: int | None = None, source_table_id: str | None = None,
-                     app_id: str | None = None) -> CheckpointOrigin:
+                     app_id: str | None = None, recheck_through_unit: int | None = None) -> CheckpointOrigin:
     """Write the origin record of a checkpoint (atomically); Spark fills in the rest on first start."""
     origin = CheckpointOrigin(
         app_id=app_id or new_app_id(query_name),
@@ -116,12 +119,17 @@ def start_checkpoint(checkpoint_dir: Path, query_name: str, reason: str, *, firs
         reason=reason,
         source_start_version=source_start_version,
         source_table_id=source_table_id,
+        recheck_through_unit=recheck_through_unit,
     )
+    write_origin(checkpoint_dir, origin)
+    return origin
+
+
+def write_origin(checkpoint_dir: Path, origin: CheckpointOrigin) -> None:
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
     tmp = checkpoint_dir / f".{ORIGIN_FILE}.{os.getpid()}"
     tmp.write_text(json.dumps(asdict(origin), indent=1) + "\n")
     os.replace(tmp, checkpoint_dir / ORIGIN_FILE)
-    return origin
 
 
 def set_aside(checkpoint_dir: Path, set_aside_root: Path) -> Path | None:
@@ -249,3 +257,25 @@ def checkpoint_for_run(spark: SparkSession, checkpoint_dir: Path, set_aside_root
 def copy_checkpoint(source: Path, target: Path) -> None:
     """Copy a checkpoint folder whole (savepoints); the target must not exist."""
     shutil.copytree(source, target, symlinks=False)
+
+
+def covered_source_version(checkpoint_dir: Path) -> int | None:
+    """The newest version of the source Delta table whose rows the checkpoint's committed batches have all
+    processed; None when the checkpoint does not say so plainly.
+
+    The end offset of a Delta source after a whole version is `{"reservoirVersion": v + 1, "index": -1}`
+    (documented in the query progress as `endOffset`). A checkpoint with no batch yet starts after a
+    rebuild at `source_start_version`.
+    """
+    origin = read_origin(checkpoint_dir)
+    commits, offsets = _batch_files(checkpoint_dir / "commits"), _batch_files(checkpoint_dir / "offsets")
+    if origin is None:
+        return None
+    if not commits:
+        return origin.source_start_version - 1 if origin.source_start_version is not None else None
+    last = max(commits)
+    try:
+        offset = json.loads(offsets[last].read_text().split("\n")[2])
+    except (KeyError, OSError, ValueError, IndexError):
+        return None
+    return int(offset["reservoirVersion"]) - 1 if offset.get("index") == -1 else None

@@ -41,7 +41,8 @@ class GenerationSummary:
     late: int = 0
 
 
-def _event(spec: StreamSpec, rng: random.Random, n: int, event_time: datetime, tag: str) -> dict:
+def _event(spec: StreamSpec, rng: random.Random, n: int, event_time: datetime, tag: str,
+           customers: int = 2000) -> dict:
     ts = event_time.strftime("%Y-%m-%dT%H:%M:%S") + (f".{rng.randrange(1000):03d}" if n % 3 else "") + "Z"
     cents = rng.randrange(100, 50_000)
     if spec.name == "movie_ticket_sales":
@@ -49,11 +50,11 @@ def _event(spec: StreamSpec, rng: random.Random, n: int, event_time: datetime, t
                  "ticket_total_value": float(Decimal(cents) / 100) if n % 2 else f"{Decimal(cents) / 100}",
                  "sale_ts": ts}
         if rng.random() < 0.7:
-            event["customer_id"] = f"c-{rng.randrange(2000)}"
+            event["customer_id"] = f"c-{rng.randrange(customers)}"
         if n % 10 == 0:
             event["channel"] = "web"  # an unknown extra field: allowed, ignored
         return event
-    return {"payment_id": f"p-{tag}-{n}", "customer_id": f"c-{rng.randrange(2000)}",
+    return {"payment_id": f"p-{tag}-{n}", "customer_id": f"c-{rng.randrange(customers)}",
             "amount": float(Decimal(cents) / 100) if n % 2 else f"{Decimal(cents) / 100}", "paid_at": ts}
 
 
@@ -91,7 +92,8 @@ def _malformed(spec: StreamSpec, rng: random.Random, event: dict) -> bytes:
 
 def generate(spec: StreamSpec, landing_dir: Path, *, events: int, malformed: float = 0.005,
              duplicates: float = 0.01, conflicts: float = 0.001, late: float = 0.02, seed: int = 1,
-             events_per_file: int = 20_000, start: datetime | None = None) -> GenerationSummary:
+             events_per_file: int = 20_000, start: datetime | None = None, customers: int = 2000,
+             max_step_s: int = 30) -> GenerationSummary:
     """Write `events` lines for `spec` into `landing_dir`.
 
     >>> generate(PAYMENTS, Path("data/landing/payments"), events=100_000, seed=1).valid
@@ -101,7 +103,7 @@ def generate(spec: StreamSpec, landing_dir: Path, *, events: int, malformed: flo
     # Events advance up to 30 s each; they must all lie in the past (the contract quarantines events
     # more than a day after ingestion), so a large run starts early enough.
     clock = start or min(datetime(2026, 11, 1, tzinfo=timezone.utc),
-                         datetime.now(timezone.utc) - timedelta(seconds=30 * events, days=1))
+                         datetime.now(timezone.utc) - timedelta(seconds=max_step_s * events, days=1))
     tag = f"{seed}-{time.time_ns()}"
     summary = GenerationSummary(stream=spec.name)
     accepted: list[bytes] = []
@@ -119,7 +121,7 @@ def generate(spec: StreamSpec, landing_dir: Path, *, events: int, malformed: flo
         lines.clear()
 
     for n in range(events):
-        clock += timedelta(seconds=rng.randrange(1, 30))
+        clock += timedelta(seconds=rng.randrange(1, max_step_s))
         roll = rng.random()
         if roll < duplicates and accepted:
             lines.append(rng.choice(accepted))
@@ -130,12 +132,12 @@ def generate(spec: StreamSpec, landing_dir: Path, *, events: int, malformed: flo
             lines.append(json.dumps(changed).encode())
             summary.conflicts += 1
         elif roll < duplicates + conflicts + malformed:
-            lines.append(_malformed(spec, rng, _event(spec, rng, n, clock, tag)))
+            lines.append(_malformed(spec, rng, _event(spec, rng, n, clock, tag, customers)))
             summary.malformed += 1
         else:
             is_late = rng.random() < late
             event_time = clock - timedelta(hours=rng.randrange(2, 48)) if is_late else clock
-            event = _event(spec, rng, n, event_time, tag)
+            event = _event(spec, rng, n, event_time, tag, customers)
             line = json.dumps(event).encode()
             lines.append(line)
             accepted.append(line)

@@ -73,6 +73,7 @@ def landing_files(folder: Path) -> Iterator[Path]:
 @dataclass
 class ScanResult:
     units: list[dict]  # new ledger rows, in arrival order
+    known_units: int  # units recorded in the ledger before this scan (their numbers are 0 .. known_units - 1)
     changed: list[dict]  # {"file", "change", "version"} for files appended to or rewritten after ingestion
 
 
@@ -117,6 +118,7 @@ def scan_landing(spark: SparkSession, landing_dir: Path, ledger_path: Path, stag
                                  f"inside that folder (any depth).")
     landing_dir.mkdir(parents=True, exist_ok=True)
     latest, next_unit = _latest_units(spark, ledger_path)
+    known = next_unit
     found = []
     for path in landing_files(landing_dir):
         try:
@@ -169,7 +171,7 @@ def scan_landing(spark: SparkSession, landing_dir: Path, ledger_path: Path, stag
             "scanned_at": _utc(scanned_at),
         })
         next_unit += 1
-    return ScanResult(units, changed)
+    return ScanResult(units, known, changed)
 
 
 def _utc(seconds: float) -> datetime:
@@ -185,10 +187,10 @@ def record_units(spark: SparkSession, ledger_path: Path, units: list[dict], per_
             .coalesce(1).write.format("delta").mode("append").save(str(ledger_path))
 
 
-def read_units(units: DataFrame, staging_dir: Path) -> tuple[DataFrame, list[str]]:
+def read_units(units: DataFrame, staging_dir: Path) -> tuple[DataFrame, list[str], list[int]]:
     """The content of a micro-batch's units, one row per unit: unit, source_file (label),
     file_modified_at, first_line, content (the unit's bytes). Also the files that vanished before
-    they could be read (deleted from landing before ingestion).
+    they could be read (deleted from landing before ingestion), and the numbers of the units read.
 
     Each link is read by its exact, safe path; `byte_offset`/`byte_length` keep only the unit's bytes
     (gzip files are always whole units, Spark decompresses them by their `.gz` name).
@@ -199,7 +201,7 @@ def read_units(units: DataFrame, staging_dir: Path) -> tuple[DataFrame, list[str
     vanished = sorted({r["source_file"] for r in wanted if r not in present})
     schema = "unit bigint, source_file string, file_modified_at timestamp, first_line bigint, content binary"
     if not present:
-        return spark.createDataFrame([], schema), vanished
+        return spark.createDataFrame([], schema), vanished, []
     texts = (
         spark.read.format("text").option("wholetext", "true").option("ignoreMissingFiles", "true")
         .load([str(staging_dir / r["staged_name"]) for r in present])
@@ -213,7 +215,7 @@ def read_units(units: DataFrame, staging_dir: Path) -> tuple[DataFrame, list[str
     return (
         units.join(texts, "staged_name")
         .select("unit", label.alias("source_file"), "file_modified_at", "first_line", content.alias("content"))
-    ), vanished
+    ), vanished, [r["unit"] for r in present]
 
 
 def split_lines(units: DataFrame) -> DataFrame:

@@ -29,6 +29,8 @@ DEFAULT_MAX_AHEAD = timedelta(days=1)
 TRIMMED = " \t\n\r"
 # A numeric string: sign, digits with an optional point, optional exponent. ASCII digits only.
 NUMBER_TEXT = r"^([+-]?)([0-9]*)(?:\.([0-9]*))?(?:[eE]([+-]?[0-9]+))?\z"  # \z: `$` would allow a final newline
+# At most 16 integer digits and 1-2 decimals, unsigned: in range and exact as DECIMAL(18,2), no more to check.
+PLAIN_NUMBER = r"^[0-9]{1,16}(\.[0-9]{1,2})?\z"
 MAX_INTEGER_DIGITS = 16  # DECIMAL(18,2): |value| <= 9999999999999999.99
 MAX_DECIMALS = 2
 END_OF_LINE = "statetables:end-of-line"
@@ -41,61 +43,102 @@ def trimmed(text: Column) -> Column:
     return F.trim(text, F.lit(TRIMMED))
 
 
-def _json_type(doc: Column, name: str) -> Column:
-    return F.schema_of_variant(F.variant_get(doc, f"$.{name}", "variant"))
-
-
-def _decimal_text_facts(text: Column) -> tuple[Column, Column, Column, Column, Column]:
-    """(is a number, negative and not zero, more than 16 integer digits, more than 2 decimals, zero).
+def _decimal_text_facts(col) -> list[dict[str, Column]]:
+    """Stages of columns `_is_number`, `_negative`, `_too_big`, `_too_precise`, `_is_zero` for the trimmed
+    numeric text in column `_text` (`col(name)` reads one of the field's columns).
 
     Decided on the digits of the text, exactly, with no cast that could overflow: a value
     d1..dn x 10^k (trailing zeros folded into k) has n + k integer digits and max(0, -k) decimals.
     """
-    part = lambda i: F.regexp_extract(text, NUMBER_TEXT, i)  # noqa: E731
-    is_number = text.rlike(NUMBER_TEXT) & ((F.length(part(2)) + F.length(part(3))) > 0)
-    digits = F.concat(part(2), part(3))
+    text = col("_text")
+    # Nearly every value is plain (`12`, `12.5`, `"12.50"`): decided by one regex. The exact analysis
+    # below runs for the others only.
+    plain = {"_plain": text.rlike(PLAIN_NUMBER)}
+    slow = ~col("_plain")
+    parts = {f"_p{i}": F.when(slow, F.regexp_extract(text, NUMBER_TEXT, i)) for i in (1, 2, 3, 4)}
+    parts["_matches"] = F.when(slow, text.rlike(NUMBER_TEXT))
+    p1, p2, p3, exponent_text = (col(f"_p{i}") for i in (1, 2, 3, 4))
+    digits = {"_digits": F.concat(p2, p3)}
     # trim, not a regex: `0+$` backtracks quadratically on a long run of zeros (a hostile line)
-    without_trailing = F.rtrim(digits, F.lit("0"))
-    significant = F.length(F.ltrim(without_trailing, F.lit("0")))
-    is_zero = significant == 0
-    exponent_text = part(4)
+    trailing = {"_without_trailing": F.rtrim(col("_digits"), F.lit("0"))}
     # Up to 9 exponent digits fit a BIGINT sum below; longer exponents are "enormous" either way.
     exponent = F.when(exponent_text == "", F.lit(0)).otherwise(
         F.when(F.length(F.regexp_replace(exponent_text, "^[+-]?0*", "")) <= 9, exponent_text.try_cast("bigint")))
-    enormous = exponent.isNull()
-    k = exponent - F.length(part(3)) + (F.length(digits) - F.length(without_trailing))
-    negative = ~is_zero & (part(1) == "-")
-    integer_digits = significant + k
+    shape = {
+        "_is_number": col("_matches") & ((F.length(p2) + F.length(p3)) > 0),
+        "_significant": F.length(F.ltrim(col("_without_trailing"), F.lit("0"))),
+        "_k": exponent - F.length(p3) + (F.length(col("_digits")) - F.length(col("_without_trailing"))),
+    }
+    is_zero, k = col("_significant") == 0, col("_k")
+    enormous = k.isNull()
+    integer_digits = col("_significant") + k
     # 16 integer digits can still exceed 9999999999999999.99 in the decimals (…99.994): compared exactly
     # at 22 decimals, which DECIMAL(38,22) holds for 16 integer digits.
-    too_big = ~is_zero & F.when(enormous, ~exponent_text.startswith("-")).otherwise(
-        (integer_digits > MAX_INTEGER_DIGITS) | ((integer_digits == MAX_INTEGER_DIGITS)
-                                                 & (text.try_cast("decimal(38,22)") > F.lit(MAX_VALUE).cast("decimal(38,22)"))))
-    too_precise = ~is_zero & F.when(enormous, exponent_text.startswith("-")).otherwise(-k > MAX_DECIMALS)
-    return is_number, negative, too_big, too_precise, is_zero
+    fast = col("_plain")
+    facts = {
+        "_is_number": fast | col("_is_number"),
+        "_is_zero": F.when(fast, F.trim(text, F.lit("0.")) == "").otherwise(is_zero),
+        "_negative": ~fast & ~is_zero & (p1 == "-"),
+        "_too_big": ~fast & ~is_zero & F.when(enormous, ~exponent_text.startswith("-")).otherwise(
+            (integer_digits > MAX_INTEGER_DIGITS) | ((integer_digits == MAX_INTEGER_DIGITS)
+                                                     & (text.try_cast("decimal(38,22)")
+                                                        > F.lit(MAX_VALUE).cast("decimal(38,22)")))),
+        "_too_precise": ~fast & ~is_zero & F.when(enormous, exponent_text.startswith("-")).otherwise(-k > MAX_DECIMALS),
+    }
+    return [plain, parts, digits, trailing, shape, facts]
 
 
-def _field_checks(doc: Column, rule: FieldRule, ingested_at: Column,
+def _field_stages(rule: FieldRule, col) -> list[dict[str, Column]]:
+    """Columns computed once per line for `rule`, stage by stage, from the field's variant `_v`
+    (`col(name)` reads one of the field's columns; names are prefixed with the field by `_prefixed`).
+
+    Each value used by several checks is its own column: a column expression written inline is
+    evaluated again wherever it appears, while Spark's optimizer keeps a projection whose non-trivial
+    columns are used more than once.
+    """
+    v = col("_v")
+    stages = [{"_json_type": F.schema_of_variant(v), "_as_string": F.try_variant_get(v, "$", "string")}]
+    if rule.kind == "decimal":
+        stages.append({"_text": trimmed(col("_as_string"))})
+        stages.extend(_decimal_text_facts(col))
+    elif rule.kind == "timestamp":
+        with_seconds = F.regexp_replace(col("_as_string"), r"^([0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2})(Z|[+-])",
+                                        "$1:00$2")
+        stages.append({"_parsed": with_seconds.try_cast("timestamp"), "_iso": col("_as_string").rlike(ISO_TIMESTAMP)})
+    elif rule.trim:
+        stages.append({"_trimmed": trimmed(col("_as_string"))})
+    return stages
+
+
+def _prefixed(rule: FieldRule, name: str) -> str:
+    return f"_{rule.name}{name}"
+
+
+def _field_column(rule: FieldRule):
+    return lambda name: F.col(_prefixed(rule, name))
+
+
+def _field_checks(col, rule: FieldRule, ingested_at: Column,
                   max_ahead: timedelta) -> tuple[list[tuple[Column, str, Column]], Column]:
-    """(condition, reason, detail) triples in the order they are tested, and the typed value.
+    """(condition, reason, detail) triples in the order they are tested, and the typed value, over the
+    columns of `_field_stages` (`col(name)` reads this field's column `name`).
 
     Nothing here may throw on any input (a throw would stop the stream on every run): only try_*
     casts and text arithmetic; the typed value is produced only where every check passed.
     """
-    path = f"$.{rule.name}"
-    json_type = _json_type(doc, rule.name)
-    missing = F.variant_get(doc, path, "variant").isNull() | (json_type == "VOID")
-    as_string = F.try_variant_get(doc, path, "string")
+    json_type, as_string = col("_json_type"), col("_as_string")
+    missing = col("_v").isNull() | (json_type == "VOID")
     checks: list[tuple[Column, str, Column]] = []
     if rule.required:
         checks.append((missing, "missing_field", F.lit(f"{rule.name} is required")))
     present = ~missing
 
     if rule.kind == "string":
-        value = trimmed(as_string) if rule.trim else as_string
+        stripped = col("_trimmed") if rule.trim else trimmed(as_string)
+        value = stripped if rule.trim else as_string
         checks.append((present & (json_type != "STRING"),
                        "wrong_type", F.concat(F.lit(f"{rule.name} must be a JSON string, got "), json_type)))
-        checks.append((present & (trimmed(as_string) == ""), "empty_field", F.lit(f"{rule.name} is empty")))
+        checks.append((present & (stripped == ""), "empty_field", F.lit(f"{rule.name} is empty")))
         if rule.max_length:
             checks.append((present & (F.char_length(value) > rule.max_length), "too_long",
                            F.lit(f"{rule.name} is longer than {rule.max_length} characters")))
@@ -106,8 +149,9 @@ def _field_checks(doc: Column, rule: FieldRule, ingested_at: Column,
         # an IEEE double (e.g. "1.0E30", "Infinity") for exponents and longer literals.
         is_string = json_type == "STRING"
         numeric_type = json_type.isin(*NUMERIC_JSON_TYPES) | json_type.startswith("DECIMAL")
-        text = trimmed(as_string)
-        is_number, negative, too_big, too_precise, is_zero = _decimal_text_facts(text)
+        text = col("_text")
+        is_number, negative, is_zero = col("_is_number"), col("_negative"), col("_is_zero")
+        too_big, too_precise = col("_too_big"), col("_too_precise")
         checks.append((present & ~numeric_type & ~is_string, "wrong_type",
                        F.concat(F.lit(f"{rule.name} must be a JSON number or numeric string, got "), json_type)))
         checks.append((present & is_string & (text == ""), "empty_field", F.lit(f"{rule.name} is empty")))
@@ -124,12 +168,11 @@ def _field_checks(doc: Column, rule: FieldRule, ingested_at: Column,
         return checks, F.when(present & valid, F.when(is_zero, F.lit(0).cast(VALUE_TYPE))
                               .otherwise(text.try_cast(VALUE_TYPE)))
 
-    # timestamp; ISO-8601 allows leaving out the seconds, Spark's cast does not: they are added.
-    with_seconds = F.regexp_replace(as_string, r"^([0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2})(Z|[+-])", "$1:00$2")
-    parsed = with_seconds.try_cast("timestamp")
+    # timestamp; ISO-8601 allows leaving out the seconds, Spark's cast does not: they were added.
+    parsed = col("_parsed")
     checks.append((present & (json_type != "STRING"), "wrong_type",
                    F.concat(F.lit(f"{rule.name} must be an ISO-8601 string, got "), json_type)))
-    checks.append((present & (~as_string.rlike(ISO_TIMESTAMP) | parsed.isNull()), "invalid_timestamp",
+    checks.append((present & (~col("_iso") | parsed.isNull()), "invalid_timestamp",
                    F.lit(f"{rule.name} is not an ISO-8601 timestamp with offset or Z")))
     latest = ingested_at + F.make_dt_interval(secs=F.lit(max_ahead.total_seconds()))
     checks.append((present & ((parsed < F.lit(EARLIEST_EVENT_TIME)) | (parsed > latest)), "out_of_range",
@@ -162,24 +205,41 @@ def validate_lines(lines: DataFrame, spec: StreamSpec, *, ingested_at: datetime,
     >>> accepted = validated.where("reason IS NULL")
     """
     text = F.col("raw_bytes").cast("string")
-    utf8 = F.is_valid_utf8(text)
     # parse_json stops after the first complete value and ignores what follows (`{...} trailing`).
     # Parsing `[<line>,"<sentinel>"]` instead makes trailing content either a syntax error or an
     # array that is not exactly [value, sentinel], so only a line holding one JSON value passes.
-    wrapped = F.try_parse_json(F.concat(F.lit("["), text, F.lit(f',"{END_OF_LINE}"]')))
+    # Each stage below is its own projection: every value several checks use is computed once per line.
+    frame = lines.withColumns({
+        "_utf8": F.is_valid_utf8(text),
+        "_wrapped": F.try_parse_json(F.concat(F.lit("["), text, F.lit(f',"{END_OF_LINE}"]'))),
+    })
+    wrapped = F.col("_wrapped")
     single_value = (F.try_variant_get(wrapped, "$[1]", "string") == END_OF_LINE) & F.variant_get(
         wrapped, "$[2]", "variant").isNull()
-    doc = F.when(utf8 & single_value, F.variant_get(wrapped, "$[0]", "variant"))
-    is_object = F.schema_of_variant(doc).startswith("OBJECT")
+    frame = frame.withColumn("_doc", F.when(F.col("_utf8") & single_value, F.variant_get(wrapped, "$[0]", "variant")))
+    doc = F.col("_doc")
+    # A single JSON value whose text starts with `{` is an object; only other lines need the (costly,
+    # whole-document) schema_of_variant to say what they are.
+    starts_as_object = F.ltrim(text, F.lit(TRIMMED)).startswith("{")
+    frame = frame.withColumns({"_is_object": starts_as_object | F.schema_of_variant(doc).startswith("OBJECT"), **{
+        _prefixed(rule, "_v"): F.variant_get(doc, f"$.{rule.name}", "variant") for rule in spec.fields}})
+    # Every field's stages run side by side: stage i of all fields is one projection.
+    field_stages = {rule.name: _field_stages(rule, _field_column(rule)) for rule in spec.fields}
+    for depth in range(max(len(stages) for stages in field_stages.values())):
+        frame = frame.withColumns({
+            _prefixed(rule, name): column
+            for rule in spec.fields if depth < len(field_stages[rule.name])
+            for name, column in field_stages[rule.name][depth].items()})
 
     ordered: list[tuple[Column, str, str | None, Column]] = [
-        (~utf8, "invalid_utf8", None, F.lit("line is not valid UTF-8")),
+        (~F.col("_utf8"), "invalid_utf8", None, F.lit("line is not valid UTF-8")),
         (doc.isNull(), "not_json", None, F.lit("line is not a JSON document")),
-        (~is_object, "not_object", None, F.concat(F.lit("line is JSON but not an object: "), F.schema_of_variant(doc))),
+        (~F.col("_is_object"), "not_object", None,
+         F.concat(F.lit("line is JSON but not an object: "), F.schema_of_variant(doc))),
     ]
     typed: dict[str, Column] = {}
     for rule in spec.fields:
-        checks, value = _field_checks(F.col("_doc"), rule, F.lit(ingested_at), max_ahead)
+        checks, value = _field_checks(_field_column(rule), rule, F.lit(ingested_at), max_ahead)
         ordered.extend((cond, reason, rule.name, detail) for cond, reason, detail in checks)
         typed[rule.name] = value
 
@@ -189,8 +249,7 @@ def validate_lines(lines: DataFrame, spec: StreamSpec, *, ingested_at: datetime,
                            detail.alias("detail"))
         verdict = F.when(cond, outcome) if verdict is None else verdict.when(cond, outcome)
 
-    with_doc = lines.withColumn("_doc", doc)
-    checked = with_doc.select(
+    checked = frame.select(
         "*",
         *[value.alias(name) for name, value in typed.items()],
         verdict.alias("_verdict"),
@@ -207,3 +266,4 @@ def validate_lines(lines: DataFrame, spec: StreamSpec, *, ingested_at: datetime,
         F.col("_verdict.detail").alias("detail"),
         F.when(typed_only, content_identity(spec)).alias("content_hash"),
     )
+

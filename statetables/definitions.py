@@ -2,15 +2,18 @@
 
 import dagster as dg
 
-from assets.automation import advance_all, every_five_minutes, landing_files_sensor, recover_failed_stream, stream_jobs
+from assets.automation import (
+    advance_all, every_five_minutes, landing_files_sensor, nightly_reconciliation, reconcile_state_tables,
+    recover_failed_stream, stream_jobs,
+)
 from assets.streams import build_stream_assets
 from pipelines.streams import STREAMS
 from resources import SparkSessionResource, StorageResource
 
 defs = dg.Definitions(
     assets=[a for spec in STREAMS.values() for a in build_stream_assets(spec)],
-    jobs=[advance_all, *stream_jobs.values()],
-    schedules=[every_five_minutes],
+    jobs=[advance_all, reconcile_state_tables, *stream_jobs.values()],
+    schedules=[every_five_minutes, nightly_reconciliation],
     sensors=[landing_files_sensor, recover_failed_stream],
     resources={"spark": SparkSessionResource(), "storage": StorageResource()},
     # One process, one SparkSession, one JVM per run.

@@ -77,19 +77,28 @@ def test_all_assets_materialize_with_checks_passing(spark, layout):
 
 
 def test_a_failing_blocking_check_fails_the_run(spark, layout):
-    generate(stream_spec("payments"), layout.landing("payments"), events=300, seed=4)
+    for name in ("payments", "movie_ticket_sales"):
+        generate(stream_spec(name), layout.landing(name), events=300, seed=4)
     with dg.DagsterInstance.ephemeral() as instance:
-        assert _job("advance_payments").execute_in_process(instance=instance).success
+        assert _job().execute_in_process(instance=instance).success
         # corrupt the state table behind the pipeline's back: one customer counted twice
         table = DeltaTable.forPath(spark, str(layout.table("payments_per_customer")))
         key = table.toDF().first()["customer_id"]
         table.update(F.col("customer_id") == key, {"payment_count": F.col("payment_count") + 1})
         result = _job("advance_payments").execute_in_process(instance=instance, raise_on_error=False)
+        # the deep check (nightly job) compares every key with all of bronze and names the key
+        deep = _job("reconcile_state_tables").execute_in_process(instance=instance, raise_on_error=False)
     assert not result.success
     failed = [e.event_specific_data for e in result.all_events
               if e.event_type_value == "ASSET_CHECK_EVALUATION" and not e.event_specific_data.passed]
-    assert [c.check_name for c in failed] == ["reconciles_with_bronze"]
-    assert failed[0].metadata["mismatched_keys"].value == 1
+    # the per-run check: totals against bronze's running totals, without reading bronze
+    assert [c.check_name for c in failed] == ["totals_match_bronze"]
+    assert failed[0].metadata["events_counted"].value == failed[0].metadata["bronze_events"].value + 1
+    assert not deep.success
+    deep_failed = [e.event_specific_data for e in deep.all_events
+                   if e.event_type_value == "ASSET_CHECK_EVALUATION" and not e.event_specific_data.passed]
+    assert [c.check_name for c in deep_failed] == ["reconciles_with_bronze"]
+    assert deep_failed[0].metadata["mismatched_keys"].value == 1
 
 
 def test_landing_sensor_requests_one_run_per_stream_with_new_files(layout, landing):

@@ -1,0 +1,157 @@
+"""One benchmark case per process, so every figure includes what a user pays: interpreter, JVM, session.
+
+    python -m benchmarks.cases <case> --home H --landing L [--out O] [--increment DIR]
+
+Each case prints one last line `RESULT {json}` with the time of its own work inside the process
+(`work_s`); benchmarks/run.py measures the whole process around it (wall time, peak memory).
+Cases (docs/performance.md):
+  minimal    (e) the smallest Spark + Delta process: session with the project's jars and confs, one small read
+  floor      (a) Spark's floor: batch read of the landing files with a schema, aggregate by key, write parquet
+  recompute  (b) the periodic batch job: GROUP BY over all of bronze, overwrite a state table
+  stateful   (c) Spark's stateful streaming aggregation (RocksDB, update mode), foreachBatch MERGE of absolutes
+  polars     (d) Polars + delta-rs: aggregate the files, MERGE into a Delta table
+  warm       (f) this project inside a warm process: one catch-up run, then `--repeat` runs that each add an
+                 increment's files, timed one by one (the step cost without the process start)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+PAYMENT_SCHEMA = "payment_id string, customer_id string, amount decimal(18,2), paid_at timestamp"
+
+
+def _session():
+    from pipelines.session import build_spark_session
+    return build_spark_session()
+
+
+def _landing_files(folder: Path) -> list[str]:
+    return sorted(str(p) for p in folder.rglob("*.jsonl"))
+
+
+def minimal(args) -> dict:
+    started = time.monotonic()
+    spark = _session()
+    session_s = time.monotonic() - started
+    rows = spark.read.format("delta").load(args.out).count()
+    read_s = time.monotonic() - started - session_s
+    spark.stop()
+    return {"work_s": time.monotonic() - started, "session_s": session_s, "first_read_s": read_s, "rows": rows}
+
+
+def floor(args) -> dict:
+    from pyspark.sql import functions as F
+    spark = _session()
+    started = time.monotonic()
+    events = spark.read.schema(PAYMENT_SCHEMA).json(_landing_files(Path(args.landing)))
+    (events.groupBy("customer_id").agg(F.count("amount").alias("payment_count"), F.sum("amount").alias("total_amount"))
+     .write.mode("overwrite").parquet(args.out))
+    return {"work_s": time.monotonic() - started}
+
+
+def recompute(args) -> dict:
+    from pyspark.sql import functions as F
+    spark = _session()
+    started = time.monotonic()
+    bronze = spark.read.format("delta").load(str(Path(args.home) / "tables" / "payments_bronze"))
+    (bronze.groupBy("customer_id").agg(F.count("amount").alias("payment_count"), F.sum("amount").alias("total_amount"),
+                                       F.min("paid_at").alias("first_paid_at"), F.max("paid_at").alias("last_paid_at"))
+     .write.format("delta").mode("overwrite").save(args.out))
+    return {"work_s": time.monotonic() - started}
+
+
+def stateful(args) -> dict:
+    from delta.tables import DeltaTable
+    from pyspark.sql import functions as F
+    spark = _session()
+    spark.conf.set("spark.sql.streaming.stateStore.providerClass",
+                   "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider")
+    out = args.out
+    started = time.monotonic()
+    if not DeltaTable.isDeltaTable(spark, out):
+        spark.createDataFrame([], "customer_id string, payment_count bigint, total_amount decimal(28,2)") \
+            .write.format("delta").save(out)
+
+    def merge_absolutes(batch, batch_id):
+        # update mode emits each changed key's absolute aggregate: upsert it as is
+        DeltaTable.forPath(batch.sparkSession, out).alias("t").merge(batch.alias("s"), "t.customer_id = s.customer_id") \
+            .whenMatchedUpdateAll().whenNotMatchedInsertAll().execute()
+
+    aggregated = (spark.readStream.schema(PAYMENT_SCHEMA).json(args.landing)
+                  .groupBy("customer_id").agg(F.count("amount").alias("payment_count"),
+                                              F.sum("amount").cast("decimal(28,2)").alias("total_amount")))
+    query = (aggregated.writeStream.outputMode("update").option("checkpointLocation", out + "_checkpoint")
+             .trigger(availableNow=True).foreachBatch(merge_absolutes).start())
+    query.awaitTermination()
+    return {"work_s": time.monotonic() - started}
+
+
+def polars_merge(args) -> dict:
+    import polars as pl
+    from deltalake import DeltaTable, write_deltalake
+    started = time.monotonic()
+    schema = {"payment_id": pl.String, "customer_id": pl.String, "amount": pl.Decimal(18, 2), "paid_at": pl.String}
+    files = _landing_files(Path(args.landing))
+    batch = (pl.scan_ndjson(files, schema=schema, ignore_errors=True)
+             .group_by("customer_id").agg(pl.col("amount").count().alias("payment_count"),
+                                          pl.col("amount").sum().alias("total_amount"))
+             .collect())
+    if not Path(args.out, "_delta_log").is_dir():
+        write_deltalake(args.out, batch)
+    else:
+        (DeltaTable(args.out).merge(batch.to_arrow(), "t.customer_id = s.customer_id", source_alias="s",
+                                    target_alias="t")
+         .when_matched_update({"payment_count": "t.payment_count + s.payment_count",
+                               "total_amount": "t.total_amount + s.total_amount"})
+         .when_not_matched_insert_all().execute())
+    return {"work_s": time.monotonic() - started, "keys": batch.height}
+
+
+def warm(args) -> dict:
+    """The project's job inside one warm process: a catch-up run, then one timed run per increment folder."""
+    import dagster as dg
+    from statetables.definitions import defs
+    job = defs.resolve_job_def("advance_payments")
+    landing = Path(args.home) / "landing" / "payments"
+    runs = []
+    with dg.DagsterInstance.ephemeral() as instance:
+        job.execute_in_process(instance=instance)  # catch up, and warm the JVM and the code paths
+        for increment in args.increment:
+            for source in sorted(Path(increment).glob("*.jsonl")):
+                os.link(source, landing / f"{Path(increment).name}-{source.name}")
+            started = time.monotonic()
+            result = job.execute_in_process(instance=instance)
+            elapsed = time.monotonic() - started
+            steps = {}
+            for node in ("payments_ingest", "payments_per_customer", "payments_per_customer_changelog"):
+                meta = result.asset_materializations_for_node(node)[0].metadata
+                steps[node] = meta["duration_s"].value
+            runs.append({"run_s": elapsed, "steps_s": steps, "success": result.success})
+    return {"work_s": sum(r["run_s"] for r in runs), "runs": runs}
+
+
+CASES = {"minimal": minimal, "floor": floor, "recompute": recompute, "stateful": stateful, "polars": polars_merge,
+         "warm": warm}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("case", choices=sorted(CASES))
+    parser.add_argument("--home")
+    parser.add_argument("--landing")
+    parser.add_argument("--out")
+    parser.add_argument("--increment", action="append", default=[])
+    args = parser.parse_args()
+    if args.home:
+        os.environ["STATETABLES_HOME"] = args.home
+    result = CASES[args.case](args)
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,306 @@
+"""`make bench`: this project side by side with the alternatives, on the same generated files, in one run.
+
+    .venv/bin/python -m benchmarks.run [--quick | --full] [--repeat 3]
+
+Every case runs as its own process (benchmarks/cases.py); each figure is the median of `--repeat`
+runs. Whole-process wall time and peak resident memory (JVM and Python separately, sampled every
+0.1 s over the process tree) are measured here; the time of the work inside the process is what the
+case reports. Writes docs/bench/results.json, docs/bench/results.md (the table) and docs/bench/bench.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+OUT = ROOT / "docs" / "bench"
+INCREMENT_FILE_LINES = 100_000
+
+
+def _peak_memory(pid: int, stop: threading.Event, peak: dict) -> None:
+    while not stop.is_set():
+        try:
+            procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+            jvm = py = 0
+            for p in procs:
+                try:
+                    rss = p.memory_info().rss
+                    if "java" in p.name():
+                        jvm += rss
+                    else:
+                        py += rss
+                except psutil.Error:
+                    pass
+            peak["jvm"], peak["python"] = max(peak["jvm"], jvm), max(peak["python"], py)
+            peak["total"] = max(peak["total"], jvm + py)
+        except psutil.Error:
+            pass
+        stop.wait(0.1)
+
+
+def measure(args: list[str], home: Path | None = None) -> dict:
+    """Run one process; its wall time, peak RSS and the RESULT line it printed."""
+    env = {**os.environ, **({"STATETABLES_HOME": str(home)} if home else {})}
+    peak = {"jvm": 0, "python": 0, "total": 0}
+    stop = threading.Event()
+    started = time.monotonic()
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    sampler = threading.Thread(target=_peak_memory, args=(proc.pid, stop, peak), daemon=True)
+    sampler.start()
+    stdout, stderr = proc.communicate()
+    wall = time.monotonic() - started
+    stop.set()
+    sampler.join()
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(map(str, args))} failed ({proc.returncode}):\n{stdout[-3000:]}\n{stderr[-3000:]}")
+    result = next((json.loads(line[7:]) for line in reversed(stdout.splitlines()) if line.startswith("RESULT ")), {})
+    return {"wall_s": wall, "peak_rss_mb": {k: round(v / 2**20) for k, v in peak.items()}, **result}
+
+
+def case(name: str, **options) -> list[str]:
+    args = [str(BIN / "python"), "-m", "benchmarks.cases", name]
+    for key, value in options.items():
+        for item in value if isinstance(value, list) else [value]:
+            args += [f"--{key}", str(item)]
+    return args
+
+
+def project_run(home: Path) -> list[str]:
+    return [str(BIN / "statetables"), "run", "--job", "advance_payments", "--log-level", "WARNING"]
+
+
+class Data:
+    """Generated landing files, made once per run and hard-linked into each case's folder."""
+
+    def __init__(self, root: Path, file_lines: int):
+        self.root, self.file_lines = root, file_lines
+
+    def history(self, events: int) -> Path:
+        from pipelines.generate import generate
+        from pipelines.streams import PAYMENTS
+        folder = self.root / f"history-{events}"
+        if not folder.is_dir():
+            start = datetime.now(timezone.utc) - timedelta(seconds=15.5 * events, days=5)
+            generate(PAYMENTS, folder, events=events, seed=1, events_per_file=self.file_lines, start=start,
+                     customers=max(2000, events // 10))
+        return folder
+
+    def increment(self, events: int, seed: int, customers: int) -> Path:
+        from pipelines.generate import generate
+        from pipelines.streams import PAYMENTS
+        folder = self.root / f"increment-{events}-{seed}"
+        if not folder.is_dir():
+            # recent events, about 1 s apart: an increment is the last day or so of traffic
+            start = datetime.now(timezone.utc) - timedelta(days=3)
+            generate(PAYMENTS, folder, events=events, seed=100 + seed, events_per_file=min(events, INCREMENT_FILE_LINES),
+                     start=start, customers=customers, max_step_s=2)
+        return folder
+
+
+def link_into(source: Path, landing: Path, prefix: str = "") -> None:
+    landing.mkdir(parents=True, exist_ok=True)
+    for path in sorted(source.glob("*.jsonl")):
+        os.link(path, landing / f"{prefix}{path.name}")
+
+
+def table_files(home: Path) -> dict:
+    tables = {}
+    for table in sorted((home / "tables").iterdir()) if (home / "tables").is_dir() else []:
+        data = [p for p in table.rglob("*.parquet") if "_delta_log" not in p.parts]
+        log = list((table / "_delta_log").glob("*"))
+        tables[table.name] = {"data_files": len(data), "data_mb": round(sum(p.stat().st_size for p in data) / 2**20, 1),
+                              "log_files": len(log)}
+    return tables
+
+
+def median(runs: list[dict], key: str = "wall_s") -> float:
+    return round(statistics.median(r[key] for r in runs), 2)
+
+
+def bench(sizes: list[int], increments: list[int], repeat: int, work: Path) -> dict:
+    data = Data(work / "data", min(INCREMENT_FILE_LINES, max(sizes) // 10 or 1))
+    results: dict = {"cases": {}}
+
+    def record(key: str, runs: list[dict]) -> None:
+        results["cases"][key] = {"runs": runs, "wall_s": median(runs), "work_s": median(runs, "work_s"),
+                                 "peak_rss_mb": max(r["peak_rss_mb"]["total"] for r in runs),
+                                 "peak_rss_jvm_mb": max(r["peak_rss_mb"]["jvm"] for r in runs),
+                                 "peak_rss_python_mb": max(r["peak_rss_mb"]["python"] for r in runs)}
+        c = results["cases"][key]
+        print(f"{key:45s} wall {c['wall_s']:8.2f}s  work {c['work_s']:8.2f}s  peak {c['peak_rss_mb']:6d} MB", flush=True)
+
+    small = work / "small_table"
+    if not small.is_dir():
+        import pyarrow as pa
+        from deltalake import write_deltalake
+        write_deltalake(str(small), pa.table({"id": list(range(10))}))
+    record("e_minimal_spark_delta_process", [measure(case("minimal", out=small)) for _ in range(repeat)])
+
+    for size in sizes:
+        history = data.history(size)
+        runs = {k: [] for k in ("a", "b", "c", "d", "f")}
+        for rep in range(repeat):
+            runs["a"].append(measure(case("floor", landing=history, out=work / f"floor-{size}-{rep}")))
+            home = work / f"home-{size}-{rep}"
+            link_into(history, home / "landing" / "payments")
+            runs["f"].append(measure(project_run(home), home))
+            runs["b"].append(measure(case("recompute", home=home, out=work / f"recompute-{size}-{rep}")))
+            runs["c"].append(measure(case("stateful", landing=history, out=str(work / f"stateful-{size}-{rep}"))))
+            runs["d"].append(measure(case("polars", landing=history, out=work / f"polars-{size}-{rep}")))
+        for key, label in (("a", "a_spark_floor"), ("b", "b_full_recompute"), ("c", "c_spark_stateful_rocksdb"),
+                           ("d", "d_polars_deltalake"), ("f", "f_statetables_run")):
+            record(f"{label}@{size}", runs[key])
+        history_home = work / f"home-{size}-0"
+        record(f"f_statetables_run_no_new_files@{size}", [measure(project_run(history_home), history_home)
+                                                         for _ in range(repeat)])
+        for inc in increments:
+            customers = max(2000, size // 10)
+            # whole process, on empty history and on this history (which grows by each increment)
+            for base, label in ((None, "0"), (history_home, str(size))):
+                process_runs = []
+                for rep in range(repeat):
+                    folder = data.increment(inc, seed=rep, customers=customers)
+                    home = base or work / f"inc-{inc}-{rep}"
+                    link_into(folder, home / "landing" / "payments", prefix=f"p{rep}-{label}-")
+                    process_runs.append(measure(project_run(home), home))
+                record(f"f_increment_{inc}_process@history_{label}", process_runs)
+                warm_home = base or work / f"warm-{inc}"
+                (warm_home / "landing" / "payments").mkdir(parents=True, exist_ok=True)
+                folders = [data.increment(inc, seed=10 + rep, customers=customers) for rep in range(repeat)]
+                warm = measure(case("warm", home=warm_home, increment=folders), warm_home)
+                steps = [{"wall_s": r["run_s"], "work_s": r["run_s"], "peak_rss_mb": warm["peak_rss_mb"], **r}
+                         for r in warm["runs"]]
+                record(f"f_increment_{inc}_warm_run@history_{label}", steps)
+            recompute_runs = [measure(case("recompute", home=history_home, out=work / f"recompute-inc-{inc}-{rep}"))
+                              for rep in range(repeat)]
+            record(f"b_full_recompute_after_increments@{size}", recompute_runs)
+        results.setdefault("table_files", {})[f"history_{size}_after_increments"] = table_files(history_home)
+    return results
+
+
+def ratios(results: dict, sizes: list[int], increments: list[int]) -> dict:
+    c = {k: v["wall_s"] for k, v in results["cases"].items()}
+    work = {k: v["work_s"] for k, v in results["cases"].items()}
+    minimal = c["e_minimal_spark_delta_process"]
+    out = {}
+    for size in sizes:
+        f = c[f"f_statetables_run@{size}"]
+        out[f"run@{size} / spark floor (a), whole process"] = f / c[f"a_spark_floor@{size}"]
+        out[f"run@{size} / full recompute (b), whole process"] = f / c[f"b_full_recompute@{size}"]
+        out[f"run@{size} / spark stateful (c), whole process"] = f / c[f"c_spark_stateful_rocksdb@{size}"]
+        out[f"run@{size} / polars + delta-rs (d), whole process"] = f / c[f"d_polars_deltalake@{size}"]
+        out[f"run@{size} / smallest spark+delta process (e)"] = f / minimal
+        out[f"no new files@{size} / smallest process (e) [target <= 1.5]"] = c[f"f_statetables_run_no_new_files@{size}"] / minimal
+        out[f"bulk events/s, run@{size} (whole process)"] = size / f
+        out[f"bulk events/s, spark floor (a)@{size} (job inside)"] = size / work[f"a_spark_floor@{size}"]
+        for inc in increments:
+            empty = c[f"f_increment_{inc}_process@history_0"]
+            full = c[f"f_increment_{inc}_process@history_{size}"]
+            out[f"increment {inc}: history {size} / empty history, whole process [target <= 1.3]"] = full / empty
+            warm_empty, warm_full = c[f"f_increment_{inc}_warm_run@history_0"], c[f"f_increment_{inc}_warm_run@history_{size}"]
+            out[f"increment {inc}: history {size} / empty history, warm run [target <= 1.3]"] = warm_full / warm_empty
+            out[f"increment {inc} / smallest process (e), whole process"] = empty / minimal
+            out[f"full recompute (b)@{size} / increment {inc} warm run [target >= 10]"] = (
+                c[f"b_full_recompute_after_increments@{size}"] / warm_full)
+            out[f"events/s, increment {inc} warm run on history {size}"] = inc / warm_full
+    return {k: round(v, 2) for k, v in out.items()}
+
+
+def plot(results: dict, sizes: list[int], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    cases = results["cases"]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    size = sizes[-1]
+    labels = ["a_spark_floor", "b_full_recompute", "c_spark_stateful_rocksdb", "d_polars_deltalake", "f_statetables_run"]
+    names = ["(a) Spark floor", "(b) full recompute", "(c) Spark stateful", "(d) Polars+delta-rs", "(f) statetables"]
+    walls = [cases[f"{k}@{size}"]["wall_s"] for k in labels]
+    works = [cases[f"{k}@{size}"]["work_s"] for k in labels]
+    x = range(len(labels))
+    axes[0].bar([i - 0.2 for i in x], walls, 0.4, label="whole process")
+    axes[0].bar([i + 0.2 for i in x], works, 0.4, label="work inside")
+    axes[0].axhline(cases["e_minimal_spark_delta_process"]["wall_s"], color="grey", ls="--",
+                    label="(e) smallest Spark+Delta process")
+    axes[0].set_xticks(list(x), names, rotation=20, fontsize=8)
+    axes[0].set_ylabel("seconds (median)")
+    axes[0].set_title(f"{size:,} payment events, bulk")
+    axes[0].legend(fontsize=8)
+    incs = sorted({int(k.split("_")[2]) for k in cases if k.startswith("f_increment_")})
+    for j, history in enumerate(["0", str(size)]):
+        vals = [cases[f"f_increment_{i}_warm_run@history_{history}"]["wall_s"] for i in incs]
+        procs = [cases[f"f_increment_{i}_process@history_{history}"]["wall_s"] for i in incs]
+        axes[1].plot([str(i) for i in incs], vals, marker="o", label=f"warm run, history {int(history):,}")
+        axes[1].plot([str(i) for i in incs], procs, marker="s", ls=":", label=f"whole process, history {int(history):,}")
+    axes[1].axhline(cases[f"b_full_recompute_after_increments@{size}"]["wall_s"], color="red", ls="--",
+                    label=f"(b) full recompute at {size:,}")
+    axes[1].set_xlabel("new events in the run")
+    axes[1].set_ylabel("seconds (median)")
+    axes[1].set_title("increments: cost follows new data?")
+    axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def markdown(results: dict) -> str:
+    lines = ["| case | whole process s | work inside s | peak RSS MB (JVM + Python) |", "|---|---:|---:|---:|"]
+    for key, c in results["cases"].items():
+        lines.append(f"| {key} | {c['wall_s']:.2f} | {c['work_s']:.2f} | {c['peak_rss_mb']} "
+                     f"({c['peak_rss_jvm_mb']} + {c['peak_rss_python_mb']}) |")
+    lines += ["", "| ratio | value |", "|---|---:|"]
+    lines += [f"| {k} | {v} |" for k, v in results["ratios"].items()]
+    for name, tables in results.get("table_files", {}).items():
+        lines += ["", f"Files per table, {name}:", "", "| table | data files | data MB | log files |", "|---|---:|---:|---:|"]
+        lines += [f"| {t} | {v['data_files']} | {v['data_mb']} | {v['log_files']} |" for t, v in tables.items()]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="small sizes, one repetition: checks the harness")
+    parser.add_argument("--full", action="store_true", help="also 10M events (~1M customers)")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--work", default=None, help="scratch folder (default: a temporary one, removed after)")
+    args = parser.parse_args()
+    sizes, increments, repeat = ([1_000_000, 10_000_000] if args.full else [1_000_000]), [10_000, 100_000], args.repeat
+    if args.quick:
+        sizes, increments, repeat = [20_000], [2_000, 5_000], 1
+    work = Path(args.work) if args.work else Path(os.environ.get("TMPDIR", "/tmp")) / f"statetables-bench-{os.getpid()}"
+    work.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    try:
+        results = bench(sizes, increments, repeat, work)
+    finally:
+        if not args.work:
+            shutil.rmtree(work, ignore_errors=True)
+    results["ratios"] = ratios(results, sizes, increments)
+    results["machine"] = {"cpus": os.cpu_count(), "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
+                          "platform": platform.platform(), "python": platform.python_version(),
+                          "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "repeat": repeat,
+                          "sizes": sizes, "increments": increments, "bench_s": round(time.monotonic() - started)}
+    table = markdown(results)
+    print(table)
+    target = OUT if not args.quick else work.parent / f"statetables-bench-quick-{os.getpid()}"
+    target.mkdir(parents=True, exist_ok=True)
+    (target / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+    (target / "results.md").write_text(table)
+    plot(results, sizes, target / "bench.png")
+    print(f"written: {target}/results.json, results.md, bench.png")
+
+
+if __name__ == "__main__":
+    main()

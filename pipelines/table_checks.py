@@ -1,0 +1,94 @@
+"""The data checks' queries, as plain functions that return figures (Dagster shows them in assets/).
+
+Two depths for a state table:
+- per run, costing what the run costs: its totals equal bronze's running totals at the bronze version
+  its checkpoint covers (bronze commits carry them, pipelines/bronze.py), its keys are unique and its
+  counts positive. A state table scan is bounded by its keys; bronze history is never read.
+- deep (nightly and on demand): every key's count and sum recomputed from all of bronze.
+A corrupted state table fails both (tests/assets/test_dagster.py).
+"""
+
+from __future__ import annotations
+
+from decimal import Decimal
+
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+
+from pipelines.bronze import accepted_totals
+from pipelines.checkpoints import covered_source_version
+from pipelines.layout import StorageLayout
+from pipelines.streams import StreamSpec
+
+TOTAL_TYPE = "decimal(28,2)"
+
+
+def _state(spark: SparkSession, layout: StorageLayout, spec: StreamSpec) -> DataFrame:
+    return spark.read.format("delta").load(str(layout.table(spec.state_table.name)))
+
+
+def state_totals(spark: SparkSession, layout: StorageLayout, spec: StreamSpec) -> dict:
+    """keys, events counted and the value total of the state table, in one scan."""
+    table = spec.state_table
+    row = _state(spark, layout, spec).agg(
+        F.count("*").alias("keys"), F.sum(table.count_column).alias("events"),
+        F.sum(table.sum_column).alias("total")).first()
+    return {"keys": row["keys"], "events_counted": row["events"] or 0, "total": row["total"] or Decimal(0)}
+
+
+def totals_match_bronze(spark: SparkSession, layout: StorageLayout, spec: StreamSpec) -> dict:
+    """The per-run reconciliation: the state table's totals against bronze's at the covered version.
+
+    Falls back to counting bronze at that version when its commits carry no running totals; when the
+    checkpoint does not say which version it covers, `covered_bronze_version` is -1 and the caller
+    runs the deep check instead.
+    """
+    version = covered_source_version(layout.checkpoint(spec.state_query))
+    state = state_totals(spark, layout, spec)
+    if version is None:
+        return {"covered_bronze_version": -1, **state, "passed": None}
+    events, total = accepted_totals(spark, str(layout.table(spec.bronze_table)), spec.value_field, version)
+    return {"covered_bronze_version": version, "bronze_events": events, "bronze_total": total, **state,
+            "passed": events == state["events_counted"] and total == state["total"]}
+
+
+def duplicated_or_null_keys(spark: SparkSession, layout: StorageLayout, spec: StreamSpec) -> DataFrame:
+    key = spec.state_table.key
+    return _state(spark, layout, spec).groupBy(key).count().where((F.col("count") > 1) | F.col(key).isNull())
+
+
+def negative_rows(spark: SparkSession, layout: StorageLayout, spec: StreamSpec) -> DataFrame:
+    table = spec.state_table
+    return _state(spark, layout, spec).where((F.col(table.count_column) <= 0) | (F.col(table.sum_column) < 0))
+
+
+def mismatches_with_bronze(spark: SparkSession, layout: StorageLayout, spec: StreamSpec) -> tuple[DataFrame, dict]:
+    """The deep check: keys where the state table differs from the seed query over all of bronze, and
+    the totals of both."""
+    table = spec.state_table
+    bronze = spark.read.format("delta").load(str(layout.table(spec.bronze_table)))
+    state = _state(spark, layout, spec)
+    expected = bronze.groupBy(table.key).agg(F.count(spec.value_field).alias("expected_count"),
+                                             F.sum(spec.value_field).alias("expected_sum"))
+    joined = expected.join(state.select(table.key, table.count_column, table.sum_column), table.key, "full_outer")
+    mismatched = joined.where(
+        ~F.col("expected_count").eqNullSafe(F.col(table.count_column))
+        | ~F.col("expected_sum").cast(TOTAL_TYPE).eqNullSafe(F.col(table.sum_column)))
+    totals = {
+        "distinct_accepted_events": bronze.select(spec.id_field, "content_hash").distinct().count(),
+        "sum_of_counts": state.agg(F.sum(table.count_column)).first()[0] or 0,
+        "bronze_sum": str(bronze.agg(F.sum(spec.value_field)).first()[0] or 0),
+        "state_sum": str(state.agg(F.sum(table.sum_column)).first()[0] or 0),
+    }
+    return mismatched, totals
+
+
+def quarantine_reasons(spark: SparkSession, layout: StorageLayout, spec: StreamSpec, before: int | None,
+                       after: int | None) -> DataFrame:
+    """Lines quarantined by table versions (before, after], by reason, from the change feed (the run's rows only)."""
+    if after is None or after <= (before or 0):
+        return spark.createDataFrame([], "reason string, reason_field string, count long")
+    written = (spark.read.format("delta").option("readChangeFeed", "true")
+               .option("startingVersion", (before or 0) + 1).option("endingVersion", after)
+               .load(str(layout.table(spec.quarantine_table))).where(F.col("_change_type") == "insert"))
+    return written.groupBy("reason", "reason_field").count().orderBy(F.desc("count"))
