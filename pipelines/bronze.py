@@ -200,14 +200,13 @@ def _classify(lines: DataFrame, batch_id: int, settings: IngestSettings, ingeste
         "detail": F.when(F.col("reason").isNull() & hole, F.lit("validation passed a line without a required "
                                                                  "value (a statetables bug)")).otherwise(F.col("detail")),
         "reason": F.when(F.col("reason").isNull() & hole, F.lit(UNPROCESSABLE)).otherwise(F.col("reason")),
-    }).persist()
+    })
+    # Validated once, kept, and its (large) plan cut off: every later step plans on a small one.
+    # Planning the validation again for each of the batch's queries cost more than running it.
+    stamped = stamped.localCheckpoint()
     valid_ts = F.when(F.col("reason").isNull(), F.col(ts_col))
-    try:
-        facts = stamped.agg(F.unix_micros(F.min(valid_ts)).alias("lo"), F.unix_micros(F.max(valid_ts)).alias("hi"),
-                            F.count("*").alias("lines"), F.collect_set("source_file").alias("files")).first()
-    except Exception:
-        stamped.unpersist()
-        raise
+    facts = stamped.agg(F.unix_micros(F.min(valid_ts)).alias("lo"), F.unix_micros(F.max(valid_ts)).alias("hi"),
+                        F.count("*").alias("lines"), F.collect_set("source_file").alias("files")).first()
     # Event times are compared as micros, never as Python datetimes: no year-0 or year-10000 surprises.
     lo, hi = facts["lo"] or 0, facts["hi"] or 0
     bronze = spark.read.format("delta").load(settings.bronze_path)
@@ -236,21 +235,17 @@ def _classify(lines: DataFrame, batch_id: int, settings: IngestSettings, ingeste
         .unionByName(fresh.where(F.col("reason").isNotNull()).withColumn("outcome", F.lit("quarantined")))
         .unionByName(marked.where(F.col("_done")).drop("_done").withColumn("outcome", F.lit("already_ingested")))
     )
-    return classified, {"lines": facts["lines"], "files": facts["files"], "_stamped": stamped}
+    return classified, {"lines": facts["lines"], "files": facts["files"]}
 
 
 def _probe(lines: DataFrame, batch_id: int, settings: IngestSettings, ingested_at: datetime) -> str | None:
     """Evaluate the batch's classification of `lines` without writing; the error, or None."""
-    facts = None
     try:
-        classified, facts = _classify(lines, batch_id, settings, ingested_at, None, None)
+        classified, _ = _classify(lines, batch_id, settings, ingested_at, None, None)
         classified.write.format("noop").mode("overwrite").save()
         return None
     except Exception as exc:  # any evaluation error is what is being looked for
         return _first_line(exc)
-    finally:
-        if facts is not None:
-            facts["_stamped"].unpersist()
 
 
 def _first_line(exc: BaseException) -> str:
@@ -364,43 +359,39 @@ def _write_batch(lines: DataFrame, batch_id: int, settings: IngestSettings, inge
                  may_repeat: bool) -> None:
     spec = settings.spec
     classified, facts = _classify(lines, batch_id, settings, ingested_at, unprocessable, error, may_repeat)
-    classified = classified.persist()
-    try:
-        by_outcome = classified.groupBy("outcome").agg(F.count("*").alias("count"),
-                                                       F.sum(spec.value_field).alias("value"))
-        outcomes = {r["outcome"]: r for r in by_outcome.collect()}
-        accepted = outcomes.get("accepted")
-        # Running totals of everything bronze holds after this commit: the per-run checks compare the
-        # state tables with them instead of reading all of bronze again (one writer: the lock).
-        events_before, value_before = accepted_totals(lines.sparkSession, settings.bronze_path, spec.value_field)
-        counts = {"app_id": settings.app_id, "batch_id": batch_id, "files": len(facts["files"]),
-                  "lines": facts["lines"], **{k: outcomes[k]["count"] if k in outcomes else 0 for k in OUTCOMES},
-                  UNPROCESSABLE: classified.where(F.col("reason") == UNPROCESSABLE).count() if error else 0,
-                  "files_vanished": vanished,
-                  ACCEPTED_TOTAL: events_before + (accepted["count"] if accepted else 0),
-                  ACCEPTED_VALUE_TOTAL: str(value_before + (accepted["value"] or 0 if accepted else 0))}
-        if counts["lines"] != sum(counts[k] for k in OUTCOMES):
-            raise AssertionError(f"line accounting broken in batch {batch_id}: {counts}")
-        writes = (
-            (classified.where(F.col("outcome") == "quarantined").select(*QUARANTINE_SCHEMA.fieldNames()),
-             settings.quarantine_path, INGEST_AFTER_QUARANTINE_COMMIT),
-            # Each bronze file holds one range of event times: the dedup lookup of later batches (an
-            # event-time window) then skips the other files by their statistics.
-            (classified.where(F.col("outcome") == "accepted").select(*bronze_schema(spec).fieldNames())
-             .repartitionByRange(_partitions(classified.sparkSession), spec.event_time_field),
-             settings.bronze_path, INGEST_AFTER_BRONZE_COMMIT),
-        )
-        for frame, path, fault in writes:
-            retry_on_conflict(
-                lambda: frame.write.format("delta").mode("append")
-                .option("txnAppId", settings.app_id).option("txnVersion", batch_id)
-                .option("userMetadata", json.dumps(counts))
-                .save(path),
-                f"append of micro-batch {batch_id} to {path}")
-            fault_point(fault)
-    finally:
-        classified.unpersist()
-        facts["_stamped"].unpersist()
+    classified = classified.localCheckpoint()
+    by_outcome = classified.groupBy("outcome").agg(F.count("*").alias("count"),
+                                                   F.sum(spec.value_field).alias("value"))
+    outcomes = {r["outcome"]: r for r in by_outcome.collect()}
+    accepted = outcomes.get("accepted")
+    # Running totals of everything bronze holds after this commit: the per-run checks compare the
+    # state tables with them instead of reading all of bronze again (one writer: the lock).
+    events_before, value_before = accepted_totals(lines.sparkSession, settings.bronze_path, spec.value_field)
+    counts = {"app_id": settings.app_id, "batch_id": batch_id, "files": len(facts["files"]),
+              "lines": facts["lines"], **{k: outcomes[k]["count"] if k in outcomes else 0 for k in OUTCOMES},
+              UNPROCESSABLE: classified.where(F.col("reason") == UNPROCESSABLE).count() if error else 0,
+              "files_vanished": vanished,
+              ACCEPTED_TOTAL: events_before + (accepted["count"] if accepted else 0),
+              ACCEPTED_VALUE_TOTAL: str(value_before + (accepted["value"] or 0 if accepted else 0))}
+    if counts["lines"] != sum(counts[k] for k in OUTCOMES):
+        raise AssertionError(f"line accounting broken in batch {batch_id}: {counts}")
+    writes = (
+        (classified.where(F.col("outcome") == "quarantined").select(*QUARANTINE_SCHEMA.fieldNames()),
+         settings.quarantine_path, INGEST_AFTER_QUARANTINE_COMMIT),
+        # Each bronze file holds one range of event times: the dedup lookup of later batches (an
+        # event-time window) then skips the other files by their statistics.
+        (classified.where(F.col("outcome") == "accepted").select(*bronze_schema(spec).fieldNames())
+         .repartitionByRange(_partitions(classified.sparkSession), spec.event_time_field),
+         settings.bronze_path, INGEST_AFTER_BRONZE_COMMIT),
+    )
+    for frame, path, fault in writes:
+        retry_on_conflict(
+            lambda: frame.write.format("delta").mode("append")
+            .option("txnAppId", settings.app_id).option("txnVersion", batch_id)
+            .option("userMetadata", json.dumps(counts))
+            .save(path),
+            f"append of micro-batch {batch_id} to {path}")
+        fault_point(fault)
 
 
 def ingest_stream(spark: SparkSession, layout: StorageLayout, spec: StreamSpec, *,

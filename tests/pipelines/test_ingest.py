@@ -7,6 +7,8 @@ quarantined, a replayed ingest batch not written twice. Not covered here: state 
 
 from __future__ import annotations
 
+from decimal import Decimal
+
 import shutil
 
 from pyspark.sql import functions as F
@@ -83,9 +85,11 @@ def test_every_malformed_kind_is_quarantined_with_its_reason(spark, layout, land
     assert bronze["ok2"]["customer_id"] == "c1"
     user = result.commits["bronze"][-1]["user"]
     assert user.pop("app_id").startswith("statetables/movie_ticket_sales_ingest/")
+    # running totals of bronze after this commit (what the per-run state check compares with)
+    expected_total = str(sum(Decimal(str(r["ticket_total_value"])) for r in bronze.values()))
     assert user == {"batch_id": 0, "files": 1, "lines": len(lines), "accepted": 3,
                     "quarantined": len(MALFORMED), "duplicates": 0, "already_ingested": 0, "unprocessable": 0,
-                    "files_vanished": []}
+                    "files_vanished": [], "accepted_total": 3, "accepted_value_total": expected_total}
 
 
 def test_redeliveries_count_once_and_conflicting_ids_are_quarantined(spark, layout, landing):
