@@ -18,9 +18,8 @@ from pyspark.sql import functions as F
 from pipelines.bronze import accepted_totals
 from pipelines.checkpoints import covered_source_version
 from pipelines.layout import StorageLayout
+from pipelines.state import TOTAL_TYPE
 from pipelines.streams import StreamSpec
-
-TOTAL_TYPE = "decimal(28,2)"
 
 
 def _state(spark: SparkSession, layout: StorageLayout, spec: StreamSpec) -> DataFrame:
