@@ -34,7 +34,7 @@ from pipelines.faults import (
 )
 from pipelines.streaming import (
     StreamRunResult, TableVersions, commits_since, create_table_if_missing, require_writable, retry_on_conflict,
-    run_available_now, storage_errors, storage_fault, table_version, writer_lock,
+    run_available_now, storage_errors, storage_fault, table_id, table_version, writer_lock,
 )
 from pipelines.streams import StreamSpec
 from pipelines.validate import DEFAULT_MAX_AHEAD, content_identity, validate_lines
@@ -416,7 +416,7 @@ def ingest_stream(spark: SparkSession, layout: StorageLayout, spec: StreamSpec, 
         before = {"bronze": table_version(spark, bronze_path), "quarantine": table_version(spark, quarantine_path)}
         scan = scan_landing(spark, layout.landing(spec.name), ledger_path, staging_dir)
         record_units(spark, ledger_path, scan.units, max_files_per_trigger)
-        ledger_id = DeltaTable.forPath(spark, str(ledger_path)).detail().select("id").first()[0]
+        ledger_id = table_id(spark, ledger_path)
         verdict, moved = checkpoint_for_run(spark, checkpoint, layout.set_aside_checkpoints,
                                             [quarantine_path, bronze_path], source_table_id=ledger_id)
         origin, recovery = verdict.origin, None

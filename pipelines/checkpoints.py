@@ -31,6 +31,7 @@ from pyspark.sql import SparkSession
 
 ORIGIN_FILE = "statetables_checkpoint.json"
 HISTORY_WINDOW = 1000  # newest table commits searched for this checkpoint's last batch
+RECENT_WINDOW = 20  # searched first
 
 
 @dataclass(frozen=True)
@@ -151,11 +152,20 @@ def table_batches(spark: SparkSession, table_path: Path, app_id: str) -> tuple[i
     """
     if not DeltaTable.isDeltaTable(spark, str(table_path)):
         return None, None
-    rows = (
-        DeltaTable.forPath(spark, str(table_path)).history(HISTORY_WINDOW)
-        .select("version", "operation", "operationParameters", "userMetadata").orderBy("version", ascending=False)
-        .collect()
-    )
+    table = DeltaTable.forPath(spark, str(table_path))
+    # A healthy checkpoint's last batch is among the newest commits: most runs read only a few.
+    for window in (RECENT_WINDOW, HISTORY_WINDOW):
+        rows = (table.history(window).select("version", "operation", "operationParameters", "userMetadata")
+                .orderBy("version", ascending=False).collect())
+        found = _last_batches(rows, app_id)
+        if found[1] is not None or len(rows) < window:
+            return found
+    return found
+
+
+def _last_batches(rows: list, app_id: str) -> tuple[int | None, int | None]:
+    """table_batches over `rows`, newest first. Only RESTOREs newer than a batch can undo it, so a
+    window that holds an in-effect batch holds everything that decides about it."""
     undone: list[tuple[int, int]] = []  # (restored-to version, version of the RESTORE commit)
     ever = None
     for row in rows:

@@ -26,7 +26,7 @@ from pipelines.checkpoints import checkpoint_for_run, new_app_id, start_checkpoi
 from pipelines.faults import STATE_AFTER_MERGE_COMMIT, STATE_AFTER_REBUILD, STATE_BATCH_END, STATE_MERGE_START, fault_point
 from pipelines.streaming import (
     StreamRunResult, TableVersions, commits_since, create_table_if_missing, require_writable, retry_on_conflict, run_available_now,
-    storage_errors, table_version, writer_lock,
+    storage_errors, table_id, table_version, writer_lock,
 )
 from pipelines.streams import StateTableSpec, StreamSpec
 
@@ -179,7 +179,7 @@ def update_state_table(spark: SparkSession, layout: StorageLayout, spec: StreamS
         ensure_bronze_tables(spark, layout, spec)
         ensure_state_table(spark, layout, table)
         before = table_version(spark, table_path)
-        bronze_id = DeltaTable.forPath(spark, str(bronze_path)).detail().select("id").first()[0]
+        bronze_id = table_id(spark, bronze_path)
         verdict, moved = checkpoint_for_run(spark, checkpoint, layout.set_aside_checkpoints, [table_path],
                                             source_table_id=bronze_id)
         origin, recovery = verdict.origin, None

@@ -116,9 +116,31 @@ def table_version(spark: SparkSession, path: Path) -> int | None:
     return max(versions) if versions else None
 
 
+def table_id(spark: SparkSession, path: Path) -> str:
+    """The Delta table's id (`metaData.id`, chosen when the table is created), from its first commit
+    when the log still holds it; otherwise asked of Delta. DESCRIBE DETAIL costs a Spark job on every
+    run, and only the id is needed. A table deleted and created again has a new first commit, and so
+    a new id."""
+    first = Path(path) / "_delta_log" / f"{0:020d}.json"
+    try:
+        with open(first, encoding="utf-8") as handle:
+            for line in handle:
+                action = json.loads(line) if line.strip() else {}
+                if "metaData" in action:
+                    return action["metaData"]["id"]
+    except (FileNotFoundError, ValueError):
+        pass
+    return DeltaTable.forPath(spark, str(path)).detail().select("id").first()[0]
+
+
 def commits_since(spark: SparkSession, path: Path, version: int | None) -> list[dict]:
     """Commits after `version`, oldest first: version, operation, metrics, userMetadata."""
-    history = DeltaTable.forPath(spark, str(path)).history()
+    latest = table_version(spark, path)
+    if latest is None or (version is not None and latest <= version):
+        return []
+    # Versions are contiguous: only the newest commits are read, not the whole log (a few spare for
+    # commits made since `latest` was read).
+    history = DeltaTable.forPath(spark, str(path)).history(latest - version + 5 if version is not None else None)
     if version is not None:
         history = history.where(history.version > version)
     rows = history.select("version", "operation", "operationMetrics", "userMetadata").orderBy("version").collect()

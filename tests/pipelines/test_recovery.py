@@ -6,13 +6,14 @@ Every scenario ends by comparing the state tables and quarantine with the indepe
 
 from __future__ import annotations
 
+import json
 import shutil
 
 from delta.tables import DeltaTable
 from deltalake import DeltaTable as IndependentDeltaTable
 
 from pipelines.bronze import ingest_stream
-from pipelines.checkpoints import verify_checkpoint
+from pipelines.checkpoints import RECENT_WINDOW, table_batches, verify_checkpoint
 from pipelines.generate import generate
 from pipelines.state import update_state_table
 from pipelines.streams import MOVIE_TICKET_SALES, PAYMENTS
@@ -132,3 +133,18 @@ def test_checkpoint_older_than_the_table_is_not_trusted(spark, layout):
 
     assert "older than the table" in ingest.recovery["problem"]
     _assert_exact(layout, spec)
+
+
+def test_a_checkpoints_last_batch_is_found_behind_many_newer_commits(spark, tmp_path):
+    """The verdict first reads the newest commits only; a batch further back (other writers committed
+    since, or a RESTORE undid it) is still found, and a restore still undoes it."""
+    path = tmp_path / "table"
+    def commit(meta):
+        spark.range(1).write.format("delta").mode("append").option("userMetadata", json.dumps(meta)).save(str(path))
+    commit({"app_id": "a", "batch_id": 0})
+    commit({"app_id": "a", "batch_id": 1})
+    for n in range(RECENT_WINDOW):
+        commit({"app_id": "other", "batch_id": n})
+    assert table_batches(spark, path, "a") == (1, 1)
+    DeltaTable.forPath(spark, str(path)).restoreToVersion(0)  # undoes batch 1
+    assert table_batches(spark, path, "a") == (1, 0)
