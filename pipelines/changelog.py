@@ -8,7 +8,7 @@ from the changelog alone: per key, the newest change at or before that version.
 from __future__ import annotations
 
 import time
-from functools import partial
+from functools import partial, reduce
 from pathlib import Path
 
 from delta.tables import DeltaTable
@@ -37,7 +37,14 @@ def append_changes(changes: DataFrame, batch_id: int, *, changelog_path: str, ke
     again after a lost checkpoint, adds nothing twice; no checkpoint bookkeeping is needed.
     """
     spark = changes.sparkSession
-    on = " AND ".join(f"t.{c} <=> s.{c}" for c in ("_commit_version", key, "_change_type"))
+    versions = changes.agg(F.min("_commit_version").alias("lo"), F.max("_commit_version").alias("hi")).first()
+    if versions["lo"] is None:
+        return  # no change rows: nothing to add
+    # The range on the target lets Delta skip every changelog file of other versions (file statistics):
+    # the lookup costs what the batch holds, not the changelog's whole history.
+    on = (F.col("t._commit_version").between(versions["lo"], versions["hi"])
+          & reduce(lambda a, b: a & b, [F.col(f"t.{c}").eqNullSafe(F.col(f"s.{c}"))
+                                        for c in ("_commit_version", key, "_change_type")]))
     DeltaTable.forPath(spark, changelog_path).alias("t").merge(changes.alias("s"), on) \
         .whenNotMatchedInsertAll().execute()
 

@@ -11,6 +11,21 @@ from pipelines.layout import StorageLayout
 from pipelines.session import build_spark_session
 
 
+# The longest tests start whole processes (kill -9 runs, dagster dev + daemon). Each starts a share of
+# the list: pytest-xdist's worksteal hands every worker one contiguous share, so each worker begins with
+# one of them, and neither runs alone at the end while the other worker sits idle.
+LONG_FIRST = ("tests/test_chaos.py", "tests/assets/test_daemon_recovery.py")
+
+
+def pytest_collection_modifyitems(items):
+    long = [item for item in items if item.nodeid.startswith(LONG_FIRST)]
+    rest = [item for item in items if not item.nodeid.startswith(LONG_FIRST)]
+    share = -(-len(items) // max(len(long), 1))
+    for i, item in enumerate(long):
+        rest.insert(i * share, item)
+    items[:] = rest
+
+
 @pytest.fixture(scope="session")
 def spark():
     session = build_spark_session()
