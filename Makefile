@@ -4,9 +4,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 JARS := .jars/.resolved
+CLASS_ARCHIVE := .jars/statetables.jsa
 export STATETABLES_HOME ?= $(CURDIR)/data
 
-.PHONY: install jars demo run dev test bench bench-quick bench-full chaos clean
+.PHONY: install jars class-archive demo run dev test bench bench-quick bench-full chaos clean
 
 install: $(INSTALLED)
 $(INSTALLED): setup.py
@@ -28,34 +29,40 @@ $(JARS): build/delta-jars.pom.xml
 	  -DexcludeGroupIds=org.apache.hadoop,org.apache.parquet,org.scala-lang,com.fasterxml.jackson.core,org.apache.logging.log4j,org.slf4j,org.xerial.snappy,com.github.luben,org.roaringbitmap,commons-logging,io.airlift,org.locationtech.jts,com.google.code.findbugs
 	@touch $@
 
-demo: install jars
+# JVM class-data sharing: the classes a run loads, recorded once by a small pass of both streams;
+# every later driver JVM maps them (pipelines/session.py). Rebuilt when the jars or the install change.
+class-archive: $(CLASS_ARCHIVE)
+$(CLASS_ARCHIVE): $(JARS) $(INSTALLED)
+	$(BIN)/python -m statetables.class_archive
+
+demo: install jars class-archive
 	$(BIN)/statetables generate --stream all --events 20000 --malformed 0.005 --duplicates 0.01 --late 0.02 --seed 1
 	$(BIN)/statetables run --show
 
-run: install jars
+run: install jars class-archive
 	$(BIN)/statetables run
 
-dev: install jars
+dev: install jars class-archive
 	DAGSTER_HOME=$$($(BIN)/statetables instance) $(BIN)/dagster dev -w workspace.yaml -h 127.0.0.1 -p 3000
 
 # Two workers, each with its own SparkSession: a single test keeps ~65% of the 2 cores busy (much of a
 # small run is waiting on commits and query starts), two keep both busy; 23.7 -> 18.4 min measured.
-test: install jars
+test: install jars class-archive
 	$(BIN)/pytest -q -n 2 --dist worksteal tests
 
 # Side by side with the alternatives on the same files; writes docs/bench/ (see docs/performance.md).
-bench: install jars
+bench: install jars class-archive
 	$(BIN)/python -m benchmarks.run
 
-bench-quick: install jars
+bench-quick: install jars class-archive
 	$(BIN)/python -m benchmarks.run --quick
 
-bench-full: install jars
+bench-full: install jars class-archive
 	$(BIN)/python -m benchmarks.run --full
 
 # kill -9 the real pipeline KILLS times (named fault points and random instants), then compare every key.
 KILLS ?= 24
-chaos: install jars
+chaos: install jars class-archive
 	$(BIN)/python -m tests.chaos --kills $(KILLS)
 
 clean:
