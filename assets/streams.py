@@ -247,7 +247,8 @@ def build_state_checks(spec: StreamSpec) -> list[dg.AssetChecksDefinition]:
     def nothing_negative(spark: SparkSessionResource, storage: StorageResource) -> dg.AssetCheckResult:
         negative = table_checks.negative_rows(spark.session(), storage.layout(), spec)
         bad = negative.count()
-        return dg.AssetCheckResult(passed=bad == 0, metadata={"bad_rows": bad, "sample": markdown_table(negative, rows_known=bad)})
+        return dg.AssetCheckResult(passed=bad == 0, metadata={"bad_rows": bad,
+                                                              "sample": markdown_table(negative, rows_known=bad)})
 
     return [totals_match_bronze, reconciles_with_bronze, unique_keys, nothing_negative]
 
