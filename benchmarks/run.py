@@ -25,6 +25,8 @@ from pathlib import Path
 
 import psutil
 
+from pipelines.session import JARS_ENV, delta_jars
+
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 OUT = ROOT / "docs" / "bench"
@@ -52,9 +54,9 @@ def _peak_memory(pid: int, stop: threading.Event, peak: dict) -> None:
         stop.wait(0.1)
 
 
-def measure(args: list[str], home: Path | None = None) -> dict:
+def measure(args: list[str], home: Path | None = None, env: dict | None = None) -> dict:
     """Run one process; its wall time, peak RSS and the RESULT line it printed."""
-    env = {**os.environ, **({"STATETABLES_HOME": str(home)} if home else {})}
+    env = {**os.environ, **({"STATETABLES_HOME": str(home)} if home else {}), **(env or {})}
     peak = {"jvm": 0, "python": 0, "total": 0}
     stop = threading.Event()
     started = time.monotonic()
@@ -164,7 +166,18 @@ def bench(sizes: list[int], increments: list[int], repeat: int, work: Path) -> d
         import pyarrow as pa
         from deltalake import write_deltalake
         write_deltalake(str(small), pa.table({"id": list(range(10))}))
-    record("e_minimal_spark_delta_process", [measure(case("minimal", out=small)) for _ in range(repeat)])
+    # (e) with the class archive (what every run here starts with) and without it, in turn.
+    without = work / "jars-without-class-archive"
+    if not without.is_dir():
+        without.mkdir()
+        for jar in delta_jars():
+            (without / jar.name).symlink_to(jar)
+    minimal, bare = [], []
+    for _ in range(repeat):
+        minimal.append(measure(case("minimal", out=small)))
+        bare.append(measure(case("minimal", out=small), env={JARS_ENV: str(without)}))
+    record("e_minimal_spark_delta_process", minimal)
+    record("e_minimal_without_class_archive", bare)
 
     for size in sizes:
         history = data.history(size)
@@ -213,7 +226,7 @@ def ratios(results: dict, sizes: list[int], increments: list[int]) -> dict:
     c = {k: v["wall_s"] for k, v in results["cases"].items()}
     work = {k: v["work_s"] for k, v in results["cases"].items()}
     minimal = c["e_minimal_spark_delta_process"]
-    out = {}
+    out = {"smallest process (e): with the class archive / without": minimal / c["e_minimal_without_class_archive"]}
     for size in sizes:
         f = c[f"f_statetables_run@{size}"]
         out[f"run@{size} / spark floor (a), whole process"] = f / c[f"a_spark_floor@{size}"]
