@@ -11,6 +11,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import random
 import re
 import time
 from contextlib import contextmanager
@@ -24,7 +25,7 @@ from pyspark.sql.types import StructType
 
 from pipelines.errors import ConcurrentWriterError, StorageError, StreamBusyError
 
-CONFLICT_RETRIES = 4
+CONFLICT_RETRIES = 8
 _CONFLICT = re.compile(r"DELTA_CONCURRENT_|io\.delta\.exceptions\.Concurrent\w*Exception|^Concurrent\w*Exception")
 conflicts_retried = {"count": 0}  # in this process; shows that retries happen (tests, diagnostics)
 _STORAGE_FAULTS = ("No space left on device", "Read-only file system", "Permission denied",
@@ -241,4 +242,6 @@ def retry_on_conflict(commit: Callable[[], None], what: str) -> None:
                     f"jobs should write state tables), stop it, run again. Last conflict: "
                     f"{str(exc).splitlines()[0]}") from exc
             conflicts_retried["count"] += 1
-            time.sleep(attempt)
+            # Jittered: two writers that collided and waited the same fixed time collided again, in
+            # step, until one gave up (seen with two racing MERGEs on a loaded machine).
+            time.sleep(min(attempt, 4) * random.uniform(0.5, 1.5))
