@@ -39,11 +39,10 @@ class StateConfig(dg.Config):
     lock_timeout_s: float = Field(default=60.0, description="How long to wait for the state table's writer lock.")
 
 
-def markdown_table(frame: DataFrame | None, limit: int = TOP_ROWS, *, rows_known: int | None = None
-                   ) -> dg.MetadataValue:
-    """Up to `limit` rows of `frame` as a table. A frame known to be empty (`rows_known=0`, or None: nothing
-    to show) costs no Spark job: a passing check or a run without quarantined lines reads nothing more."""
-    if frame is None or rows_known == 0:
+def markdown_table(frame: DataFrame, limit: int = TOP_ROWS, *, rows_known: int | None = None) -> dg.MetadataValue:
+    """Up to `limit` rows of `frame` as a table. A frame known to be empty (`rows_known=0`) costs no Spark
+    job: a passing check or a run without quarantined lines reads nothing more."""
+    if rows_known == 0:
         return dg.MetadataValue.md("(no rows)")
     rows = frame.limit(limit).collect()
     header = "| " + " | ".join(frame.columns) + " |\n|" + "---|" * len(frame.columns) + "\n"
