@@ -55,7 +55,7 @@ def _versions(result: StreamRunResult, name: str) -> dict:
     return {"table_version_before": v.before if v.before is not None else -1, "table_version": v.after}
 
 
-def _recovery(result: StreamRunResult) -> dict:
+def recovery_metadata(result: StreamRunResult) -> dict:
     """Why the checkpoint was not trusted and what was done instead, shown on the run in the UI."""
     if not result.recovery:
         return {}
@@ -107,7 +107,7 @@ def build_stream_assets(spec: StreamSpec) -> list:
                   "files_read": counts["files"], "lines_read": counts["lines"],
                   "duration_s": round(result.duration_s, 2),
                   "source": dg.MetadataValue.path(str(storage.layout().landing(spec.name))),
-                  **_recovery(result)}
+                  **recovery_metadata(result)}
         changed = [{"file": c["file"], "change": c["change"], "version": c["version"]} for c in result.changed_files]
         changed_md = dg.MetadataValue.md(
             "| file | change | version |\n|---|---|---|\n"
@@ -166,7 +166,7 @@ def build_stream_assets(spec: StreamSpec) -> list:
             f"{table.sum_column}": str(totals["total"]),
             "bronze_table_version": table_version(session, layout.table(spec.bronze_table)),
             "duration_s": round(result.duration_s, 2),
-            **_recovery(result),
+            **recovery_metadata(result),
             "top_rows": markdown_table(current.orderBy(F.desc(table.count_column), table.key).drop("updated_at")),
             **_versions(result, table.name),
         })

@@ -47,6 +47,8 @@ class CheckpointOrigin:
     # Ingest: landing units up to this number may hold lines an earlier checkpoint already wrote, so
     # their lines are looked up in bronze and quarantine; later units are new. None: look up all.
     recheck_through_unit: int | None = None
+    # Windows query: windows ending at or before this (epoch ms) were closed by an earlier checkpoint.
+    closed_through_ms: int | None = None
 
 
 @dataclass(frozen=True)
@@ -111,7 +113,8 @@ def new_app_id(query_name: str) -> str:
 
 def start_checkpoint(checkpoint_dir: Path, query_name: str, reason: str, *, first_batch: int = 0,
                      source_start_version: int | None = None, source_table_id: str | None = None,
-                     app_id: str | None = None, recheck_through_unit: int | None = None) -> CheckpointOrigin:
+                     app_id: str | None = None, recheck_through_unit: int | None = None,
+                     closed_through_ms: int | None = None) -> CheckpointOrigin:
     """Write the origin record of a checkpoint (atomically); Spark fills in the rest on first start."""
     origin = CheckpointOrigin(
         app_id=app_id or new_app_id(query_name),
@@ -121,6 +124,7 @@ def start_checkpoint(checkpoint_dir: Path, query_name: str, reason: str, *, firs
         source_start_version=source_start_version,
         source_table_id=source_table_id,
         recheck_through_unit=recheck_through_unit,
+        closed_through_ms=closed_through_ms,
     )
     write_origin(checkpoint_dir, origin)
     return origin
@@ -188,8 +192,12 @@ def _last_batches(rows: list, app_id: str) -> tuple[int | None, int | None]:
 
 
 def verify_checkpoint(spark: SparkSession, checkpoint_dir: Path, written_tables: list[Path], *,
-                      source_table_id: str | None = None) -> CheckpointVerdict:
-    """Trust the checkpoint, or say precisely why not. Reads only; changes nothing."""
+                      source_table_id: str | None = None, stateful: bool = False) -> CheckpointVerdict:
+    """Trust the checkpoint, or say precisely why not. Reads only; changes nothing.
+
+    `stateful`: the query keeps operator state (transformWithState) in the checkpoint's `state/`;
+    without it a committed batch cannot be resumed.
+    """
     offsets, commits = _batch_files(checkpoint_dir / "offsets"), _batch_files(checkpoint_dir / "commits")
     origin = read_origin(checkpoint_dir)
     if not checkpoint_dir.exists():
@@ -219,6 +227,8 @@ def verify_checkpoint(spark: SparkSession, checkpoint_dir: Path, written_tables:
 
     last_offset = max(offsets, default=None)
     last_commit = max(commits, default=None)
+    if stateful and last_commit is not None and not (checkpoint_dir / "state" / "0").is_dir():
+        return CheckpointVerdict(None, f"{checkpoint_dir / 'state'} (the operator state) is missing")
     if last_commit is not None and (last_offset is None or last_commit > last_offset):
         return CheckpointVerdict(None, f"batch {last_commit} is committed but was never planned (offsets lost)")
     if source_table_id is not None:
@@ -255,9 +265,11 @@ def verify_checkpoint(spark: SparkSession, checkpoint_dir: Path, written_tables:
 
 
 def checkpoint_for_run(spark: SparkSession, checkpoint_dir: Path, set_aside_root: Path, written_tables: list[Path],
-                       *, source_table_id: str | None = None) -> tuple[CheckpointVerdict, Path | None]:
+                       *, source_table_id: str | None = None,
+                       stateful: bool = False) -> tuple[CheckpointVerdict, Path | None]:
     """Verify; if untrusted, move it aside. Returns the verdict and where the old checkpoint went."""
-    verdict = verify_checkpoint(spark, checkpoint_dir, written_tables, source_table_id=source_table_id)
+    verdict = verify_checkpoint(spark, checkpoint_dir, written_tables, source_table_id=source_table_id,
+                                stateful=stateful)
     moved = None
     if verdict.origin is None and checkpoint_dir.exists():
         moved = set_aside(checkpoint_dir, set_aside_root)

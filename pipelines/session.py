@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,6 +34,9 @@ CLASS_ARCHIVE = "statetables.jsa"
 SESSION_CONFS = {
     "spark.sql.session.timeZone": "UTC",
     "spark.sql.parquet.outputTimestampType": "TIMESTAMP_MICROS",
+    # transformWithState (pipelines/windows.py) needs RocksDB; recorded in each checkpoint at its start.
+    "spark.sql.streaming.stateStore.providerClass":
+        "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider",
 }
 # Sized for a 2-core, 24 GiB machine; any key can be overridden through `SparkSettings.conf`.
 LOCAL_DEFAULTS = {
@@ -112,6 +116,9 @@ def build_spark_session(settings: SparkSettings | None = None) -> SparkSession:
     if settings.master.startswith("local"):
         # The embedded engine talks to itself only: keep the driver on loopback.
         conf.update({"spark.driver.host": "127.0.0.1", "spark.driver.bindAddress": "127.0.0.1"})
+        # Python workers (transformWithState) need this interpreter's packages (pandas, pyarrow, the
+        # project); pyspark takes their interpreter from PYSPARK_PYTHON only, else `python3` on PATH.
+        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     # Applies when this call starts the driver JVM (spark-submit reads it before launching java).
     archive = class_archive_options(settings.jars_dir)
     if archive:

@@ -49,6 +49,8 @@ class StreamRunResult:
     commits: dict[str, list[dict]] = field(default_factory=dict)
     # Set when the checkpoint was not trusted: {"problem", "set_aside", "action"}.
     recovery: dict | None = None
+    # Stateful queries: the operator state after the run (rows, bytes in memory, RocksDB's files).
+    operator_state: dict | None = None
     # Landing files appended to or rewritten after they were ingested: {"file", "change", "version"}.
     changed_files: list[dict] = field(default_factory=list)
 
@@ -162,8 +164,10 @@ def run_available_now(
     query_name: str,
     checkpoint_dir: Path,
     on_batch: Callable[[DataFrame, int], None],
+    progress: list | None = None,
 ) -> tuple[int, int]:
-    """Process everything available now in micro-batches, then stop. Returns (batches, rows read)."""
+    """Process everything available now in micro-batches, then stop. Returns (batches, rows read);
+    the query's progress reports are added to `progress` when given (state operator figures)."""
     query = (
         stream.writeStream.queryName(query_name)
         .option("checkpointLocation", str(checkpoint_dir))
@@ -173,8 +177,10 @@ def run_available_now(
     )
     query.awaitTermination()
     # A replayed batch reports 0 input rows from a Delta source, so batches are counted, not rows.
-    progress = query.recentProgress
-    return len(progress), sum(p.numInputRows for p in progress)
+    reports = query.recentProgress
+    if progress is not None:
+        progress.extend(reports)
+    return len(reports), sum(p.numInputRows for p in reports)
 
 
 def _storage_message(path: Path | str, cause: str) -> str:

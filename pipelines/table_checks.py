@@ -19,7 +19,8 @@ from pipelines.bronze import accepted_totals
 from pipelines.checkpoints import covered_source_version
 from pipelines.layout import StorageLayout
 from pipelines.state import TOTAL_TYPE
-from pipelines.streams import StreamSpec
+from pipelines.streams import MOVIE_TICKET_SALES, StreamSpec
+from pipelines.windows import HOUR_MS, HOURLY, LATE, TOP, last_progress, top_titles
 
 
 def _state(spark: SparkSession, layout: StorageLayout, spec: StreamSpec) -> DataFrame:
@@ -91,3 +92,51 @@ def quarantine_reasons(spark: SparkSession, layout: StorageLayout, spec: StreamS
                .option("startingVersion", (before or 0) + 1).option("endingVersion", after)
                .load(str(layout.table(spec.quarantine_table))).where(F.col("_change_type") == "insert"))
     return written.groupBy("reason", "reason_field").count().orderBy(F.desc("count"))
+
+
+def windows_mismatches(spark: SparkSession, layout: StorageLayout) -> tuple[DataFrame, dict]:
+    """Closed windows and late events against bronze, for the sales the windows query has read.
+
+    At its last committed batch (bronze version V, watermark W) every sale of bronze up to V is in
+    exactly one place: `late_events`, a closed window (ending at or before W) of
+    `tickets_per_title_hourly`, or a window still open. Returns the closed (title, window) whose
+    tickets or value differ from bronze's sales minus the late ones, and the figures per place; the
+    sales up to V are what the all-time table counts at that bronze version (the seed query).
+    """
+    progress = last_progress(spark, layout)
+    empty = spark.createDataFrame([], "title string, window_start timestamp, expected_tickets long, tickets_sold long")
+    if progress is None or progress.bronze_version < 0:
+        return empty, {"bronze_version": -1, "sales": 0, "late_events": 0, "in_closed_windows": 0,
+                       "in_open_windows": 0, "late_not_in_bronze": 0}
+    spec = MOVIE_TICKET_SALES
+    sales = (spark.read.format("delta").option("versionAsOf", progress.bronze_version)
+             .load(str(layout.table(spec.bronze_table))))
+    late = spark.read.format("delta").load(str(layout.table(LATE))).where(F.col("stream") == spec.name)
+    event_ms = F.unix_millis(spec.event_time_field)
+    on_time = (sales.join(late.select(F.col("event_id").alias(spec.id_field)), spec.id_field, "left_anti")
+               .withColumn("window_start_ms", event_ms - F.pmod(event_ms, F.lit(HOUR_MS))))
+    closed = on_time.where(F.col("window_start_ms") + HOUR_MS <= progress.watermark_ms)
+    expected = closed.groupBy("title", F.timestamp_millis("window_start_ms").alias("window_start")).agg(
+        F.count("*").alias("expected_tickets"), F.sum(spec.value_field).cast(TOTAL_TYPE).alias("expected_value"))
+    hourly = spark.read.format("delta").load(str(layout.table(HOURLY)))
+    joined = expected.join(hourly.select("title", "window_start", "tickets_sold", "total_ticket_value"),
+                           ["title", "window_start"], "full_outer")
+    mismatched = joined.where(~F.col("expected_tickets").eqNullSafe(F.col("tickets_sold"))
+                              | ~F.col("expected_value").eqNullSafe(F.col("total_ticket_value")))
+    figures = sales.agg(F.count("*").alias("sales")).first().asDict()
+    late_in_bronze = late.join(sales.select(F.col(spec.id_field).alias("event_id")), "event_id", "left_semi").count()
+    late_total = late.count()
+    in_closed = hourly.agg(F.sum("tickets_sold")).first()[0] or 0
+    in_open = on_time.where(F.col("window_start_ms") + HOUR_MS > progress.watermark_ms).count()
+    return mismatched, {"bronze_version": progress.bronze_version, "watermark_ms": progress.watermark_ms,
+                        "sales": figures["sales"], "late_events": late_in_bronze, "in_closed_windows": in_closed,
+                        "in_open_windows": in_open, "late_not_in_bronze": late_total - late_in_bronze}
+
+
+def top_titles_mismatches(spark: SparkSession, layout: StorageLayout) -> DataFrame:
+    """Rows of `top_titles_hourly` that differ from the ranking recomputed from `tickets_per_title_hourly`
+    (either side), with `side` saying which table holds the row."""
+    stored = spark.read.format("delta").load(str(layout.table(TOP)))
+    recomputed = top_titles(spark.read.format("delta").load(str(layout.table(HOURLY))))
+    return (stored.exceptAll(recomputed).withColumn("side", F.lit("only in top_titles_hourly"))
+            .unionByName(recomputed.exceptAll(stored).withColumn("side", F.lit("missing from top_titles_hourly"))))

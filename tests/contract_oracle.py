@@ -399,3 +399,47 @@ def landing_files(folder: Path) -> list[Path]:
             if path.is_file() and is_landing_file(path.relative_to(folder)):
                 found.append(path)
     return found
+
+
+@dataclass
+class WindowedExpected:
+    """What the windowed outputs must hold (contract: "Windowed outputs")."""
+
+    windows: dict[tuple[str, datetime], tuple[int, Decimal]]  # closed (title, window start) → tickets, value
+    late: dict[str, tuple[datetime, datetime]]  # event id → (event time, watermark it missed)
+    top: dict[datetime, list[tuple[int, str, int]]]  # window start → [(rank, title, tickets)]
+    watermark: datetime | None
+
+
+def expected_windows(batches: list[list[dict]], delay: timedelta, *, watermark_after_last: bool) -> WindowedExpected:
+    """Sales in micro-batches, in order (each a list of accepted events with `title`, `sale_ts`,
+    `ticket_total_value`, `event_id`). A batch's watermark is the newest event time of the earlier
+    batches minus `delay`; a sale at or behind it is late; a one-hour window is written once the
+    watermark reaches its end. `watermark_after_last`: the last batch's own sales advanced it too."""
+    hour = timedelta(hours=1)
+    open_windows: dict[tuple[str, datetime], list] = defaultdict(lambda: [0, Decimal(0)])
+    late: dict[str, tuple[datetime, datetime]] = {}
+    newest: datetime | None = None
+    for batch in batches:
+        watermark = newest - delay if newest is not None else None
+        for sale in batch:
+            moment = sale["sale_ts"]
+            if watermark is not None and moment <= watermark:
+                late[sale["event_id"]] = (moment, watermark)
+                continue
+            start = moment.replace(minute=0, second=0, microsecond=0)
+            open_windows[(sale["title"], start)][0] += 1
+            open_windows[(sale["title"], start)][1] += sale["ticket_total_value"]
+        newest = max([newest] * (newest is not None) + [s["sale_ts"] for s in batch], default=None)
+    if not watermark_after_last and batches:
+        earlier = [s["sale_ts"] for batch in batches[:-1] for s in batch]
+        newest = max(earlier, default=None)
+    watermark = newest - delay if newest is not None else None
+    windows = {key: (n, value) for key, (n, value) in open_windows.items()
+               if watermark is not None and key[1] + hour <= watermark}
+    top: dict[datetime, list[tuple[int, str, int]]] = {}
+    for start in {s for _, s in windows}:
+        titles = sorted(((n, value, title) for (title, s), (n, value) in windows.items() if s == start),
+                        key=lambda t: (-t[0], -t[1], t[2]))[:10]
+        top[start] = [(rank, title, n) for rank, (n, _, title) in enumerate(titles, start=1)]
+    return WindowedExpected(windows, late, top, watermark)

@@ -1,0 +1,104 @@
+"""Assets and checks of the event-time windows of movie_ticket_sales (pipelines/windows.py).
+
+One step writes the three tables (one streaming query), so they are one multi-asset in the stream's
+group, advanced by the stream's job after bronze. Not partitioned by hour: a run closes whichever
+hours the watermark passes (none, or many after a backlog), so an hourly partition would be a
+second, conflicting record of what the watermark already decides; the tables' metadata says which
+hours closed.
+"""
+
+import datetime as dt
+
+import dagster as dg
+from pydantic import Field
+from pyspark.sql import functions as F
+
+from assets.keys import KINDS, bronze_key, pool
+from assets.streams import markdown_table, recovery_metadata
+from pipelines import table_checks
+from pipelines.streams import MOVIE_TICKET_SALES
+from pipelines.windows import DEFAULT_WATERMARK_DELAY, HOURLY, LATE, TOP, TOP_N, last_progress, update_windows
+from resources import SparkSessionResource, StorageResource
+
+SPEC = MOVIE_TICKET_SALES
+HOURLY_KEY, TOP_KEY, LATE_KEY = dg.AssetKey(HOURLY), dg.AssetKey(TOP), dg.AssetKey(LATE)
+
+class WindowsConfig(dg.Config):
+    watermark_delay_minutes: float = Field(
+        default=DEFAULT_WATERMARK_DELAY.total_seconds() / 60, ge=0,
+        description=("How far behind the newest sale seen the watermark trails. A window is written once the "
+                     "watermark passes its end; a sale at or behind the watermark goes to late_events."))
+    lock_timeout_s: float = Field(default=60.0, description="How long to wait for the windows query's writer lock.")
+
+def _iso(ms: int | None) -> str:
+    return dt.datetime.fromtimestamp(ms / 1000, dt.timezone.utc).isoformat() if ms else "(none yet)"
+
+@dg.multi_asset(
+    name="movie_ticket_sales_windows",
+    specs=[
+        dg.AssetSpec(HOURLY_KEY, deps=[bronze_key(SPEC)], group_name=SPEC.name, kinds=KINDS, description=(
+            "Tickets per title per one-hour tumbling window of `sale_ts` (`window_start`, `window_end`, "
+            "`tickets_sold`, `total_ticket_value`). A window's row is written once the watermark (newest sale seen "
+            "minus the configured delay, default 10 min) passes its end, and never changes after. Read from "
+            "movie_ticket_sales_bronze as a stream; open windows live in Spark's RocksDB state store.")),
+        dg.AssetSpec(TOP_KEY, deps=[HOURLY_KEY], group_name=SPEC.name, kinds=KINDS, description=(
+            f"The {TOP_N} titles with most tickets for every closed hour (`rank` 1..{TOP_N}); ties broken by tickets, "
+            "then value, then title. Written in the same micro-batch as the hour's windows.")),
+        dg.AssetSpec(LATE_KEY, deps=[bronze_key(SPEC)], group_name=SPEC.name, kinds=KINDS, description=(
+            "Every sale that arrived at or behind the windows' watermark: `event_id`, its event time, the "
+            "watermark it missed, `late_by_ms`, source file and line. It is in no window, and still counted in "
+            "movie_tickets_sold. Nothing is dropped silently.")),
+    ],
+    check_specs=[
+        dg.AssetCheckSpec("windows_reconcile_with_bronze", asset=HOURLY_KEY, blocking=True, description=(
+            "At the bronze version the windows query has read, every sale is in exactly one place: late_events, a "
+            "closed window, or a window still open. Every closed (title, hour) equals bronze's sales minus the late "
+            "ones, tickets and value; per title the three add up to the seed query that movie_tickets_sold "
+            "equals at that version.")),
+        dg.AssetCheckSpec("top_titles_match_windows", asset=TOP_KEY, blocking=True, description=(
+            f"top_titles_hourly equals the top {TOP_N} recomputed from tickets_per_title_hourly, row for row.")),
+    ],
+    pool=pool(SPEC),
+)
+def movie_ticket_sales_windows(context: dg.AssetExecutionContext, config: WindowsConfig,
+                               spark: SparkSessionResource, storage: StorageResource):
+    session, layout = spark.session(), storage.layout()
+    result = update_windows(session, layout, watermark_delay=dt.timedelta(minutes=config.watermark_delay_minutes),
+                            lock_timeout_s=config.lock_timeout_s)
+    batches = [c["user"] for c in result.commits[HOURLY] if "watermark_ms" in c["user"]]
+    progress = last_progress(session, layout)
+    state = result.operator_state or {}
+    common = {"micro_batches": result.micro_batches, "bronze_rows_read": result.rows_read,
+              "watermark": _iso(progress.watermark_ms if progress else None),
+              "bronze_version_read": progress.bronze_version if progress else -1,
+              "duration_s": round(result.duration_s, 2), **recovery_metadata(result)}
+    closed = sum(b.get("windows_closed", 0) for b in batches)
+    late = sum(b.get("late_events", 0) for b in batches)
+    hourly = session.read.format("delta").load(str(layout.table(HOURLY)))
+    yield dg.MaterializeResult(asset_key=HOURLY_KEY, metadata={
+        **common, "windows_closed_this_run": closed,
+        "operator_state_rows": state.get("rows", -1), "operator_state_memory_bytes": state.get("memory_bytes", -1),
+        "newest_windows": markdown_table(hourly.orderBy(F.desc("window_start"), F.desc("tickets_sold"), "title"),
+                                         rows_known=0 if closed == 0 and result.versions[HOURLY].before else None),
+        "table_version": result.versions[HOURLY].after})
+    top = session.read.format("delta").load(str(layout.table(TOP)))
+    yield dg.MaterializeResult(asset_key=TOP_KEY, metadata={
+        **common, "hours_ranked_this_run": len({b["batch_id"] for b in batches if b.get("windows_closed")}),
+        "newest_hour": markdown_table(top.orderBy(F.desc("window_start"), "rank"), TOP_N,
+                                      rows_known=0 if closed == 0 else None),
+        "table_version": result.versions[TOP].after})
+    yield dg.MaterializeResult(asset_key=LATE_KEY, metadata={
+        **common, "late_events_this_run": late, "table_version": result.versions[LATE].after})
+
+    mismatched, figures = table_checks.windows_mismatches(session, layout)
+    bad = mismatched.count() if figures["bronze_version"] >= 0 else 0
+    placed = figures["late_events"] + figures["in_closed_windows"] + figures["in_open_windows"]
+    yield dg.AssetCheckResult(
+        check_name="windows_reconcile_with_bronze", asset_key=HOURLY_KEY,
+        passed=bad == 0 and placed == figures["sales"] and figures["late_not_in_bronze"] == 0,
+        metadata={**figures, "sales_placed": placed, "mismatched_windows": bad,
+                  "sample": markdown_table(mismatched, rows_known=bad)})
+    wrong = table_checks.top_titles_mismatches(session, layout)
+    wrong_rows = wrong.count()
+    yield dg.AssetCheckResult(check_name="top_titles_match_windows", asset_key=TOP_KEY, passed=wrong_rows == 0,
+                              metadata={"rows_differing": wrong_rows, "sample": markdown_table(wrong, rows_known=wrong_rows)})

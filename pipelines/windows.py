@@ -1,0 +1,401 @@
+"""Movie ticket sales in one-hour event-time windows: closed windows, the top 10 per hour, late events.
+
+One streaming query reads `movie_ticket_sales_bronze` and keeps, per title, the counts of its open
+windows in Spark's RocksDB state store (`transformWithState`, event-time mode). Spark's watermark (the
+largest event time of earlier micro-batches minus the delay) closes a window: the window's event-time
+timer fires, its row is emitted once and is final. An event whose window has already closed is emitted
+as a late event with the watermark it missed.
+
+Written by hand because Spark's windowed aggregation drops rows behind the watermark silently, and the
+contract forbids that: the watermark column's metadata is taken off the rows before the operator (the
+watermark itself, its timers and its eviction stay Spark's), so every row reaches `HourlyWindows`,
+which decides what is late.
+
+Each micro-batch writes three tables with Delta's idempotent appends (`txnAppId` / `txnVersion`), so a
+replayed batch writes nothing twice; windows of one hour all close in the same batch (one watermark), so
+that batch also ranks the hour. Every batch commits to `tickets_per_title_hourly`, even empty, with the
+watermark and the bronze version it reached: that is how a lost checkpoint is rebuilt
+(`rebuild_origin`), never reset to nothing.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import time
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Iterator
+
+from delta.tables import DeltaTable
+from pyspark.sql import DataFrame, Row, SparkSession, Window
+from pyspark.sql import functions as F
+from pyspark.sql.streaming import StatefulProcessor, StatefulProcessorHandle
+from pyspark.sql.types import LongType, StringType, StructField, StructType, TimestampType
+
+from pipelines.checkpoints import checkpoint_for_run, new_app_id, start_checkpoint
+from pipelines.layout import StorageLayout
+from pipelines.bronze import ensure_bronze_tables
+from pipelines.streaming import (
+    StreamRunResult, TableVersions, commits_since, create_table_if_missing, require_writable, run_available_now,
+    storage_errors, table_id, table_version, writer_lock,
+)
+from pipelines.state import TOTAL_TYPE
+from pipelines.streams import MOVIE_TICKET_SALES
+
+HOURLY = "tickets_per_title_hourly"
+TOP = "top_titles_hourly"
+LATE = "late_events"
+WINDOWS_QUERY = f"{HOURLY}_windows"
+DEFAULT_WATERMARK_DELAY = dt.timedelta(minutes=10)
+TOP_N = 10
+HOUR_MS = 3_600_000
+ROCKSDB = "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider"
+
+HOURLY_SCHEMA = StructType([
+    StructField("title", StringType(), nullable=False),
+    StructField("window_start", TimestampType(), nullable=False),
+    StructField("window_end", TimestampType(), nullable=False),
+    StructField("tickets_sold", LongType(), nullable=False),
+    StructField("total_ticket_value", TOTAL_TYPE, nullable=False),
+])
+TOP_SCHEMA = StructType([
+    StructField("window_start", TimestampType(), nullable=False),
+    StructField("window_end", TimestampType(), nullable=False),
+    StructField("rank", LongType(), nullable=False),
+    StructField("title", StringType(), nullable=False),
+    StructField("tickets_sold", LongType(), nullable=False),
+])
+LATE_SCHEMA = StructType([
+    StructField("stream", StringType(), nullable=False),
+    StructField("event_id", StringType(), nullable=False),
+    StructField("event_time", TimestampType(), nullable=False),
+    StructField("watermark", TimestampType(), nullable=False),
+    StructField("late_by_ms", LongType(), nullable=False),
+    StructField("source_file", StringType()),
+    StructField("line_number", LongType()),
+])
+# What the operator emits: a closed window (kind "window") or a late event (kind "late").
+_EMITTED = StructType([
+    StructField("kind", StringType()), StructField("title", StringType()),
+    StructField("window_start_ms", LongType()), StructField("tickets_sold", LongType()),
+    StructField("value_cents", LongType()), StructField("event_id", StringType()),
+    StructField("event_time", TimestampType()), StructField("watermark_ms", LongType()),
+    StructField("source_file", StringType()), StructField("line_number", LongType()),
+])
+_WINDOW_KEY = StructType([StructField("window_start_ms", LongType())])
+_WINDOW_VALUE = StructType([StructField("tickets_sold", LongType()), StructField("value_cents", LongType())])
+# The initial state of a rebuilt query: one row per open (title, window).
+_INITIAL = StructType([StructField("title", StringType()), StructField("window_start_ms", LongType()),
+                       StructField("tickets_sold", LongType()), StructField("value_cents", LongType())])
+
+
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.timezone.utc)
+
+
+def _micros(ts: dt.datetime) -> int:
+    """Epoch microseconds of a timestamp from Spark (naive datetimes are in the session zone, UTC here)."""
+    if ts.tzinfo is None:
+        ts = ts.replace(tzinfo=dt.timezone.utc)
+    return (ts - _EPOCH) // dt.timedelta(microseconds=1)
+
+
+class HourlyWindows(StatefulProcessor):
+    """Per title, the open one-hour windows of its sales; emits each window once, when it closes.
+
+    - map state `open_windows`: window start → (tickets, value in cents), one entry per open window;
+    - an event-time timer per open window: Spark fires it once the watermark reaches the window's end
+      (timers fire strictly below the watermark, so it is set 1 ms before the end); the window is
+      emitted and forgotten, so state holds open windows only and needs no TTL;
+    - `closed_through_ms`: after a rebuild Spark's watermark starts again from nothing; the watermark
+      the lost checkpoint had reached keeps deciding what is late until Spark's passes it.
+
+    An event is late when its event time is at or behind the watermark, Spark's own rule for the rows
+    its stateful operators drop. A window can then take no event after the watermark passed its end.
+    """
+
+    def __init__(self, closed_through_ms: int = 0):
+        self.closed_through_ms = closed_through_ms
+
+    def init(self, handle: StatefulProcessorHandle) -> None:
+        self.handle = handle
+        self.open_windows = handle.getMapState("open_windows", _WINDOW_KEY, _WINDOW_VALUE)
+
+    def _add(self, start: int, tickets: int, cents: int) -> None:
+        current = self.open_windows.getValue((start,))
+        if current is None:
+            self.handle.registerTimer(start + HOUR_MS - 1)
+            current = (0, 0)
+        self.open_windows.updateValue((start,), (current[0] + tickets, current[1] + cents))
+
+    def handleInputRows(self, key, rows, timerValues) -> Iterator[Row]:
+        watermark_ms = max(timerValues.getCurrentWatermarkInMs(), self.closed_through_ms)
+        batch: dict[int, list[int]] = {}  # one state update per window, not per event
+        for row in rows:
+            event_us = _micros(row.sale_ts)
+            if event_us <= watermark_ms * 1000:
+                yield Row(kind="late", title=key[0], window_start_ms=None, tickets_sold=None, value_cents=None,
+                          event_id=row.event_id, event_time=row.sale_ts, watermark_ms=watermark_ms,
+                          source_file=row.source_file, line_number=row.line_number)
+                continue
+            event_ms = event_us // 1000
+            sums = batch.setdefault(event_ms - event_ms % HOUR_MS, [0, 0])
+            sums[0] += 1
+            sums[1] += int(row.ticket_total_value * 100)  # DECIMAL(18,2): exact in cents
+        for start, (tickets, cents) in batch.items():
+            self._add(start, tickets, cents)
+
+    def handleExpiredTimer(self, key, timerValues, expiredTimerInfo) -> Iterator[Row]:
+        start = expiredTimerInfo.getExpiryTimeInMs() + 1 - HOUR_MS
+        current = self.open_windows.getValue((start,))
+        if current is None:
+            return
+        self.open_windows.removeKey((start,))
+        yield Row(kind="window", title=key[0], window_start_ms=start, tickets_sold=current[0],
+                  value_cents=current[1], event_id=None, event_time=None,
+                  watermark_ms=timerValues.getCurrentWatermarkInMs(), source_file=None, line_number=None)
+
+    def handleInitialState(self, key, initialState, timerValues) -> None:
+        self._add(initialState.window_start_ms, initialState.tickets_sold, initialState.value_cents)
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class WindowProgress:
+    """What the windows query had reached at its last committed batch (recorded in each commit)."""
+
+    watermark_ms: int
+    bronze_version: int  # every bronze version up to this one was read
+
+
+def _batch_watermark(checkpoint: Path, batch_id: int) -> int:
+    """The watermark Spark used for `batch_id`: written to the offset log before the batch runs."""
+    return int(json.loads((checkpoint / "offsets" / str(batch_id)).read_text().split("\n")[1])["batchWatermarkMs"])
+
+
+def _batch_end_version(checkpoint: Path, batch_id: int) -> int | None:
+    """The last bronze version this batch read whole (Delta source offset `reservoirVersion`, `index -1`);
+    None if it stopped inside a version (the read below admits whole versions, so it does not)."""
+    offset = json.loads((checkpoint / "offsets" / str(batch_id)).read_text().split("\n")[2])
+    return int(offset["reservoirVersion"]) - 1 if offset.get("index") == -1 else None
+
+
+def _append(frame: DataFrame, path: str, app_id: str | None, batch_id: int, metadata: dict | None = None) -> None:
+    writer = frame.write.format("delta").mode("append")
+    if app_id is not None:  # a replayed batch is skipped
+        writer = writer.option("txnAppId", app_id).option("txnVersion", batch_id)
+    if metadata is not None:
+        writer = writer.option("userMetadata", json.dumps(metadata))
+    writer.save(path)
+
+
+def _closed_windows(windows: DataFrame) -> DataFrame:
+    """Operator rows of kind "window" (or rebuilt ones) as rows of `tickets_per_title_hourly`."""
+    return windows.select(
+        "title", F.timestamp_millis("window_start_ms").alias("window_start"),
+        F.timestamp_millis(F.col("window_start_ms") + HOUR_MS).alias("window_end"),
+        F.col("tickets_sold"), (F.col("value_cents").cast(TOTAL_TYPE) / 100).cast(TOTAL_TYPE).alias("total_ticket_value"))
+
+
+def top_titles(hourly: DataFrame) -> DataFrame:
+    """The TOP_N titles of every hour in `hourly`; ties broken by tickets, then value, then title."""
+    by_rank = Window.partitionBy("window_start").orderBy(
+        F.col("tickets_sold").desc(), F.col("total_ticket_value").desc(), F.col("title").asc())
+    return (hourly.withColumn("rank", F.row_number().over(by_rank).cast(LongType()))
+            .where(F.col("rank") <= TOP_N).select(*TOP_SCHEMA.fieldNames()))
+
+
+def _insert_new(frame: DataFrame, path: str, keys: list[str]) -> None:
+    """Insert the rows whose keys the table lacks. Used where a batch may be written again under a new
+    app id (a checkpoint lost while the batch was half written): Delta's txn ids cannot skip it then."""
+    on = " AND ".join(f"t.{k} = s.{k}" for k in keys)
+    DeltaTable.forPath(frame.sparkSession, path).alias("t").merge(frame.alias("s"), on) \
+        .whenNotMatchedInsertAll().execute()
+
+
+def _commit_outputs(layout: StorageLayout, hourly: DataFrame, late: DataFrame | None, *, has_windows: bool,
+                    app_id: str | None, batch_id: int, progress: dict) -> None:
+    """Late events, the closed hours ranked, then the closed windows: this last commit, made on every
+    batch, says the batch is done and what it reached (`progress`)."""
+    if late is not None:
+        _insert_new(late, str(layout.table(LATE)), ["stream", "event_id"])
+    if has_windows:
+        _insert_new(top_titles(hourly), str(layout.table(TOP)), ["window_start", "rank"])
+    _append(hourly, str(layout.table(HOURLY)), app_id, batch_id, progress)
+
+
+def write_windows(emitted: DataFrame, batch_id: int, *, layout: StorageLayout, checkpoint: Path,
+                  app_id: str, stream: str, closed_through_ms: int) -> None:
+    """foreachBatch body: the windows that closed, their hours ranked, the late events."""
+    emitted = emitted.localCheckpoint()  # read up to four times below; the operator must run once
+    kinds = dict(emitted.groupBy("kind").count().collect())
+    late = None
+    if kinds.get("late"):
+        late = emitted.where(F.col("kind") == "late").select(
+            F.lit(stream).alias("stream"), "event_id", "event_time",
+            F.timestamp_millis("watermark_ms").alias("watermark"),
+            (F.col("watermark_ms") - F.unix_millis("event_time")).alias("late_by_ms"), "source_file", "line_number")
+    hourly = _closed_windows(emitted.where(F.col("kind") == "window"))
+    # The watermark that decided this batch (Spark's, or the one a restart kept, whichever is ahead).
+    watermark = max(_batch_watermark(checkpoint, batch_id), closed_through_ms)
+    progress = {"app_id": app_id, "batch_id": batch_id, "watermark_ms": watermark,
+                "bronze_version": _batch_end_version(checkpoint, batch_id),
+                "windows_closed": kinds.get("window", 0), "late_events": kinds.get("late", 0)}
+    _commit_outputs(layout, hourly, late, has_windows=bool(kinds.get("window")), app_id=app_id,
+                    batch_id=batch_id, progress=progress)
+
+
+def ensure_window_tables(spark: SparkSession, layout: StorageLayout) -> None:
+    for name, schema in ((HOURLY, HOURLY_SCHEMA), (TOP, TOP_SCHEMA), (LATE, LATE_SCHEMA)):
+        create_table_if_missing(spark, layout.table(name), schema)
+
+
+def last_progress(spark: SparkSession, layout: StorageLayout) -> WindowProgress | None:
+    """The watermark and bronze version of the newest batch committed to `tickets_per_title_hourly`."""
+    path = layout.table(HOURLY)
+    for commit in reversed(commits_since(spark, path, max(-1, (table_version(spark, path) or 0) - 10))):
+        user = commit["user"]
+        if "watermark_ms" in user:
+            if user.get("bronze_version") is None:
+                raise RuntimeError(
+                    f"{HOURLY} version {commit['version']}: its batch ended inside a bronze version, so the "
+                    f"windows cannot restart exactly after it. Fix: restore {HOURLY}, {TOP} and {LATE} to an "
+                    f"earlier savepoint (docs/recovery.md), then run again.")
+            return WindowProgress(int(user["watermark_ms"]), int(user["bronze_version"]))
+    return None
+
+
+def _open_windows(spark: SparkSession, layout: StorageLayout, through_version: int, after_ms: int) -> DataFrame:
+    """(title, window start, tickets, cents) of the windows ending after `after_ms` over the sales of
+    bronze up to `through_version` that were not late: what the operator held open at that point."""
+    spec = MOVIE_TICKET_SALES
+    sales = (spark.read.format("delta").option("versionAsOf", through_version)
+             .load(str(layout.table(spec.bronze_table))))
+    late = spark.read.format("delta").load(str(layout.table(LATE))).where(F.col("stream") == spec.name)
+    event_ms = F.unix_millis(spec.event_time_field)
+    return (sales.join(late.select(F.col("event_id").alias(spec.id_field)), spec.id_field, "left_anti")
+            .withColumn("window_start_ms", event_ms - F.pmod(event_ms, F.lit(HOUR_MS)))
+            .where(F.col("window_start_ms") + HOUR_MS > after_ms)
+            .groupBy("title", "window_start_ms")
+            .agg(F.count("*").alias("tickets_sold"),
+                 F.sum((F.col(spec.value_field) * 100).cast(LongType())).alias("value_cents")))
+
+
+def _restart(spark: SparkSession, layout: StorageLayout, last: WindowProgress | None, app_id: str, reason: str,
+             delay: dt.timedelta) -> WindowProgress:
+    """Start the windows again after the last committed batch, exactly where it left them.
+
+    The watermark the next batch would have had is the newest sale read so far minus the delay; the
+    windows it closes are written now (no sale can join them: it would be behind that watermark), so
+    what the old checkpoint would have written next is written, once. Recorded as batch -1 of `app_id`.
+    """
+    spec = MOVIE_TICKET_SALES
+    last = last or WindowProgress(watermark_ms=0, bronze_version=-1)
+    watermark = last.watermark_ms
+    has_windows = False
+    hourly = spark.createDataFrame([], HOURLY_SCHEMA)
+    if last.bronze_version >= 0:
+        newest = (spark.read.format("delta").option("versionAsOf", last.bronze_version)
+                  .load(str(layout.table(spec.bronze_table))).agg(F.max(F.unix_millis(spec.event_time_field))).first()[0])
+        if newest is not None:
+            watermark = max(watermark, newest - delay // dt.timedelta(milliseconds=1))
+        closing = (_open_windows(spark, layout, last.bronze_version, last.watermark_ms)
+                   .where(F.col("window_start_ms") + HOUR_MS <= watermark)).localCheckpoint()
+        has_windows = not closing.isEmpty()
+        hourly = _closed_windows(closing)
+    progress = {"app_id": app_id, "batch_id": -1, "watermark_ms": watermark, "bronze_version": last.bronze_version,
+                "windows_closed": hourly.count() if has_windows else 0, "late_events": 0, "restarted_because": reason}
+    _commit_outputs(layout, hourly, None, has_windows=has_windows, app_id=None, batch_id=-1, progress=progress)
+    return WindowProgress(watermark, last.bronze_version)
+
+
+def update_windows(spark: SparkSession, layout: StorageLayout, *,
+                   watermark_delay: dt.timedelta = DEFAULT_WATERMARK_DELAY,
+                   lock_timeout_s: float = 60.0) -> StreamRunResult:
+    """Fold every bronze sale not yet seen into the hourly windows; write the windows that closed.
+
+    Without a trusted checkpoint (first run, lost, corrupt) the query starts again after the last
+    committed batch (`_restart`); the windows it held open come back as the operator's initial state.
+
+    >>> update_windows(spark, StorageLayout.under("data")).micro_batches
+    """
+    spec = MOVIE_TICKET_SALES
+    started = time.monotonic()
+    if watermark_delay < dt.timedelta(0):
+        raise ValueError(f"watermark delay {watermark_delay} is negative. Fix: give a delay of 0 or more.")
+    checkpoint = layout.checkpoint(WINDOWS_QUERY)
+    hourly_path, bronze_path = layout.table(HOURLY), layout.table(spec.bronze_table)
+    require_writable([layout.locks, hourly_path.parent, layout.checkpoints_root])
+    with writer_lock(layout.locks, WINDOWS_QUERY, lock_timeout_s), storage_errors():
+        ensure_bronze_tables(spark, layout, spec)
+        ensure_window_tables(spark, layout)
+        before = {name: table_version(spark, layout.table(name)) for name in (HOURLY, TOP, LATE)}
+        bronze_id = table_id(spark, bronze_path)
+        verdict, moved = checkpoint_for_run(spark, checkpoint, layout.set_aside_checkpoints, [hourly_path],
+                                            source_table_id=bronze_id, stateful=True)
+        origin, recovery = verdict.origin, None
+        if origin is None:
+            last = last_progress(spark, layout)
+            reason = verdict.problem or (f"{checkpoint} is missing, but {HOURLY} holds batches written from an "
+                                         f"earlier checkpoint" if last else "no checkpoint yet")
+            app_id = new_app_id(WINDOWS_QUERY)
+            start = _restart(spark, layout, last, app_id, reason, watermark_delay)
+            origin = start_checkpoint(checkpoint, WINDOWS_QUERY, reason, app_id=app_id,
+                                      source_start_version=start.bronze_version + 1, source_table_id=bronze_id,
+                                      closed_through_ms=start.watermark_ms)
+            if verdict.problem or moved or last:
+                closed = dt.datetime.fromtimestamp(start.watermark_ms / 1000, dt.timezone.utc)
+                recovery = {"problem": reason, "set_aside": str(moved) if moved else None,
+                            "action": f"restarted {WINDOWS_QUERY} after bronze version {start.bronze_version}: "
+                                      f"windows up to {closed:%Y-%m-%d %H:%M:%S} written, later ones rebuilt "
+                                      f"from bronze as the operator's initial state"}
+        closed_through = origin.closed_through_ms or 0
+        initial = None
+        if not any((checkpoint / "commits").glob("[0-9]*")) and origin.source_start_version:
+            # Until its first batch commits, a restarted query takes its initial state on every start.
+            initial = _open_windows(spark, layout, origin.source_start_version - 1, closed_through)
+        batches = rows = 0
+        reports: list = []
+        has_offsets = any((checkpoint / "offsets").glob("[0-9]*"))
+        start_version = origin.source_start_version
+        if has_offsets or start_version is None or start_version <= table_version(spark, bronze_path):
+            events = spark.readStream.format("delta").option("maxFilesPerTrigger", 1_000_000)  # whole versions
+            if start_version is not None:
+                events = events.option("startingVersion", start_version)
+            # The watermark and its timers are Spark's; the column it is set on is dropped before the
+            # operator, so that Spark does not drop the late rows there (module docstring).
+            sales = (events.load(str(bronze_path))
+                     .withColumn("_event_time", F.col(spec.event_time_field))
+                     .withWatermark("_event_time", f"{int(watermark_delay.total_seconds())} seconds")
+                     .select("title", spec.event_time_field, spec.value_field, spec.id_field, "source_file",
+                             "line_number"))
+            emitted = sales.groupBy("title").transformWithState(
+                HourlyWindows(closed_through), _EMITTED, "Append", "EventTime",
+                initialState=initial.groupBy("title") if initial is not None else None)
+            on_batch = partial(write_windows, layout=layout, checkpoint=checkpoint, app_id=origin.app_id,
+                               stream=spec.name, closed_through_ms=closed_through)
+            batches, rows = run_available_now(emitted, query_name=WINDOWS_QUERY, checkpoint_dir=checkpoint,
+                                              on_batch=on_batch, progress=reports)
+        return StreamRunResult(
+            query_name=WINDOWS_QUERY, micro_batches=batches, rows_read=rows,
+            duration_s=time.monotonic() - started,
+            versions={name: TableVersions(before[name], table_version(spark, layout.table(name)))
+                      for name in (HOURLY, TOP, LATE)},
+            commits={HOURLY: commits_since(spark, hourly_path, before[HOURLY])},
+            recovery=recovery,
+            operator_state=operator_state(reports),
+        )
+
+
+def operator_state(reports: list) -> dict | None:
+    """The state operator's figures from the newest progress report that has them."""
+    for report in reversed(reports):
+        if report.stateOperators:
+            state = report.stateOperators[0]
+            custom = dict(state.customMetrics or {})
+            return {"rows": state.numRowsTotal, "memory_bytes": state.memoryUsedBytes,
+                    "files_bytes": custom.get("rocksdbTotalBytesOnDisk", custom.get("SnapshotLastUploaded", -1))}
+    return None
