@@ -33,8 +33,11 @@ STATE_AFTER_MERGE_COMMIT = "state.after_merge_commit"  # MERGE committed, checkp
 STATE_BATCH_END = "state.batch_end"
 STATE_AFTER_REBUILD = "state.after_rebuild"  # rebuild committed, new checkpoint not yet written
 INGEST_POISON = "ingest.poison_line"
+# late_events and top_titles_hourly written, the batch's closing tickets_per_title_hourly commit not yet
+WINDOWS_BEFORE_CLOSING_COMMIT = "windows.before_closing_commit"
 POINTS = (INGEST_AFTER_QUARANTINE_COMMIT, INGEST_AFTER_BRONZE_COMMIT, INGEST_BATCH_END, STATE_MERGE_START,
-          STATE_AFTER_MERGE_COMMIT, STATE_BATCH_END, STATE_AFTER_REBUILD, INGEST_POISON)
+          STATE_AFTER_MERGE_COMMIT, STATE_BATCH_END, STATE_AFTER_REBUILD, INGEST_POISON,
+          WINDOWS_BEFORE_CLOSING_COMMIT)
 
 
 class InjectedFault(RuntimeError):

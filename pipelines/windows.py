@@ -35,6 +35,7 @@ from pyspark.sql.streaming import StatefulProcessor, StatefulProcessorHandle
 from pyspark.sql.types import LongType, StringType, StructField, StructType, TimestampType
 
 from pipelines.checkpoints import checkpoint_for_run, new_app_id, start_checkpoint
+from pipelines.faults import WINDOWS_BEFORE_CLOSING_COMMIT, fault_point
 from pipelines.layout import StorageLayout
 from pipelines.bronze import ensure_bronze_tables
 from pipelines.streaming import (
@@ -208,23 +209,38 @@ def top_titles(hourly: DataFrame) -> DataFrame:
             .where(F.col("rank") <= TOP_N).select(*TOP_SCHEMA.fieldNames()))
 
 
-def _insert_new(frame: DataFrame, path: str, keys: list[str]) -> None:
-    """Insert the rows whose keys the table lacks. Used where a batch may be written again under a new
-    app id (a checkpoint lost while the batch was half written): Delta's txn ids cannot skip it then."""
-    on = " AND ".join(f"t.{k} = s.{k}" for k in keys)
-    DeltaTable.forPath(frame.sparkSession, path).alias("t").merge(frame.alias("s"), on) \
-        .whenNotMatchedInsertAll().execute()
-
-
 def _commit_outputs(layout: StorageLayout, hourly: DataFrame, late: DataFrame | None, *, has_windows: bool,
                     app_id: str | None, batch_id: int, progress: dict) -> None:
     """Late events, the closed hours ranked, then the closed windows: this last commit, made on every
-    batch, says the batch is done and what it reached (`progress`)."""
+    batch, says the batch is done and what it reached (`progress`). A batch that died before it is
+    replayed under the same app id (its first two writes are then skipped), or, if the checkpoint was
+    lost too, undone by `_undo_unfinished_batch`."""
+    hourly_path = layout.table(HOURLY)
+    # The version this batch's closing commit will have: until it exists, these writes are unfinished.
+    marker = {"app_id": app_id, "batch_id": batch_id, "hourly_version": (table_version(hourly.sparkSession, hourly_path) or 0) + 1}
     if late is not None:
-        _insert_new(late, str(layout.table(LATE)), ["stream", "event_id"])
+        _append(late, str(layout.table(LATE)), app_id, batch_id, marker)
     if has_windows:
-        _insert_new(top_titles(hourly), str(layout.table(TOP)), ["window_start", "rank"])
-    _append(hourly, str(layout.table(HOURLY)), app_id, batch_id, progress)
+        _append(top_titles(hourly), str(layout.table(TOP)), app_id, batch_id, marker)
+    fault_point(WINDOWS_BEFORE_CLOSING_COMMIT)
+    _append(hourly, str(hourly_path), app_id, batch_id, progress)
+
+
+def _undo_unfinished_batch(spark: SparkSession, layout: StorageLayout) -> list[str]:
+    """Restore late_events and top_titles_hourly to before a batch that wrote them and died before its
+    tickets_per_title_hourly commit. Only a restart (checkpoint lost) needs this: it writes the batch
+    again under a new app id, which Delta's txn ids cannot match. This query is their only writer."""
+    undone = []
+    hourly_version = table_version(spark, layout.table(HOURLY)) or 0
+    for name in (LATE, TOP):
+        path = layout.table(name)
+        latest = table_version(spark, path) or 0
+        unfinished = [c["version"] for c in commits_since(spark, path, max(-1, latest - 5))
+                      if int(c["user"].get("hourly_version", -1)) > hourly_version]
+        if unfinished:
+            DeltaTable.forPath(spark, str(path)).restoreToVersion(min(unfinished) - 1)
+            undone.append(f"{name} restored to version {min(unfinished) - 1}")
+    return undone
 
 
 def write_windows(emitted: DataFrame, batch_id: int, *, layout: StorageLayout, checkpoint: Path,
@@ -294,6 +310,7 @@ def _restart(spark: SparkSession, layout: StorageLayout, last: WindowProgress | 
     """
     spec = MOVIE_TICKET_SALES
     last = last or WindowProgress(watermark_ms=0, bronze_version=-1)
+    undone = _undo_unfinished_batch(spark, layout)
     watermark = last.watermark_ms
     has_windows = False
     hourly = spark.createDataFrame([], HOURLY_SCHEMA)
@@ -307,8 +324,11 @@ def _restart(spark: SparkSession, layout: StorageLayout, last: WindowProgress | 
         has_windows = not closing.isEmpty()
         hourly = _closed_windows(closing)
     progress = {"app_id": app_id, "batch_id": -1, "watermark_ms": watermark, "bronze_version": last.bronze_version,
-                "windows_closed": hourly.count() if has_windows else 0, "late_events": 0, "restarted_because": reason}
-    _commit_outputs(layout, hourly, None, has_windows=has_windows, app_id=None, batch_id=-1, progress=progress)
+                "windows_closed": hourly.count() if has_windows else 0, "late_events": 0, "restarted_because": reason,
+                "undone": undone}
+    # A txn id of its own: Delta commits an empty append only when it carries one, and this record must exist.
+    _commit_outputs(layout, hourly, None, has_windows=has_windows, app_id=f"{app_id}/restart", batch_id=0,
+                    progress=progress)
     return WindowProgress(watermark, last.bronze_version)
 
 

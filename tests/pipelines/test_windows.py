@@ -13,8 +13,10 @@ import shutil
 from datetime import datetime, timedelta, timezone
 from decimal import Decimal
 
+import pytest
 from deltalake import DeltaTable as IndependentDeltaTable
 
+from pipelines import faults
 from pipelines.bronze import ingest_stream
 from pipelines.generate import generate
 from pipelines.state import update_state_table
@@ -53,17 +55,26 @@ class Deliveries:
     def __init__(self, spark, layout):
         self.spark, self.layout = spark, layout
         self.oracle, self.batches, self.seen = Oracle(SPEC.name), [], set()
+        self.unfinished: set[str] = set()  # sales of a batch that failed: they come again in the next one
 
-    def run(self, *, lose_checkpoint: bool = False):
-        before = set(self.oracle.expected.events)
+    def run(self, *, lose_checkpoint: bool = False, fail_before_closing: bool = False):
+        before = set(self.oracle.expected.events) - self.unfinished
         for path in sorted(set(landing_files(self.layout.landing(SPEC.name))) - self.seen,
                            key=lambda p: (p.stat().st_mtime_ns, str(p))):
             self.oracle.deliver(str(path), file_lines(path))
             self.seen.add(path)
-        self.batches.append([e for i, e in self.oracle.expected.events.items() if i not in before])
+        batch = [e for i, e in self.oracle.expected.events.items() if i not in before]
         ingest_stream(self.spark, self.layout, SPEC)
         if lose_checkpoint:
             shutil.rmtree(self.layout.checkpoint(WINDOWS_QUERY))
+        if fail_before_closing:
+            faults.arm(self.layout.home / "faults", faults.WINDOWS_BEFORE_CLOSING_COMMIT, "raise")
+            with pytest.raises(Exception, match="fault injected"):
+                update_windows(self.spark, self.layout)
+            self.unfinished = {e["event_id"] for e in batch}
+            return None
+        self.batches.append(batch)
+        self.unfinished = set()
         return update_windows(self.spark, self.layout)
 
     def expected(self):
@@ -84,11 +95,10 @@ def test_out_of_order_late_and_closed_windows_equal_the_recomputation(spark, lay
     landing.write(SPEC.name, "2.jsonl", [_sale("d", "Dune", "12:30"), _sale("e", "Dune", "10:56"),
                                          _sale("f", "Heat", "11:10")])
     runs.run()
-    # The watermark is now 12:20: 10:01 and 11:30 are late; 12:25 is not.
+    # The watermark is now 12:20: 10:01 and 11:30 are late; 12:25 is not. 15:00 moves the watermark to
+    # 14:50 once this batch is done, which closes the hours of 12 and 13 in the same run.
     landing.write(SPEC.name, "3.jsonl", [_sale("g", "Dune", "10:01"), _sale("h", "Alien", "11:30"),
-                                         _sale("i", "Alien", "12:25", "7.25")])
-    runs.run()
-    landing.write(SPEC.name, "4.jsonl", [_sale("j", "Heat", "15:00")])
+                                         _sale("i", "Alien", "12:25", "7.25"), _sale("j", "Heat", "15:00")])
     result = runs.run()
 
     windows, late, top = _outputs(layout)
@@ -110,18 +120,22 @@ def test_out_of_order_late_and_closed_windows_equal_the_recomputation(spark, lay
     assert all_time["Alien"] == 2 and all_time["Dune"] == 5
 
 
-def test_lost_checkpoint_is_rebuilt_from_the_tables_not_reset(spark, layout):
-    """Generated sales (late ones included) in four deliveries; the windows query's checkpoint, with
-    its RocksDB operator state, is deleted before the third. The outputs must equal the recomputation
-    of a run that never lost it."""
+def test_lost_checkpoint_is_rebuilt_from_the_tables_not_reset(spark, layout, monkeypatch):
+    """Generated sales (late ones included) in four deliveries. The second run dies after writing
+    late_events and top_titles_hourly, before its closing commit; then the windows query's checkpoint,
+    with its RocksDB operator state, is deleted. The outputs must equal the recomputation of a run that
+    never failed (the second and third deliveries arriving as one batch)."""
+    monkeypatch.setenv(faults.FAULTS_ENV, str(layout.home / "faults"))
     runs = Deliveries(spark, layout)
     start = datetime(2026, 10, 20, tzinfo=UTC)
     for n in range(4):
         generate(SPEC, layout.landing(SPEC.name), events=250, malformed=0.02, duplicates=0.03, late=0.15,
                  seed=40 + n, events_per_file=250, start=start + timedelta(hours=3 * n), max_step_s=60)
-        result = runs.run(lose_checkpoint=(n == 2))
-        if n == 2:  # the loss was noticed and said so
+        result = runs.run(fail_before_closing=(n == 1), lose_checkpoint=(n == 2))
+        if n == 2:  # the loss was noticed and said so, and the unfinished batch's writes undone
             assert result.recovery and "is missing" in result.recovery["problem"], result.recovery
+            restart = [c["user"] for c in result.commits[HOURLY] if c["user"].get("batch_id") == -1]
+            assert restart and any(u.startswith(LATE) for u in restart[0]["undone"]), [c["user"] for c in result.commits[HOURLY]]
     windows, late, top = _outputs(layout)
     expected = runs.expected()
     assert len(expected.windows) > 20 and len(expected.late) > 10  # the scenario exercises both
