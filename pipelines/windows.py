@@ -217,7 +217,8 @@ def _commit_outputs(layout: StorageLayout, hourly: DataFrame, late: DataFrame | 
     lost too, undone by `_undo_unfinished_batch`."""
     hourly_path = layout.table(HOURLY)
     # The version this batch's closing commit will have: until it exists, these writes are unfinished.
-    marker = {"app_id": app_id, "batch_id": batch_id, "hourly_version": (table_version(hourly.sparkSession, hourly_path) or 0) + 1}
+    closing_version = (table_version(hourly.sparkSession, hourly_path) or 0) + 1
+    marker = {"app_id": app_id, "batch_id": batch_id, "hourly_version": closing_version}
     if late is not None:
         _append(late, str(layout.table(LATE)), app_id, batch_id, marker)
     if has_windows:

@@ -14,9 +14,11 @@ from datetime import datetime, timedelta, timezone
 from decimal import Decimal
 
 import pytest
+from delta.tables import DeltaTable
 from deltalake import DeltaTable as IndependentDeltaTable
+from pyspark.sql import functions as F
 
-from pipelines import faults
+from pipelines import faults, table_checks
 from pipelines.bronze import ingest_stream
 from pipelines.generate import generate
 from pipelines.state import update_state_table
@@ -113,6 +115,14 @@ def test_out_of_order_late_and_closed_windows_equal_the_recomputation(spark, lay
     assert top[twelve] == [(1, "Dune", 1), (2, "Alien", 1)]  # tie on tickets: value decides
     assert ("Heat", datetime(2026, 11, 1, 15, tzinfo=UTC)) not in windows  # its hour is still open
     assert result.micro_batches >= 1
+    # The Dagster checks' queries see the tables agree, and see a corrupted window and ranking.
+    mismatched, figures = table_checks.windows_mismatches(spark, layout)
+    assert mismatched.count() == 0 and table_checks.top_titles_mismatches(spark, layout).count() == 0
+    assert figures["late_events"] + figures["in_closed_windows"] + figures["in_open_windows"] == figures["sales"] == 10
+    DeltaTable.forPath(spark, str(layout.table(HOURLY))).update(
+        (F.col("title") == "Alien"), {"tickets_sold": F.col("tickets_sold") + 2})
+    assert table_checks.windows_mismatches(spark, layout)[0].count() == 1
+    assert table_checks.top_titles_mismatches(spark, layout).count() == 4  # Alien and Dune swap ranks
     # Late sales still count in the all-time table.
     update_state_table(spark, layout, SPEC)
     all_time = {r["title"]: r["tickets_sold"] for r in _rows(layout, SPEC.state_table.name)}
