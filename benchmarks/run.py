@@ -172,17 +172,16 @@ def bench(sizes: list[int], increments: list[int], repeat: int, work: Path) -> d
         without.mkdir()
         for jar in delta_jars():
             (without / jar.name).symlink_to(jar)
+    # Measured inside every repetition, among the other cases: measured only first, (e) once took longer
+    # than (a)'s whole 1M process later in the same run (the machine's load drifts over a run).
     minimal, bare = [], []
-    for _ in range(repeat):
-        minimal.append(measure(case("minimal", out=small)))
-        bare.append(measure(case("minimal", out=small), env={JARS_ENV: str(without)}))
-    record("e_minimal_spark_delta_process", minimal)
-    record("e_minimal_without_class_archive", bare)
 
     for size in sizes:
         history = data.history(size)
         runs = {k: [] for k in ("a", "b", "c", "d", "f")}
         for rep in range(repeat):
+            minimal.append(measure(case("minimal", out=small)))
+            bare.append(measure(case("minimal", out=small), env={JARS_ENV: str(without)}))
             runs["a"].append(measure(case("floor", landing=history, out=work / f"floor-{size}-{rep}")))
             home = work / f"home-{size}-{rep}"
             link_into(history, home / "landing" / "payments")
@@ -191,6 +190,8 @@ def bench(sizes: list[int], increments: list[int], repeat: int, work: Path) -> d
             runs["c"].append(measure(case("stateful", landing=history, out=str(work / f"stateful-{size}-{rep}"))))
             runs["d"].append(measure(case("polars", landing=data.well_formed(history),
                                           out=work / f"polars-{size}-{rep}")))
+        record("e_minimal_spark_delta_process", minimal)
+        record("e_minimal_without_class_archive", bare)
         for key, label in (("a", "a_spark_floor"), ("b", "b_full_recompute"), ("c", "c_spark_stateful_rocksdb"),
                            ("d", "d_polars_deltalake"), ("f", "f_statetables_run")):
             record(f"{label}@{size}", runs[key])
