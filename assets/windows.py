@@ -78,14 +78,12 @@ def movie_ticket_sales_windows(context: dg.AssetExecutionContext, config: Window
     yield dg.MaterializeResult(asset_key=HOURLY_KEY, metadata={
         **common, "windows_closed_this_run": closed,
         "operator_state_rows": state.get("rows", -1), "operator_state_memory_bytes": state.get("memory_bytes", -1),
-        "newest_windows": markdown_table(hourly.orderBy(F.desc("window_start"), F.desc("tickets_sold"), "title"),
-                                         rows_known=0 if closed == 0 and result.versions[HOURLY].before else None),
+        "newest_windows": markdown_table(hourly.orderBy(F.desc("window_start"), F.desc("tickets_sold"), "title")),
         "table_version": result.versions[HOURLY].after})
     top = session.read.format("delta").load(str(layout.table(TOP)))
     yield dg.MaterializeResult(asset_key=TOP_KEY, metadata={
         **common, "hours_ranked_this_run": len({b["batch_id"] for b in batches if b.get("windows_closed")}),
-        "newest_hour": markdown_table(top.orderBy(F.desc("window_start"), "rank"), TOP_N,
-                                      rows_known=0 if closed == 0 else None),
+        "newest_hour": markdown_table(top.orderBy(F.desc("window_start"), "rank"), TOP_N),
         "table_version": result.versions[TOP].after})
     yield dg.MaterializeResult(asset_key=LATE_KEY, metadata={
         **common, "late_events_this_run": late, "table_version": result.versions[LATE].after})

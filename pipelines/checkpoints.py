@@ -290,14 +290,24 @@ def covered_source_version(checkpoint_dir: Path) -> int | None:
     rebuild at `source_start_version`.
     """
     origin = read_origin(checkpoint_dir)
-    commits, offsets = _batch_files(checkpoint_dir / "commits"), _batch_files(checkpoint_dir / "offsets")
+    commits = _batch_files(checkpoint_dir / "commits")
     if origin is None:
         return None
     if not commits:
         return origin.source_start_version - 1 if origin.source_start_version is not None else None
-    last = max(commits)
     try:
-        offset = json.loads(offsets[last].read_text().split("\n")[2])
-    except (KeyError, OSError, ValueError, IndexError):
+        return batch_end_version(checkpoint_dir, max(commits))
+    except (OSError, ValueError, IndexError, KeyError):
         return None
+
+
+def batch_watermark_ms(checkpoint_dir: Path, batch_id: int) -> int:
+    """The watermark Spark used for `batch_id`: the offset log's metadata line, written before the batch runs."""
+    return int(json.loads((checkpoint_dir / "offsets" / str(batch_id)).read_text().split("\n")[1])["batchWatermarkMs"])
+
+
+def batch_end_version(checkpoint_dir: Path, batch_id: int) -> int | None:
+    """The newest source Delta version `batch_id` read whole (end offset `reservoirVersion`, `index -1`);
+    None if the batch stopped inside a version."""
+    offset = json.loads((checkpoint_dir / "offsets" / str(batch_id)).read_text().split("\n")[2])
     return int(offset["reservoirVersion"]) - 1 if offset.get("index") == -1 else None

@@ -49,7 +49,7 @@ class StreamRunResult:
     commits: dict[str, list[dict]] = field(default_factory=dict)
     # Set when the checkpoint was not trusted: {"problem", "set_aside", "action"}.
     recovery: dict | None = None
-    # Stateful queries: the operator state after the run (rows, bytes in memory, RocksDB's files).
+    # Stateful queries: the operator state after the run (rows, bytes in memory).
     operator_state: dict | None = None
     # Landing files appended to or rewritten after they were ingested: {"file", "change", "version"}.
     changed_files: list[dict] = field(default_factory=list)

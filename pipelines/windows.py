@@ -34,7 +34,9 @@ from pyspark.sql import functions as F
 from pyspark.sql.streaming import StatefulProcessor, StatefulProcessorHandle
 from pyspark.sql.types import LongType, StringType, StructField, StructType, TimestampType
 
-from pipelines.checkpoints import checkpoint_for_run, new_app_id, start_checkpoint
+from pipelines.checkpoints import (
+    batch_end_version, batch_watermark_ms, checkpoint_for_run, new_app_id, start_checkpoint,
+)
 from pipelines.faults import WINDOWS_BEFORE_CLOSING_COMMIT, fault_point
 from pipelines.layout import StorageLayout
 from pipelines.bronze import ensure_bronze_tables
@@ -52,7 +54,6 @@ WINDOWS_QUERY = f"{HOURLY}_windows"
 DEFAULT_WATERMARK_DELAY = dt.timedelta(minutes=10)
 TOP_N = 10
 HOUR_MS = 3_600_000
-ROCKSDB = "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider"
 
 HOURLY_SCHEMA = StructType([
     StructField("title", StringType(), nullable=False),
@@ -172,18 +173,6 @@ class WindowProgress:
     bronze_version: int  # every bronze version up to this one was read
 
 
-def _batch_watermark(checkpoint: Path, batch_id: int) -> int:
-    """The watermark Spark used for `batch_id`: written to the offset log before the batch runs."""
-    return int(json.loads((checkpoint / "offsets" / str(batch_id)).read_text().split("\n")[1])["batchWatermarkMs"])
-
-
-def _batch_end_version(checkpoint: Path, batch_id: int) -> int | None:
-    """The last bronze version this batch read whole (Delta source offset `reservoirVersion`, `index -1`);
-    None if it stopped inside a version (the read below admits whole versions, so it does not)."""
-    offset = json.loads((checkpoint / "offsets" / str(batch_id)).read_text().split("\n")[2])
-    return int(offset["reservoirVersion"]) - 1 if offset.get("index") == -1 else None
-
-
 def _append(frame: DataFrame, path: str, app_id: str | None, batch_id: int, metadata: dict | None = None) -> None:
     writer = frame.write.format("delta").mode("append")
     if app_id is not None:  # a replayed batch is skipped
@@ -257,9 +246,9 @@ def write_windows(emitted: DataFrame, batch_id: int, *, layout: StorageLayout, c
             (F.col("watermark_ms") - F.unix_millis("event_time")).alias("late_by_ms"), "source_file", "line_number")
     hourly = _closed_windows(emitted.where(F.col("kind") == "window"))
     # The watermark that decided this batch (Spark's, or the one a restart kept, whichever is ahead).
-    watermark = max(_batch_watermark(checkpoint, batch_id), closed_through_ms)
+    watermark = max(batch_watermark_ms(checkpoint, batch_id), closed_through_ms)
     progress = {"app_id": app_id, "batch_id": batch_id, "watermark_ms": watermark,
-                "bronze_version": _batch_end_version(checkpoint, batch_id),
+                "bronze_version": batch_end_version(checkpoint, batch_id),
                 "windows_closed": kinds.get("window", 0), "late_events": kinds.get("late", 0)}
     _commit_outputs(layout, hourly, late, has_windows=bool(kinds.get("window")), app_id=app_id,
                     batch_id=batch_id, progress=progress)
@@ -416,7 +405,5 @@ def operator_state(reports: list) -> dict | None:
     for report in reversed(reports):
         if report.stateOperators:
             state = report.stateOperators[0]
-            custom = dict(state.customMetrics or {})
-            return {"rows": state.numRowsTotal, "memory_bytes": state.memoryUsedBytes,
-                    "files_bytes": custom.get("rocksdbTotalBytesOnDisk", custom.get("SnapshotLastUploaded", -1))}
+            return {"rows": state.numRowsTotal, "memory_bytes": state.memoryUsedBytes}
     return None
