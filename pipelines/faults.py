@@ -35,9 +35,11 @@ STATE_AFTER_REBUILD = "state.after_rebuild"  # rebuild committed, new checkpoint
 INGEST_POISON = "ingest.poison_line"
 # late_events and top_titles_hourly written, the batch's closing tickets_per_title_hourly commit not yet
 WINDOWS_BEFORE_CLOSING_COMMIT = "windows.before_closing_commit"
+# late_events written, the batch's closing customer_activity commit not yet
+SESSIONS_BEFORE_CLOSING_COMMIT = "sessions.before_closing_commit"
 POINTS = (INGEST_AFTER_QUARANTINE_COMMIT, INGEST_AFTER_BRONZE_COMMIT, INGEST_BATCH_END, STATE_MERGE_START,
           STATE_AFTER_MERGE_COMMIT, STATE_BATCH_END, STATE_AFTER_REBUILD, INGEST_POISON,
-          WINDOWS_BEFORE_CLOSING_COMMIT)
+          WINDOWS_BEFORE_CLOSING_COMMIT, SESSIONS_BEFORE_CLOSING_COMMIT)
 
 
 class InjectedFault(RuntimeError):

@@ -21,7 +21,8 @@ from pipelines.checkpoints import covered_source_version
 from pipelines.layout import StorageLayout
 from pipelines.state import TOTAL_TYPE
 from pipelines.streaming import table_version
-from pipelines.streams import MOVIE_TICKET_SALES, StreamSpec
+from pipelines.sessions import ACTIVITY, SESSION_GAP, last_progress as sessions_progress
+from pipelines.streams import MOVIE_TICKET_SALES, PAYMENTS, StreamSpec
 from pipelines.windows import HOURLY, LATE, TOP, last_progress, top_titles
 
 
@@ -152,3 +153,40 @@ def top_titles_mismatches(spark: SparkSession, layout: StorageLayout) -> DataFra
     recomputed = top_titles(spark.read.format("delta").load(str(layout.table(HOURLY))))
     return (stored.exceptAll(recomputed).withColumn("side", F.lit("only in top_titles_hourly"))
             .unionByName(recomputed.exceptAll(stored).withColumn("side", F.lit("missing from top_titles_hourly"))))
+
+
+def sessions_mismatches(spark: SparkSession, layout: StorageLayout) -> tuple[DataFrame, dict]:
+    """customer_activity against Spark's own `session_window` over bronze, at the bronze version and
+    watermark the sessions query has reached: the payments that are not in late_events, cut into
+    sessions by the same gap; each session the watermark has closed must be a row with the same end,
+    count and amount, and each row such a session. A second implementation of the rule, so a fault in
+    the operator (or a corrupted row) shows. Previous session and day totals depend on the TTL's
+    processing time and are not recomputed. One pass over bronze."""
+    spec = PAYMENTS
+    progress = sessions_progress(spark, layout)
+    activity = spark.read.format("delta").load(str(layout.table(ACTIVITY))).select(
+        "customer_id", "session_start", "session_end", "payment_count", "total_amount")
+    late = spark.read.format("delta").load(str(layout.table(LATE))).where(F.col("stream") == spec.name)
+    if progress is None or progress.bronze_version < 0:
+        payments = spark.createDataFrame([], "customer_id string, payment_id string, paid_at timestamp, amount decimal(18,2)")
+    else:
+        payments = (spark.read.format("delta").option("versionAsOf", progress.bronze_version)
+                    .load(str(layout.table(spec.bronze_table))))
+    on_time = payments.join(late.select(F.col("event_id").alias(spec.id_field)), spec.id_field, "left_anti")
+    window = F.session_window(spec.event_time_field, f"{int(SESSION_GAP.total_seconds())} seconds")
+    recomputed = (on_time.groupBy("customer_id", window.alias("w"))
+                  .agg(F.min(spec.event_time_field).alias("session_start"),
+                       F.max(spec.event_time_field).alias("expected_end"),
+                       F.count("*").alias("expected_payments"),
+                       F.sum(spec.value_field).cast(TOTAL_TYPE).alias("expected_amount"))
+                  .where(F.unix_millis("w.end") <= (progress.watermark_ms if progress else 0)).drop("w"))
+    mismatched = (recomputed.join(activity, ["customer_id", "session_start"], "full_outer")
+                  .where(~F.col("expected_end").eqNullSafe(F.col("session_end"))
+                         | ~F.col("expected_payments").eqNullSafe(F.col("payment_count"))
+                         | ~F.col("expected_amount").eqNullSafe(F.col("total_amount"))))
+    totals = activity.agg(F.count("*"), F.sum("payment_count")).first()
+    late_in_bronze = late.join(payments.select(F.col(spec.id_field).alias("event_id")), "event_id", "left_semi").count()
+    figures = {"sessions_checked": totals[0], "payments_in_sessions": totals[1] or 0, "late_events": late_in_bronze,
+               "late_not_in_bronze": late.count() - late_in_bronze,
+               "bronze_version": progress.bronze_version if progress else -1}
+    return mismatched, figures

@@ -21,9 +21,7 @@ watermark and the bronze version it reached: that is how a lost checkpoint is re
 from __future__ import annotations
 
 import datetime as dt
-import json
 import time
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Iterator
@@ -37,6 +35,8 @@ from pyspark.sql.types import LongType, StringType, StructField, StructType, Tim
 from pipelines.checkpoints import (
     batch_end_version, batch_watermark_ms, checkpoint_for_run, new_app_id, start_checkpoint,
 )
+from pipelines import event_time
+from pipelines.event_time import LATE, LATE_SCHEMA, Progress, append_batch, late_rows, micros, undo_late_rows
 from pipelines.faults import WINDOWS_BEFORE_CLOSING_COMMIT, fault_point
 from pipelines.layout import StorageLayout
 from pipelines.bronze import ensure_bronze_tables
@@ -49,7 +49,6 @@ from pipelines.streams import MOVIE_TICKET_SALES
 
 HOURLY = "tickets_per_title_hourly"
 TOP = "top_titles_hourly"
-LATE = "late_events"
 WINDOWS_QUERY = f"{HOURLY}_windows"
 DEFAULT_WATERMARK_DELAY = dt.timedelta(minutes=10)
 TOP_N = 10
@@ -69,15 +68,6 @@ TOP_SCHEMA = StructType([
     StructField("title", StringType(), nullable=False),
     StructField("tickets_sold", LongType(), nullable=False),
 ])
-LATE_SCHEMA = StructType([
-    StructField("stream", StringType(), nullable=False),
-    StructField("event_id", StringType(), nullable=False),
-    StructField("event_time", TimestampType(), nullable=False),
-    StructField("watermark", TimestampType(), nullable=False),
-    StructField("late_by_ms", LongType(), nullable=False),
-    StructField("source_file", StringType()),
-    StructField("line_number", LongType()),
-])
 # What the operator emits: a closed window (kind "window") or a late event (kind "late").
 _EMITTED = StructType([
     StructField("kind", StringType()), StructField("title", StringType()),
@@ -91,16 +81,6 @@ _WINDOW_VALUE = StructType([StructField("tickets_sold", LongType()), StructField
 # The initial state of a rebuilt query: one row per open (title, window).
 _INITIAL = StructType([StructField("title", StringType()), StructField("window_start_ms", LongType()),
                        StructField("tickets_sold", LongType()), StructField("value_cents", LongType())])
-
-
-_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.timezone.utc)
-
-
-def _micros(ts: dt.datetime) -> int:
-    """Epoch microseconds of a timestamp from Spark (naive datetimes are in the session zone, UTC here)."""
-    if ts.tzinfo is None:
-        ts = ts.replace(tzinfo=dt.timezone.utc)
-    return (ts - _EPOCH) // dt.timedelta(microseconds=1)
 
 
 class HourlyWindows(StatefulProcessor):
@@ -135,7 +115,7 @@ class HourlyWindows(StatefulProcessor):
         watermark_ms = max(timerValues.getCurrentWatermarkInMs(), self.closed_through_ms)
         batch: dict[int, list[int]] = {}  # one state update per window, not per event
         for row in rows:
-            event_us = _micros(row.sale_ts)
+            event_us = micros(row.sale_ts)
             if event_us <= watermark_ms * 1000:
                 yield Row(kind="late", title=key[0], window_start_ms=None, tickets_sold=None, value_cents=None,
                           event_id=row.event_id, event_time=row.sale_ts, watermark_ms=watermark_ms,
@@ -165,23 +145,6 @@ class HourlyWindows(StatefulProcessor):
         pass
 
 
-@dataclass(frozen=True)
-class WindowProgress:
-    """What the windows query had reached at its last committed batch (recorded in each commit)."""
-
-    watermark_ms: int
-    bronze_version: int  # every bronze version up to this one was read
-
-
-def _append(frame: DataFrame, path: str, app_id: str | None, batch_id: int, metadata: dict | None = None) -> None:
-    writer = frame.write.format("delta").mode("append")
-    if app_id is not None:  # a replayed batch is skipped
-        writer = writer.option("txnAppId", app_id).option("txnVersion", batch_id)
-    if metadata is not None:
-        writer = writer.option("userMetadata", json.dumps(metadata))
-    writer.save(path)
-
-
 def _closed_windows(windows: DataFrame) -> DataFrame:
     """Operator rows of kind "window" (or rebuilt ones) as rows of `tickets_per_title_hourly`."""
     return windows.select(
@@ -209,27 +172,27 @@ def _commit_outputs(layout: StorageLayout, hourly: DataFrame, late: DataFrame | 
     closing_version = (table_version(hourly.sparkSession, hourly_path) or 0) + 1
     marker = {"app_id": app_id, "batch_id": batch_id, "hourly_version": closing_version}
     if late is not None:
-        _append(late, str(layout.table(LATE)), app_id, batch_id, marker)
+        append_batch(late, layout.table(LATE), app_id, batch_id, marker)
     if has_windows:
-        _append(top_titles(hourly), str(layout.table(TOP)), app_id, batch_id, marker)
+        append_batch(top_titles(hourly), layout.table(TOP), app_id, batch_id, marker)
     fault_point(WINDOWS_BEFORE_CLOSING_COMMIT)
-    _append(hourly, str(hourly_path), app_id, batch_id, progress)
+    append_batch(hourly, hourly_path, app_id, batch_id, progress)
 
 
 def _undo_unfinished_batch(spark: SparkSession, layout: StorageLayout) -> list[str]:
-    """Restore late_events and top_titles_hourly to before a batch that wrote them and died before its
+    """Undo what a batch wrote to late_events and top_titles_hourly before it died without its
     tickets_per_title_hourly commit. Only a restart (checkpoint lost) needs this: it writes the batch
-    again under a new app id, which Delta's txn ids cannot match. This query is their only writer."""
-    undone = []
+    again under a new app id, which Delta's txn ids cannot match. This query is top_titles_hourly's only
+    writer, so that table is restored; late_events is shared (`undo_late_rows`)."""
     hourly_version = table_version(spark, layout.table(HOURLY)) or 0
-    for name in (LATE, TOP):
-        path = layout.table(name)
-        latest = table_version(spark, path) or 0
-        unfinished = [c["version"] for c in commits_since(spark, path, max(-1, latest - 5))
-                      if int(c["user"].get("hourly_version", -1)) > hourly_version]
-        if unfinished:
-            DeltaTable.forPath(spark, str(path)).restoreToVersion(min(unfinished) - 1)
-            undone.append(f"{name} restored to version {min(unfinished) - 1}")
+    undone = undo_late_rows(spark, layout, MOVIE_TICKET_SALES.name, "hourly_version", hourly_version)
+    path = layout.table(TOP)
+    latest = table_version(spark, path) or 0
+    unfinished = [c["version"] for c in commits_since(spark, path, max(-1, latest - 5))
+                  if int(c["user"].get("hourly_version", -1)) > hourly_version]
+    if unfinished:
+        DeltaTable.forPath(spark, str(path)).restoreToVersion(min(unfinished) - 1)
+        undone.append(f"{TOP} restored to version {min(unfinished) - 1}")
     return undone
 
 
@@ -238,12 +201,7 @@ def write_windows(emitted: DataFrame, batch_id: int, *, layout: StorageLayout, c
     """foreachBatch body: the windows that closed, their hours ranked, the late events."""
     emitted = emitted.localCheckpoint()  # read up to four times below; the operator must run once
     kinds = dict(emitted.groupBy("kind").count().collect())
-    late = None
-    if kinds.get("late"):
-        late = emitted.where(F.col("kind") == "late").select(
-            F.lit(stream).alias("stream"), "event_id", "event_time",
-            F.timestamp_millis("watermark_ms").alias("watermark"),
-            (F.col("watermark_ms") - F.unix_millis("event_time")).alias("late_by_ms"), "source_file", "line_number")
+    late = late_rows(emitted, stream) if kinds.get("late") else None
     hourly = _closed_windows(emitted.where(F.col("kind") == "window"))
     # The watermark that decided this batch (Spark's, or the one a restart kept, whichever is ahead).
     watermark = max(batch_watermark_ms(checkpoint, batch_id), closed_through_ms)
@@ -259,19 +217,9 @@ def ensure_window_tables(spark: SparkSession, layout: StorageLayout) -> None:
         create_table_if_missing(spark, layout.table(name), schema)
 
 
-def last_progress(spark: SparkSession, layout: StorageLayout) -> WindowProgress | None:
+def last_progress(spark: SparkSession, layout: StorageLayout) -> Progress | None:
     """The watermark and bronze version of the newest batch committed to `tickets_per_title_hourly`."""
-    path = layout.table(HOURLY)
-    for commit in reversed(commits_since(spark, path, max(-1, (table_version(spark, path) or 0) - 10))):
-        user = commit["user"]
-        if "watermark_ms" in user:
-            if user.get("bronze_version") is None:
-                raise RuntimeError(
-                    f"{HOURLY} version {commit['version']}: its batch ended inside a bronze version, so the "
-                    f"windows cannot restart exactly after it. Fix: restore {HOURLY}, {TOP} and {LATE} to an "
-                    f"earlier savepoint (docs/recovery.md), then run again.")
-            return WindowProgress(int(user["watermark_ms"]), int(user["bronze_version"]))
-    return None
+    return event_time.last_progress(spark, layout.table(HOURLY), f"{HOURLY}, {TOP} and {LATE}")
 
 
 def _open_windows(spark: SparkSession, layout: StorageLayout, through_version: int, after_ms: int) -> DataFrame:
@@ -290,8 +238,8 @@ def _open_windows(spark: SparkSession, layout: StorageLayout, through_version: i
                  F.sum((F.col(spec.value_field) * 100).cast(LongType())).alias("value_cents")))
 
 
-def _restart(spark: SparkSession, layout: StorageLayout, last: WindowProgress | None, app_id: str, reason: str,
-             delay: dt.timedelta) -> WindowProgress:
+def _restart(spark: SparkSession, layout: StorageLayout, last: Progress | None, app_id: str, reason: str,
+             delay: dt.timedelta) -> Progress:
     """Start the windows again after the last committed batch, exactly where it left them.
 
     The watermark the next batch would have had is the newest sale read so far minus the delay; the
@@ -299,7 +247,7 @@ def _restart(spark: SparkSession, layout: StorageLayout, last: WindowProgress | 
     what the old checkpoint would have written next is written, once. Recorded as batch -1 of `app_id`.
     """
     spec = MOVIE_TICKET_SALES
-    last = last or WindowProgress(watermark_ms=0, bronze_version=-1)
+    last = last or Progress(watermark_ms=0, bronze_version=-1)
     undone = _undo_unfinished_batch(spark, layout)
     watermark = last.watermark_ms
     has_windows = False
@@ -319,7 +267,7 @@ def _restart(spark: SparkSession, layout: StorageLayout, last: WindowProgress | 
     # A txn id of its own: Delta commits an empty append only when it carries one, and this record must exist.
     _commit_outputs(layout, hourly, None, has_windows=has_windows, app_id=f"{app_id}/restart", batch_id=0,
                     progress=progress)
-    return WindowProgress(watermark, last.bronze_version)
+    return Progress(watermark, last.bronze_version)
 
 
 def update_windows(spark: SparkSession, layout: StorageLayout, *,
@@ -396,14 +344,5 @@ def update_windows(spark: SparkSession, layout: StorageLayout, *,
                       for name in (HOURLY, TOP, LATE)},
             commits={HOURLY: commits_since(spark, hourly_path, before[HOURLY])},
             recovery=recovery,
-            operator_state=operator_state(reports),
+            operator_state=event_time.operator_state(reports),
         )
-
-
-def operator_state(reports: list) -> dict | None:
-    """The state operator's figures from the newest progress report that has them."""
-    for report in reversed(reports):
-        if report.stateOperators:
-            state = report.stateOperators[0]
-            return {"rows": state.numRowsTotal, "memory_bytes": state.memoryUsedBytes}
-    return None

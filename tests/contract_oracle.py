@@ -443,3 +443,62 @@ def expected_windows(batches: list[list[dict]], delay: timedelta, *, watermark_a
                         key=lambda t: (-t[0], -t[1], t[2]))[:10]
         top[start] = [(rank, title, n) for rank, (n, _, title) in enumerate(titles, start=1)]
     return WindowedExpected(windows, late, top, watermark)
+
+
+@dataclass
+class SessionsExpected:
+    """What customer_activity and the payments' late events must hold."""
+
+    sessions: dict[tuple[str, datetime], tuple]  # (customer, start) → (end, payments, amount, last ids,
+    #                                               previous session end, day amount)
+    late: dict[str, tuple[datetime, datetime]]  # payment id → (event time, watermark it missed)
+
+
+def expected_sessions(batches: list[list[dict]], delay: timedelta, gap: timedelta, ttl: timedelta) -> SessionsExpected:
+    """Payments in runs, in order (each run one micro-batch of accepted payments, then the watermark moves
+    to its newest payment minus `delay`). A payment at or behind the watermark of its run is late. A
+    customer's payments less than `gap` apart are one session; it closes in the run whose watermark is
+    at least its last payment + `gap`. Per customer, closed sessions carry the previous session's end and
+    the customer's running total for the UTC day the session ended, unless the session started `ttl` or
+    more after the previous one ended: the customer was forgotten, with every day total."""
+    open_payments: dict[str, list[tuple[datetime, str, Decimal]]] = defaultdict(list)
+    late: dict[str, tuple[datetime, datetime]] = {}
+    sessions: dict[tuple[str, datetime], tuple] = {}
+    previous: dict[str, datetime] = {}
+    day_totals: dict[tuple[str, object], Decimal] = defaultdict(Decimal)
+    newest: datetime | None = None
+    for batch in batches:
+        watermark = newest - delay if newest is not None else None
+        for p in batch:
+            if watermark is not None and p["paid_at"] <= watermark:
+                late[p["payment_id"]] = (p["paid_at"], watermark)
+            else:
+                open_payments[p["customer_id"]].append((p["paid_at"], p["payment_id"], p["amount"]))
+        newest = max([newest] * (newest is not None) + [p["paid_at"] for p in batch], default=None)
+        if newest is None:
+            continue
+        watermark = newest - delay
+        for customer, payments in open_payments.items():
+            groups: list[list] = []
+            for p in sorted(payments):
+                if groups and p[0] - groups[-1][-1][0] < gap:
+                    groups[-1].append(p)
+                else:
+                    groups.append([p])
+            kept = []
+            for group in groups:
+                if group[-1][0] + gap > watermark:
+                    kept.extend(group)
+                    continue
+                end, amount = group[-1][0], sum(p[2] for p in group)
+                if customer in previous and group[0][0] - previous[customer] >= ttl:
+                    del previous[customer]
+                    for key in [k for k in day_totals if k[0] == customer]:
+                        del day_totals[key]
+                day_totals[(customer, end.date())] += amount
+                sessions[(customer, group[0][0])] = (
+                    end, len(group), amount, [p[1] for p in reversed(group[-5:])], previous.get(customer),
+                    day_totals[(customer, end.date())])
+                previous[customer] = end
+            open_payments[customer] = kept
+    return SessionsExpected(sessions, late)

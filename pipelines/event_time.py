@@ -1,0 +1,121 @@
+"""What the event-time queries share: the late_events table, their once-only appends, and the progress
+record their closing commits carry.
+
+Both event-time queries (windows.py over sales, sessions.py over payments) write late_events, each
+under its own `stream` value, and each commits every micro-batch to its own output table last, with
+the watermark and the bronze version it reached (`Progress`). A batch that died before that closing
+commit is replayed under the same app id when the checkpoint survived (Delta's txn ids skip what it
+wrote), or undone by `undo_late_rows` when a restart writes it again under a new one.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from delta.tables import DeltaTable
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+from pyspark.sql.types import LongType, StringType, StructField, StructType, TimestampType
+
+from pipelines.layout import StorageLayout
+from pipelines.streaming import commits_since, retry_on_conflict, table_version
+
+LATE = "late_events"
+LATE_SCHEMA = StructType([
+    StructField("stream", StringType(), nullable=False),
+    StructField("event_id", StringType(), nullable=False),
+    StructField("event_time", TimestampType(), nullable=False),
+    StructField("watermark", TimestampType(), nullable=False),
+    StructField("late_by_ms", LongType(), nullable=False),
+    StructField("source_file", StringType()),
+    StructField("line_number", LongType()),
+])
+# Commits searched for a query's unfinished late_events write: both queries append to the table.
+_UNDO_WINDOW = 50
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.timezone.utc)
+
+
+def micros(ts: dt.datetime) -> int:
+    """Epoch microseconds of a timestamp from Spark (naive datetimes are in the session zone, UTC here)."""
+    if ts.tzinfo is None:
+        ts = ts.replace(tzinfo=dt.timezone.utc)
+    return (ts - _EPOCH) // dt.timedelta(microseconds=1)
+
+
+def append_batch(frame: DataFrame, path: Path | str, app_id: str | None, batch_id: int,
+                 metadata: dict | None = None) -> None:
+    """Append once per (app id, batch): a replayed batch is skipped by Delta's txn ids."""
+    writer = frame.write.format("delta").mode("append")
+    if app_id is not None:
+        writer = writer.option("txnAppId", app_id).option("txnVersion", batch_id)
+    if metadata is not None:
+        writer = writer.option("userMetadata", json.dumps(metadata))
+    writer.save(str(path))
+
+
+def late_rows(emitted: DataFrame, stream: str) -> DataFrame:
+    """Operator rows of kind "late" as rows of late_events."""
+    return emitted.where(F.col("kind") == "late").select(
+        F.lit(stream).alias("stream"), "event_id", "event_time",
+        F.timestamp_millis("watermark_ms").alias("watermark"),
+        (F.col("watermark_ms") - F.unix_millis("event_time")).alias("late_by_ms"), "source_file", "line_number")
+
+
+def undo_late_rows(spark: SparkSession, layout: StorageLayout, stream: str, marker: str, closing_version: int) -> list[str]:
+    """Delete the late_events rows of `stream` that commits marked `marker` > `closing_version` added:
+    a batch that wrote them and died before its closing commit. The rows are deleted, not the table
+    restored, because the other event-time query appends to it too."""
+    path = layout.table(LATE)
+    latest = table_version(spark, path)
+    if latest is None:
+        return []
+    unfinished = [c["version"] for c in commits_since(spark, path, max(-1, latest - _UNDO_WINDOW))
+                  if int(c["user"].get(marker, -1)) > closing_version]
+    if not unfinished:
+        return []
+    def rows_at(version: int) -> DataFrame:
+        return (spark.read.format("delta").option("versionAsOf", version).load(str(path))
+                .where(F.col("stream") == stream).select("event_id"))
+    added = rows_at(unfinished[0]).subtract(rows_at(unfinished[0] - 1))
+    for version in unfinished[1:]:
+        added = added.union(rows_at(version).subtract(rows_at(version - 1)))
+    added = added.localCheckpoint()
+    count = added.count()
+    retry_on_conflict(lambda: DeltaTable.forPath(spark, str(path)).alias("t").merge(
+        added.alias("a"), (F.col("t.stream") == stream) & (F.col("t.event_id") == F.col("a.event_id")))
+        .whenMatchedDelete().execute(), f"undo {LATE} rows of {stream}")
+    return [f"{LATE}: {count} {stream} rows of unfinished version(s) {unfinished} deleted"]
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What an event-time query had reached at its last committed batch (recorded in each commit)."""
+
+    watermark_ms: int
+    bronze_version: int  # every bronze version up to this one was read
+
+
+def last_progress(spark: SparkSession, path: Path, tables: str) -> Progress | None:
+    """The watermark and bronze version of the newest batch committed to the query's closing table."""
+    for commit in reversed(commits_since(spark, path, max(-1, (table_version(spark, path) or 0) - 10))):
+        user = commit["user"]
+        if "watermark_ms" in user:
+            if user.get("bronze_version") is None:
+                raise RuntimeError(
+                    f"{path.name} version {commit['version']}: its batch ended inside a bronze version, so the "
+                    f"query cannot restart exactly after it. Fix: restore {tables} to an earlier savepoint "
+                    f"(docs/recovery.md), then run again.")
+            return Progress(int(user["watermark_ms"]), int(user["bronze_version"]))
+    return None
+
+
+def operator_state(reports: list) -> dict | None:
+    """The state operator's figures from the newest progress report that has them."""
+    for report in reversed(reports):
+        if report.stateOperators:
+            state = report.stateOperators[0]
+            return {"rows": state.numRowsTotal, "memory_bytes": state.memoryUsedBytes}
+    return None

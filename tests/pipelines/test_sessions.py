@@ -1,0 +1,173 @@
+"""Customer activity sessions (keyed state, timers, TTL) against a plain-Python recomputation
+(tests/contract_oracle.py `expected_sessions`), read with an independent Delta reader (`deltalake`).
+
+Covers: a payment out of order within the watermark joins its session (here it joins two into one);
+payments behind it land in `late_events` and still count in payments_per_customer; the event-time
+timer closes a session 30 minutes after its last payment; the previous session and the day's spend
+come from value and map state, which TTL forgets; a lost checkpoint with its RocksDB state is rebuilt
+from the Delta tables, and the outputs equal those of a run that never lost it.
+"""
+
+from __future__ import annotations
+
+import shutil
+from datetime import datetime, timedelta, timezone
+from decimal import Decimal
+
+import pytest
+from delta.tables import DeltaTable
+from deltalake import DeltaTable as IndependentDeltaTable
+from pyspark.sql import functions as F
+
+from pipelines import faults, table_checks
+from pipelines.bronze import ingest_stream
+from pipelines.event_time import LATE
+from pipelines.generate import generate
+from pipelines.sessions import ACTIVITY, SESSIONS_QUERY, SessionSettings, update_sessions
+from pipelines.state import update_state_table
+from pipelines.streams import PAYMENTS
+from tests.contract_oracle import Oracle, expected_sessions, expected_state, file_lines, landing_files
+
+SPEC = PAYMENTS
+UTC = timezone.utc
+DELAY = timedelta(minutes=10)
+
+
+def _rows(layout, name: str) -> list[dict]:
+    return IndependentDeltaTable(str(layout.table(name))).to_pyarrow_table().to_pylist()
+
+
+def _utc(moment: datetime | None) -> datetime | None:
+    return moment.replace(tzinfo=UTC) if moment is not None and moment.tzinfo is None else moment
+
+
+def _outputs(layout) -> tuple[dict, dict]:
+    rows = _rows(layout, ACTIVITY)
+    sessions = {(r["customer_id"], _utc(r["session_start"])): (
+        _utc(r["session_end"]), r["payment_count"], r["total_amount"], r["last_payment_ids"],
+        _utc(r["previous_session_end"]), r["day_amount"]) for r in rows}
+    assert len(sessions) == len(rows), "a session was written twice"
+    late_rows = [r for r in _rows(layout, LATE) if r["stream"] == SPEC.name]
+    late = {r["event_id"]: (_utc(r["event_time"]), _utc(r["watermark"])) for r in late_rows}
+    assert len(late) == len(late_rows), "a late payment was written twice"
+    return sessions, late
+
+
+class Deliveries:
+    """Lands files, runs ingest + sessions once per delivery, and keeps each delivery's accepted
+    payments (judged by the oracle, not by the pipeline) for the recomputation."""
+
+    def __init__(self, spark, layout, settings: SessionSettings = SessionSettings()):
+        self.spark, self.layout, self.settings = spark, layout, settings
+        self.oracle, self.batches, self.seen = Oracle(SPEC.name), [], set()
+        self.unfinished: set[str] = set()  # payments of a batch that failed: they come again in the next one
+
+    def run(self, *, lose_checkpoint: bool = False, fail_before_closing: bool = False):
+        before = set(self.oracle.expected.events) - self.unfinished
+        for path in sorted(set(landing_files(self.layout.landing(SPEC.name))) - self.seen,
+                           key=lambda p: (p.stat().st_mtime_ns, str(p))):
+            self.oracle.deliver(str(path), file_lines(path))
+            self.seen.add(path)
+        batch = [e for i, e in self.oracle.expected.events.items() if i not in before]
+        ingest_stream(self.spark, self.layout, SPEC)
+        if lose_checkpoint:
+            shutil.rmtree(self.layout.checkpoint(SESSIONS_QUERY))
+        if fail_before_closing:
+            faults.arm(self.layout.home / "faults", faults.SESSIONS_BEFORE_CLOSING_COMMIT, "raise")
+            with pytest.raises(Exception, match="fault injected"):
+                update_sessions(self.spark, self.layout, self.settings)
+            self.unfinished = {e[SPEC.id_field] for e in batch}
+            return None
+        self.batches.append(batch)
+        self.unfinished = set()
+        return update_sessions(self.spark, self.layout, self.settings)
+
+    def expected(self):
+        return expected_sessions(self.batches, self.settings.watermark_delay, self.settings.gap,
+                                 self.settings.state_ttl)
+
+
+def _payment(payment_id: str, customer: str, at: str, amount: str = "10.00", day: int = 1) -> str:
+    return (f'{{"payment_id":"{payment_id}","customer_id":"{customer}","amount":"{amount}",'
+            f'"paid_at":"2026-11-{day:02d}T{at}:00Z"}}')
+
+
+def test_sessions_late_payments_and_ttl_equal_the_recomputation(spark, layout, landing):
+    # A state TTL of 40 minutes of event time: a customer idle that long is forgotten.
+    runs = Deliveries(spark, layout, SessionSettings(watermark_delay=DELAY, state_ttl=timedelta(minutes=40)))
+    landing.write(SPEC.name, "1.jsonl", [
+        _payment("a1", "ann", "10:00"), _payment("a2", "ann", "10:20", "5.50"), _payment("a3", "ann", "10:55"),
+        _payment("b1", "bob", "10:05"), _payment("b2", "bob", "10:50", "3.00")])
+    runs.run()  # watermark 10:45: bob's 10:05 closes; ann's [10:00, 10:20] and [10:55] stay open
+    # 10:47 (within the watermark, a run late) joins ann's two sessions into one.
+    landing.write(SPEC.name, "2.jsonl", [_payment("a4", "ann", "10:47"), _payment("b3", "bob", "11:25"),
+                                         _payment("b4", "bob", "12:20"), _payment("c1", "cy", "12:50")])
+    runs.run()  # watermark 12:40: ann's 10:00-10:55 closes; bob's 10:50 and 11:25 close in one batch
+    landing.write(SPEC.name, "3.jsonl", [_payment("b5", "bob", "10:06"), _payment("a5", "ann", "14:00"),
+                                         _payment("c2", "cy", "13:10"), _payment("z1", "zed", "16:00")])
+    result = runs.run()  # watermark 15:50: bob's 10:06 is late; bob's 12:20, cy's, ann's 14:00 close
+
+    sessions, late = _outputs(layout)
+    expected = runs.expected()
+    assert sessions == expected.sessions and late == expected.late
+    # The same facts by hand, so the recomputation itself is checked:
+    at = lambda hh_mm: datetime.fromisoformat(f"2026-11-01T{hh_mm}:00+00:00")  # noqa: E731
+    assert sessions[("ann", at("10:00"))] == (at("10:55"), 4, Decimal("35.50"), ["a3", "a4", "a2", "a1"], None,
+                                              Decimal("35.50"))
+    # bob's 10:50 came 45 minutes after his 10:05: forgotten (TTL); his 11:25 knows his 10:50 (value and
+    # map state); his 12:20 came 55 minutes after it: forgotten again, the day total starts again.
+    assert sessions[("bob", at("10:50"))][4] is None
+    assert sessions[("bob", at("11:25"))][4:] == (at("10:50"), Decimal("13.00"))
+    assert sessions[("bob", at("12:20"))][1:] == (1, Decimal("10.00"), ["b4"], None, Decimal("10.00"))
+    assert len(sessions) == 7
+    assert ("zed", at("16:00")) not in sessions  # the timer has not fired: 16:00 + 30 min > 15:50
+    assert set(late) == {"b5"} and late["b5"][1] == at("12:40")
+    assert result.operator_state and result.operator_state["rows"] >= 1
+    # The TTL's timers: ann's, bob's and cy's state is cleared once the watermark is 40 minutes past
+    # their last session; zed's session (16:00) closes at 17:50 and his state stays. Read with Spark's
+    # state data source, from the checkpoint.
+    landing.write(SPEC.name, "4.jsonl", [_payment("z2", "zed", "18:00")])
+    runs.run()
+    sessions, late = _outputs(layout)
+    assert sessions == runs.expected().sessions and ("zed", at("16:00")) in sessions
+    kept = spark.read.format("statestore").option("stateVarName", "last_session").load(
+        str(layout.checkpoint(SESSIONS_QUERY)))
+    assert sorted(r["key"][0] for r in kept.collect()) == ["zed"]
+    # The Dagster check's query sees the tables agree with bronze, then sees a corrupted session.
+    mismatched, figures = table_checks.sessions_mismatches(spark, layout)
+    assert mismatched.count() == 0, mismatched.collect()
+    assert (figures["sessions_checked"], figures["payments_in_sessions"], figures["late_events"]) == (8, 12, 1)
+    DeltaTable.forPath(spark, str(layout.table(ACTIVITY))).update(
+        F.col("customer_id") == "cy", {"payment_count": F.lit(3)})
+    assert table_checks.sessions_mismatches(spark, layout)[0].count() == 1
+    # Late payments still count in the all-time table.
+    update_state_table(spark, layout, SPEC)
+    all_time = {r["customer_id"]: r["payment_count"] for r in _rows(layout, SPEC.state_table.name)}
+    assert all_time == dict(expected_state(SPEC.name, landing_files(layout.landing(SPEC.name))).counts)
+    assert all_time["bob"] == 5
+
+
+def test_lost_sessions_checkpoint_is_rebuilt_from_the_tables_not_reset(spark, layout, monkeypatch):
+    """Generated payments of 20 customers (late ones included) in four deliveries. The second run dies
+    after writing late_events, before its closing commit; then the sessions query's checkpoint, with its
+    RocksDB state, is deleted. The outputs, previous sessions and day totals included, must equal the
+    recomputation of a run that never failed."""
+    monkeypatch.setenv(faults.FAULTS_ENV, str(layout.home / "faults"))
+    runs = Deliveries(spark, layout)
+    start = datetime(2026, 10, 20, 22, tzinfo=UTC)  # crosses midnight: day totals start again
+    for n in range(4):
+        generate(SPEC, layout.landing(SPEC.name), events=200, malformed=0.02, duplicates=0.03, late=0.1,
+                 seed=60 + n, events_per_file=200, start=start + timedelta(hours=3 * n), max_step_s=60,
+                 customers=20)
+        result = runs.run(fail_before_closing=(n == 1), lose_checkpoint=(n == 2))
+        if n == 2:
+            assert result.recovery and "is missing" in result.recovery["problem"], result.recovery
+            restart = [c["user"] for c in result.commits[ACTIVITY] if c["user"].get("batch_id") == -1]
+            assert restart and any(u.startswith(LATE) for u in restart[0]["undone"]), restart
+    sessions, late = _outputs(layout)
+    expected = runs.expected()
+    assert len(expected.sessions) > 40 and len(expected.late) > 10  # the scenario exercises both
+    assert sum(1 for s in expected.sessions.values() if s[4] is not None) > 20
+    assert sessions == expected.sessions
+    assert late == expected.late
+    assert table_checks.sessions_mismatches(spark, layout)[0].count() == 0
