@@ -309,11 +309,11 @@ def _kept_state(spark: SparkSession, layout: StorageLayout, ttl_us: int, waterma
         sessions = sessions.where(F.col("customer_id").isin(customers))
     newest = lambda *keys: F.row_number().over(Window.partitionBy(*keys).orderBy(F.desc("session_end")))  # noqa: E731
     day = (F.unix_micros("session_end") / _DAY_US).cast(LongType())
-    last = (sessions.where(newest("customer_id") == 1)
+    last = (sessions.withColumn("_n", newest("customer_id")).where(F.col("_n") == 1)
             .select("customer_id", F.lit("last_session").alias("kind"), F.lit(None).cast(StringType()).alias("payment_id"),
                     F.unix_micros("session_end").alias("paid_at_us"), F.lit(None).cast(LongType()).alias("cents"),
                     F.lit(None).cast(LongType()).alias("day")))
-    days = (sessions.withColumn("day", day).where(newest("customer_id", "day") == 1)
+    days = (sessions.withColumn("day", day).withColumn("_n", newest("customer_id", "day")).where(F.col("_n") == 1)
             .select("customer_id", F.lit("day").alias("kind"), F.lit(None).cast(StringType()).alias("payment_id"),
                     F.lit(None).cast(LongType()).alias("paid_at_us"),
                     (F.col("day_amount") * 100).cast(LongType()).alias("cents"), "day"))

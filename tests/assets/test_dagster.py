@@ -55,11 +55,13 @@ def test_all_assets_materialize_with_checks_passing(spark, layout):
         result = _job().execute_in_process(instance=instance)
         assert result.success
         checks = [e.event_specific_data for e in result.all_events if e.event_type_value == "ASSET_CHECK_EVALUATION"]
-        assert len(checks) == 12 and all(c.passed for c in checks), [(c.check_name, c.metadata) for c in checks
+        assert len(checks) == 13 and all(c.passed for c in checks), [(c.check_name, c.metadata) for c in checks
                                                                      if not c.passed]
         windows = result.asset_materializations_for_node("movie_ticket_sales_windows")
         hourly = next(m.metadata for m in windows if m.asset_key.path == ["tickets_per_title_hourly"])
         assert hourly["windows_closed_this_run"].value > 0 and hourly["watermark"].value.startswith("2026-")
+        activity = result.asset_materializations_for_node("customer_activity")[0].metadata
+        assert activity["sessions_closed_this_run"].value > 0 and activity["operator_state_rows"].value > 0
         bronze = result.asset_materializations_for_node("movie_ticket_sales_ingest")[0].metadata
         assert bronze["lines_read"].value == 1500
         state = result.asset_materializations_for_node("movie_tickets_sold")[0].metadata
