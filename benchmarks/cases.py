@@ -11,6 +11,7 @@ Cases (docs/performance.md):
   stateful   (c) Spark's stateful streaming aggregation (RocksDB, update mode), foreachBatch MERGE of absolutes
   polars     (d) Polars + delta-rs: aggregate the files, MERGE into a Delta table (it has no quarantine and
                  stops at the first malformed line, so it reads a copy of the files without them)
+  paths      (g) the event-time steps (windows, sessions) against the all-time MERGE step on the same bronze
   warm       (f) this project inside a warm process: one catch-up run, then `--repeat` runs that each add an
                  increment's files, timed one by one (the step cost without the process start)
 """
@@ -136,7 +137,42 @@ def warm(args) -> dict:
     return {"work_s": sum(r["run_s"] for r in runs), "runs": runs}
 
 
-CASES = {"minimal": minimal, "floor": floor, "recompute": recompute, "stateful": stateful, "polars": polars_merge,
+def paths(args) -> dict:
+    """(g) The event-time paths against the all-time path, on the same bronze, in one process: ingest
+    each stream's landing files, then time its all-time MERGE step and its event-time step (windows
+    for sales, sessions for payments) one after the other, with the operator's state size."""
+    from pipelines.bronze import ingest_stream
+    from pipelines.layout import StorageLayout
+    from pipelines.sessions import update_sessions
+    from pipelines.state import update_state_table
+    from pipelines.streams import STREAMS
+    from pipelines.windows import update_windows
+    spark = _session()
+    layout = StorageLayout.under(args.home)
+    out = {}
+    for name, event_time_step in (("movie_ticket_sales", update_windows), ("payments", update_sessions)):
+        if not layout.landing(name).is_dir():
+            continue
+        spec = STREAMS[name]
+        started = time.monotonic()
+        ingest_stream(spark, layout, spec)
+        ingest_s = time.monotonic() - started
+        rows = spark.read.format("delta").load(str(layout.table(spec.bronze_table))).count()
+        started = time.monotonic()
+        update_state_table(spark, layout, spec)
+        all_time_s = time.monotonic() - started
+        started = time.monotonic()
+        result = event_time_step(spark, layout)
+        event_time_s = time.monotonic() - started
+        state = result.operator_state or {}
+        out[name] = {"bronze_rows": rows, "ingest_s": round(ingest_s, 2), "all_time_s": round(all_time_s, 2),
+                     "event_time_s": round(event_time_s, 2), "event_time_micro_batches": result.micro_batches,
+                     "all_time_events_per_s": round(rows / all_time_s), "event_time_events_per_s": round(rows / event_time_s),
+                     "operator_state_rows": state.get("rows"), "operator_state_memory_bytes": state.get("memory_bytes")}
+    return {"work_s": sum(v["all_time_s"] + v["event_time_s"] for v in out.values()), **out}
+
+
+CASES = {"paths": paths, "minimal": minimal, "floor": floor, "recompute": recompute, "stateful": stateful, "polars": polars_merge,
          "warm": warm}
 
 

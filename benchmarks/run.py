@@ -117,6 +117,15 @@ class Data:
                 (target / path.name).write_bytes(b"\n".join(kept) + b"\n")
         return target
 
+    def sales_history(self, events: int) -> Path:
+        from pipelines.generate import generate
+        from pipelines.streams import MOVIE_TICKET_SALES
+        folder = self.root / f"sales-history-{events}"
+        if not folder.is_dir():
+            start = datetime.now(timezone.utc) - timedelta(seconds=15.5 * events, days=5)
+            generate(MOVIE_TICKET_SALES, folder, events=events, seed=2, events_per_file=self.file_lines, start=start)
+        return folder
+
     def increment(self, events: int, seed: int, customers: int) -> Path:
         from pipelines.generate import generate
         from pipelines.streams import PAYMENTS
@@ -195,6 +204,18 @@ def bench(sizes: list[int], increments: list[int], repeat: int, work: Path) -> d
         for key, label in (("a", "a_spark_floor"), ("b", "b_full_recompute"), ("c", "c_spark_stateful_rocksdb"),
                            ("d", "d_polars_deltalake"), ("f", "f_statetables_run")):
             record(f"{label}@{size}", runs[key])
+        # (g) the event-time paths against the all-time path, on the same 1M-event bronze of each stream
+        paths = []
+        for rep in range(repeat):
+            home = work / f"paths-{size}-{rep}"
+            link_into(history, home / "landing" / "payments")
+            link_into(data.sales_history(size), home / "landing" / "movie_ticket_sales")
+            paths.append(measure(case("paths", home=home), home))
+        record(f"g_event_time_paths@{size}", paths)
+        results["cases"][f"g_event_time_paths@{size}"]["steps"] = {
+            stream: {key: statistics.median(r[stream][key] for r in paths) for key in paths[0][stream]
+                     if isinstance(paths[0][stream][key], (int, float))}
+            for stream in ("movie_ticket_sales", "payments")}
         history_home = work / f"home-{size}-0"
         record(f"f_statetables_run_no_new_files@{size}", [measure(project_run(history_home), history_home)
                                                          for _ in range(repeat)])
@@ -238,6 +259,12 @@ def ratios(results: dict, sizes: list[int], increments: list[int]) -> dict:
         out[f"no new files@{size} / smallest process (e) [target <= 1.5]"] = c[f"f_statetables_run_no_new_files@{size}"] / minimal
         out[f"bulk events/s, run@{size} (whole process)"] = size / f
         out[f"bulk events/s, spark floor (a)@{size} (job inside)"] = size / work[f"a_spark_floor@{size}"]
+        steps = results["cases"][f"g_event_time_paths@{size}"]["steps"]
+        for stream, g in steps.items():
+            out[f"{stream}@{size}: event-time step / all-time step, same bronze"] = g["event_time_s"] / g["all_time_s"]
+            out[f"{stream}@{size}: event-time step, events/s"] = g["event_time_events_per_s"]
+            out[f"{stream}@{size}: all-time step, events/s"] = g["all_time_events_per_s"]
+            out[f"{stream}@{size}: event-time operator state, MB"] = (g.get("operator_state_memory_bytes") or 0) / 2**20
         for inc in increments:
             empty = c[f"f_increment_{inc}_process@history_0"]
             full = c[f"f_increment_{inc}_process@history_{size}"]

@@ -65,6 +65,8 @@ def _print_state_tables(layout: StorageLayout) -> None:
     from pyspark.sql import functions as F
 
     from pipelines.session import build_spark_session
+    from pipelines.sessions import ACTIVITY
+    from pipelines.windows import TOP, TOP_N
 
     spark = build_spark_session()  # the run's session, still alive in this process
     for spec in STREAMS.values():
@@ -75,6 +77,16 @@ def _print_state_tables(layout: StorageLayout) -> None:
         print(f"\n== {table.name}: {totals['keys']} keys, {table.count_column}={totals[table.count_column]}, "
               f"{table.sum_column}={totals[table.sum_column]}")
         frame.orderBy(F.desc(table.count_column), table.key).drop("updated_at").show(10, truncate=False)
+    # The seeds' dashboard: the top 10 titles of the newest hour the watermark has closed.
+    top = spark.read.format("delta").load(str(layout.table(TOP)))
+    newest = top.agg(F.max("window_start")).first()[0]
+    print(f"\n== {TOP}: top {TOP_N} of the latest closed hour "
+          f"({newest:%Y-%m-%d %H:%M} UTC)" if newest else f"\n== {TOP}: no hour closed yet")
+    if newest:
+        top.where(F.col("window_start") == newest).orderBy("rank").show(TOP_N, truncate=False)
+    activity = spark.read.format("delta").load(str(layout.table(ACTIVITY)))
+    print(f"\n== {ACTIVITY}: {activity.count()} closed sessions; the newest")
+    activity.orderBy(F.desc("session_end"), "customer_id").show(5, truncate=False)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -166,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
 
     run = commands.add_parser("run", help="one headless Dagster pass over the landing folders")
     run.add_argument("--job", default="advance_all")
-    run.add_argument("--show", action="store_true", help="print both state tables afterwards")
+    run.add_argument("--show", action="store_true", help="print the state tables, the top 10 of the latest closed hour and the newest sessions afterwards")
     run.add_argument("--log-level", default="INFO", help="Dagster console log level (DEBUG shows every event)")
     run.set_defaults(func=_run)
 

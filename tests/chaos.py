@@ -14,6 +14,7 @@ independent oracle (tests/contract_oracle.py) read through `deltalake`, not Spar
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import shutil
@@ -24,6 +25,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 from deltalake import DeltaTable as IndependentDeltaTable
@@ -31,8 +33,11 @@ from deltalake import DeltaTable as IndependentDeltaTable
 from pipelines import faults
 from pipelines.generate import generate
 from pipelines.layout import StorageLayout
-from pipelines.streams import STREAMS
-from tests.contract_oracle import expected_state, landing_files
+from pipelines.event_time import LATE
+from pipelines.sessions import ACTIVITY, DEFAULT_STATE_TTL, SESSION_GAP
+from pipelines.streams import MOVIE_TICKET_SALES, STREAMS
+from pipelines.windows import HOURLY, TOP, TOP_N
+from tests.contract_oracle import expected_sessions, expected_state, expected_windows, landing_files
 
 # Named kills, in the order the issue lists them, then the rest; `delay` lands inside the work after the point.
 NAMED_KILLS = [
@@ -43,6 +48,8 @@ NAMED_KILLS = [
     (faults.INGEST_AFTER_QUARANTINE_COMMIT, {}),  # between the two appends of an ingest batch
     (faults.INGEST_BATCH_END, {"delay": 0.05}),
     (faults.STATE_AFTER_REBUILD, {}),  # a rebuild committed, its fresh checkpoint not yet written
+    (faults.WINDOWS_BEFORE_CLOSING_COMMIT, {}),  # late_events and top_titles_hourly written, windows not
+    (faults.SESSIONS_BEFORE_CLOSING_COMMIT, {}),  # late payments written, customer_activity not
 ]
 
 
@@ -147,9 +154,71 @@ def _damage_checkpoint(layout: StorageLayout, rng: random.Random) -> str:
     return f"{choice} of {query.name}/{folder.name}/{files[-1].name}"
 
 
+def _watermark(layout: StorageLayout, table: str) -> datetime | None:
+    """The watermark recorded by the newest batch committed to an event-time query's closing table."""
+    history = IndependentDeltaTable(str(layout.table(table))).history(20)
+    for commit in history:  # newest first
+        user = json.loads(commit.get("userMetadata") or "{}")
+        if "watermark_ms" in user:
+            return datetime.fromtimestamp(user["watermark_ms"] / 1000, timezone.utc)
+    return None
+
+
+def _utc(moment):
+    return moment.replace(tzinfo=timezone.utc) if moment is not None and moment.tzinfo is None else moment
+
+
+def compare_event_time(layout: StorageLayout, report: ChaosReport, spec_name: str, events: dict[str, dict]) -> None:
+    """The windowed outputs against a plain-Python recomputation from the oracle's accepted events.
+
+    Which events were late depends on how the killed runs cut micro-batches, so late_events is taken as
+    given, but checked: each is an accepted event, at or behind the watermark it names, written once.
+    The rest is then decided: every on-time event of a closed window (or session) counted there once,
+    the rankings, previous sessions and day totals included."""
+    late_rows = [r for r in IndependentDeltaTable(str(layout.table(LATE))).to_pyarrow_table().to_pylist()
+                 if r["stream"] == spec_name]
+    late = {r["event_id"] for r in late_rows}
+    bad_late = (len(late_rows) - len(late)) + sum(
+        r["event_id"] not in events or _utc(r["event_time"]) > _utc(r["watermark"]) for r in late_rows)
+    report.rows_differing[f"{LATE} ({spec_name})"] = bad_late
+    on_time = [e for i, e in events.items() if i not in late]
+    if spec_name == MOVIE_TICKET_SALES.name:
+        watermark = _watermark(layout, HOURLY)
+        # One batch holding every on-time sale; then the windows the recorded watermark has passed.
+        every_window = expected_windows([on_time], timedelta(0), watermark_after_last=True).windows
+        closed = {k: v for k, v in every_window.items()
+                  if watermark is not None and k[1] + timedelta(hours=1) <= watermark}
+        rows = IndependentDeltaTable(str(layout.table(HOURLY))).to_pyarrow_table().to_pylist()
+        actual = {(r["title"], _utc(r["window_start"])): (r["tickets_sold"], r["total_ticket_value"]) for r in rows}
+        keys = set(actual) | set(closed)
+        report.keys_compared[HOURLY] = len(keys)
+        report.keys_differing[HOURLY] = sum(actual.get(k) != closed.get(k) for k in keys) + len(rows) - len(actual)
+        top = [(_utc(r["window_start"]), r["rank"], r["title"], r["tickets_sold"])
+               for r in IndependentDeltaTable(str(layout.table(TOP))).to_pyarrow_table().to_pylist()]
+        wanted = []
+        for start in {s for _, s in closed}:
+            ranked = sorted(((n, v, t) for (t, s), (n, v) in closed.items() if s == start), key=lambda x: (-x[0], -x[1], x[2]))
+            wanted += [(start, rank, t, n) for rank, (n, _, t) in enumerate(ranked[:TOP_N], start=1)]
+        report.rows_differing[TOP] = len(set(top) ^ set(wanted)) + len(top) - len(set(top))
+    else:
+        watermark = _watermark(layout, ACTIVITY)
+        newest = max((e["paid_at"] for e in on_time), default=None)
+        # One batch holding every on-time payment, its watermark the one the query recorded.
+        delay = newest - watermark if newest is not None and watermark is not None else timedelta(days=36500)
+        expected = expected_sessions([on_time], delay, SESSION_GAP, DEFAULT_STATE_TTL).sessions
+        rows = IndependentDeltaTable(str(layout.table(ACTIVITY))).to_pyarrow_table().to_pylist()
+        actual = {(r["customer_id"], _utc(r["session_start"])): (
+            _utc(r["session_end"]), r["payment_count"], r["total_amount"], r["last_payment_ids"],
+            _utc(r["previous_session_end"]), r["day_amount"]) for r in rows}
+        keys = set(actual) | set(expected)
+        report.keys_compared[ACTIVITY] = len(keys)
+        report.keys_differing[ACTIVITY] = sum(actual.get(k) != expected.get(k) for k in keys) + len(rows) - len(actual)
+
+
 def compare(layout: StorageLayout, report: ChaosReport, streams: list[str]) -> None:
     for spec in (STREAMS[name] for name in streams):
         expected = expected_state(spec.name, landing_files(layout.landing(spec.name)))
+        compare_event_time(layout, report, spec.name, expected.events)
         table = spec.state_table
         rows = IndependentDeltaTable(str(layout.table(table.name))).to_pyarrow_table().to_pylist()
         actual = {r[table.key]: (r[table.count_column], r[table.sum_column]) for r in rows}

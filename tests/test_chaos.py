@@ -11,8 +11,9 @@ from tests.chaos import run_chaos
 
 
 def test_kill_9_at_named_points_then_one_clean_run_counts_every_event_once(tmp_path):
-    plan = [(faults.INGEST_AFTER_BRONZE_COMMIT, {}), (faults.STATE_AFTER_MERGE_COMMIT, {})]
-    report = run_chaos(tmp_path / "home", kills=2, seed=7, events=300, named_only=True, plan=plan,
+    plan = [(faults.INGEST_AFTER_BRONZE_COMMIT, {}), (faults.STATE_AFTER_MERGE_COMMIT, {}),
+            (faults.SESSIONS_BEFORE_CLOSING_COMMIT, {})]
+    report = run_chaos(tmp_path / "home", kills=3, seed=7, events=300, named_only=True, plan=plan,
                        streams=["payments"])
 
     assert [r.kind for r in report.rounds if r.killed] == [point for point, _ in plan]
