@@ -11,7 +11,8 @@ store), keyed by customer. Which state does what (`CustomerSessions`):
 - list state `open_payments`: the payments of the customer's open sessions. The payments themselves,
   not a running count: a payment arriving out of order (within the watermark) can join two sessions
   into one, so a session is only known once it closes;
-- an event-time timer per open session, at its last payment + 30 minutes: it closes the session;
+- an event-time timer at the last payment + 30 minutes of the open session that closes first: it
+  closes that session (and any other the watermark has passed), then is set for the next;
 - value state `last_session`: when the customer's previous session ended;
 - map state `day_amount`: the customer's spend per UTC day (a session counts on the day it ended);
   days more than the TTL old are dropped;
@@ -173,9 +174,17 @@ class CustomerSessions(StatefulProcessor):
         return [tuple(p) for p in self.open_payments.get()] if self.open_payments.exists() else []
 
     def _add(self, payments: list[Payment]) -> None:
-        self.open_payments.appendList(payments)
-        for session in split_sessions(self._open(), self.gap_us):  # a timer set twice is one timer
-            self.handle.registerTimer(_timer_ms(session[-1][1] + self.gap_us))
+        payments = self._open() + payments
+        self.open_payments.put(payments)
+        self._time_first_close(payments)
+
+    def _time_first_close(self, payments: list[Payment]) -> None:
+        """One timer per customer, for the open session that closes first; the next one is set when it
+        fires. Every state call is a round trip to the JVM, so a timer per session cost a firing per
+        session when a backlog closed them all at once. A timer whose session later grew finds nothing
+        to close; the grown session's own timer was set when it grew."""
+        first = split_sessions(payments, self.gap_us)[0]
+        self.handle.registerTimer(_timer_ms(first[-1][1] + self.gap_us))
 
     def handleInputRows(self, key, rows, timerValues) -> Iterator[Row]:
         watermark_ms = max(timerValues.getCurrentWatermarkInMs(), self.closed_through_ms)
@@ -211,6 +220,7 @@ class CustomerSessions(StatefulProcessor):
         self.open_payments.clear()
         if still_open:
             self.open_payments.put(still_open)
+            self._time_first_close(still_open)
         if forgot:
             self.day_amount.clear()
         self.last_session.update((last_end,))

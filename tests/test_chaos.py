@@ -19,4 +19,5 @@ def test_kill_9_at_named_points_then_one_clean_run_counts_every_event_once(tmp_p
     assert [r.kind for r in report.rounds if r.killed] == [point for point, _ in plan]
     assert report.rounds[-1].kind == "clean"
     assert report.keys_compared["payments_per_customer"] > 50
+    assert report.keys_compared["customer_activity"] > 50  # the sessions were compared too
     assert report.differences == 0, (report.keys_differing, report.rows_differing)
