@@ -20,12 +20,15 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from delta.tables import DeltaTable
+from pyspark.errors import StreamingQueryException
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.types import StructType
 
 from pipelines.errors import ConcurrentWriterError, StorageError, StreamBusyError
 
 CONFLICT_RETRIES = 8
+WORKER_START_RETRIES = 3
+_WORKER_START_FAILED = "Python worker failed to connect back"
 _CONFLICT = re.compile(r"DELTA_CONCURRENT_|io\.delta\.exceptions\.Concurrent\w*Exception|^Concurrent\w*Exception")
 conflicts_retried = {"count": 0}  # in this process; shows that retries happen (tests, diagnostics)
 _STORAGE_FAULTS = ("No space left on device", "Read-only file system", "Permission denied",
@@ -167,17 +170,30 @@ def run_available_now(
     progress: list | None = None,
 ) -> tuple[int, int]:
     """Process everything available now in micro-batches, then stop. Returns (batches, rows read);
-    the query's progress reports are added to `progress` when given (state operator figures)."""
-    query = (
-        stream.writeStream.queryName(query_name)
-        .option("checkpointLocation", str(checkpoint_dir))
-        .trigger(availableNow=True)
-        .foreachBatch(on_batch)
-        .start()
-    )
-    query.awaitTermination()
+    the query's progress reports are added to `progress` when given (state operator figures).
+
+    A Python worker that does not connect back to the JVM in time (Spark waits 10 s, not configurable;
+    seen on this 2-core machine under load, with transformWithState's workers) fails the query before
+    its batch commits: the query is started again from its checkpoint, which replays nothing twice."""
+    reports: list = []
+    for attempt in range(1, WORKER_START_RETRIES + 1):
+        query = (
+            stream.writeStream.queryName(query_name)
+            .option("checkpointLocation", str(checkpoint_dir))
+            .trigger(availableNow=True)
+            .foreachBatch(on_batch)
+            .start()
+        )
+        try:
+            query.awaitTermination()
+            reports += query.recentProgress
+            break
+        except StreamingQueryException as exc:
+            reports += query.recentProgress
+            if _WORKER_START_FAILED not in str(exc) or attempt == WORKER_START_RETRIES:
+                raise
+            time.sleep(2 * attempt)
     # A replayed batch reports 0 input rows from a Delta source, so batches are counted, not rows.
-    reports = query.recentProgress
     if progress is not None:
         progress.extend(reports)
     return len(reports), sum(p.numInputRows for p in reports)

@@ -87,9 +87,10 @@ class HourlyWindows(StatefulProcessor):
     """Per title, the open one-hour windows of its sales; emits each window once, when it closes.
 
     - map state `open_windows`: window start → (tickets, value in cents), one entry per open window;
-    - an event-time timer per open window: Spark fires it once the watermark reaches the window's end
-      (timers fire strictly below the watermark, so it is set 1 ms before the end); the window is
-      emitted and forgotten, so state holds open windows only and needs no TTL;
+    - one event-time timer per title, for the open window that ends first: Spark fires it once the
+      watermark reaches that end (timers fire strictly below the watermark, so it is set 1 ms before);
+      every window the watermark has passed is then emitted and forgotten, and the timer set for the
+      next, so state holds open windows only and needs no TTL;
     - `closed_through_ms`: after a rebuild Spark's watermark starts again from nothing; the watermark
       the lost checkpoint had reached keeps deciding what is late until Spark's passes it.
 
@@ -104,12 +105,18 @@ class HourlyWindows(StatefulProcessor):
         self.handle = handle
         self.open_windows = handle.getMapState("open_windows", _WINDOW_KEY, _WINDOW_VALUE)
 
-    def _add(self, start: int, tickets: int, cents: int) -> None:
-        current = self.open_windows.getValue((start,))
-        if current is None:
-            self.handle.registerTimer(start + HOUR_MS - 1)
-            current = (0, 0)
-        self.open_windows.updateValue((start,), (current[0] + tickets, current[1] + cents))
+    def _open(self) -> dict[int, tuple[int, int]]:
+        return {start: tuple(value) for (start,), value in self.open_windows.iterator()}
+
+    def _add(self, sums: dict[int, list[int]]) -> None:
+        """Every state call is a round trip to the JVM: the open windows are read in one call, each
+        changed window written once, and one timer is set, for the window that closes first."""
+        open_now = self._open()
+        for start, (tickets, cents) in sums.items():
+            current = open_now.get(start, (0, 0))
+            open_now[start] = (current[0] + tickets, current[1] + cents)
+            self.open_windows.updateValue((start,), open_now[start])
+        self.handle.registerTimer(min(open_now) + HOUR_MS - 1)
 
     def handleInputRows(self, key, rows, timerValues) -> Iterator[Row]:
         watermark_ms = max(timerValues.getCurrentWatermarkInMs(), self.closed_through_ms)
@@ -125,21 +132,24 @@ class HourlyWindows(StatefulProcessor):
             sums = batch.setdefault(event_ms - event_ms % HOUR_MS, [0, 0])
             sums[0] += 1
             sums[1] += int(row.ticket_total_value * 100)  # DECIMAL(18,2): exact in cents
-        for start, (tickets, cents) in batch.items():
-            self._add(start, tickets, cents)
+        if batch:
+            self._add(batch)
 
     def handleExpiredTimer(self, key, timerValues, expiredTimerInfo) -> Iterator[Row]:
-        start = expiredTimerInfo.getExpiryTimeInMs() + 1 - HOUR_MS
-        current = self.open_windows.getValue((start,))
-        if current is None:
-            return
-        self.open_windows.removeKey((start,))
-        yield Row(kind="window", title=key[0], window_start_ms=start, tickets_sold=current[0],
-                  value_cents=current[1], event_id=None, event_time=None,
-                  watermark_ms=timerValues.getCurrentWatermarkInMs(), source_file=None, line_number=None)
+        watermark_ms = timerValues.getCurrentWatermarkInMs()
+        open_now = self._open()
+        closing = sorted(start for start in open_now if start + HOUR_MS - 1 < watermark_ms)
+        for start in closing:
+            self.open_windows.removeKey((start,))
+            yield Row(kind="window", title=key[0], window_start_ms=start, tickets_sold=open_now[start][0],
+                      value_cents=open_now[start][1], event_id=None, event_time=None, watermark_ms=watermark_ms,
+                      source_file=None, line_number=None)
+        rest = set(open_now) - set(closing)
+        if closing and rest:  # the next window to close; a timer that closed nothing had been replaced
+            self.handle.registerTimer(min(rest) + HOUR_MS - 1)
 
     def handleInitialState(self, key, initialState, timerValues) -> None:
-        self._add(initialState.window_start_ms, initialState.tickets_sold, initialState.value_cents)
+        self._add({initialState.window_start_ms: [initialState.tickets_sold, initialState.value_cents]})
 
     def close(self) -> None:
         pass
