@@ -257,5 +257,5 @@ def _reconciliation(session: SparkSession, layout, spec: StreamSpec) -> dg.Asset
     bad = mismatched.count()
     return dg.AssetCheckResult(
         passed=bad == 0 and totals["sum_of_counts"] == totals["distinct_accepted_events"]
-        and totals["bronze_sum"] == totals["state_sum"],
+        and totals["bronze_sum"] == totals["state_sum"] and totals["expiries_match_change_feed"],
         metadata={"mismatched_keys": bad, **totals, "sample_mismatches": markdown_table(mismatched, rows_known=bad)})

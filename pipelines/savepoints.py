@@ -26,6 +26,7 @@ from pipelines.checkpoints import (
     copy_checkpoint, new_app_id, read_origin, set_aside, start_checkpoint, verify_checkpoint,
 )
 from pipelines.errors import ConfigurationError, SavepointError
+from pipelines.expiry import EXPIRED, expired_totals, ttl_property
 from pipelines.layout import StorageLayout
 from pipelines.state import set_table_content
 from pipelines.streaming import table_version, writer_lock
@@ -104,6 +105,8 @@ def restore_savepoint(spark: SparkSession, layout: StorageLayout, name: str, *, 
             snapshot = spark.read.format("delta").option("versionAsOf", saved["version"]).load(path)
             metadata = {"app_id": app_id, "batch_id": last_batch, "restored_savepoint": name,
                         "restored_version": saved["version"]}
+            if ttl_property(spark, path) is not None:  # the expiries after the savepoint are undone too
+                metadata[EXPIRED] = expired_totals(spark, path, as_of=saved["version"]).as_metadata()
             set_table_content(spark, path, table, snapshot, metadata)
             tmp = checkpoint.with_name(f".{query}.restoring")
             shutil.rmtree(tmp, ignore_errors=True)  # left by a restore that died here

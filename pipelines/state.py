@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import json
 import time
-from contextlib import contextmanager
+from datetime import timedelta
 from functools import partial, reduce
-from typing import Iterator
 
 from delta.tables import DeltaTable
 from pyspark.sql import DataFrame, SparkSession
@@ -23,16 +22,18 @@ from pyspark.sql.types import DecimalType, LongType, StringType, StructField, St
 from pipelines.layout import StorageLayout
 from pipelines.bronze import ensure_bronze_tables
 from pipelines.checkpoints import checkpoint_for_run, new_app_id, start_checkpoint
+from pipelines.errors import ConfigurationError
+from pipelines.expiry import (
+    EXPIRED, expire_keys, expired_rows, expired_totals, newest_ingested_us, record_policy, since_last_expiry,
+    ttl_property,
+)
 from pipelines.faults import STATE_AFTER_MERGE_COMMIT, STATE_AFTER_REBUILD, STATE_BATCH_END, STATE_MERGE_START, fault_point
 from pipelines.streaming import (
-    StreamRunResult, TableVersions, commits_since, create_table_if_missing, require_writable, retry_on_conflict, run_available_now,
+    TXN_APP_ID, TXN_VERSION, USER_METADATA, StreamRunResult, TableVersions, commit_confs, commits_since, create_table_if_missing, require_writable, retry_on_conflict, run_available_now,
     storage_errors, table_id, table_version, writer_lock,
 )
 from pipelines.streams import StateTableSpec, StreamSpec
 
-TXN_APP_ID = "spark.databricks.delta.write.txnAppId"
-TXN_VERSION = "spark.databricks.delta.write.txnVersion"
-USER_METADATA = "spark.databricks.delta.commitInfo.userMetadata"
 TOTAL_TYPE = DecimalType(28, 2)  # what Spark's SUM of DECIMAL(18,2) yields
 
 
@@ -60,21 +61,10 @@ def _aggregate(events: DataFrame, table: StateTableSpec, value_column: str, even
     )
 
 
-@contextmanager
-def commit_confs(spark: SparkSession, confs: dict[str, str]) -> Iterator[None]:
-    """Session confs for one Delta commit; unset after, as foreachBatch shares the session over Spark Connect."""
-    for key, value in confs.items():
-        spark.conf.set(key, value)
-    try:
-        yield
-    finally:
-        for key in confs:
-            spark.conf.unset(key)
-
-
 def upsert_batch(events: DataFrame, batch_id: int, *, table_path: str, table: StateTableSpec,
-                 value_column: str, event_time_column: str, app_id: str) -> None:
-    """foreachBatch body: aggregate the batch's events by key and MERGE them into the state table.
+                 value_column: str, event_time_column: str, app_id: str, ttl: timedelta | None = None) -> None:
+    """foreachBatch body: aggregate the batch's events by key and MERGE them into the state table;
+    with a `ttl`, then expire the keys it has passed (pipelines/expiry.py).
 
     Every batch commits, even an empty one: the table's record of `{"app_id", "batch_id"}` is how
     the next run knows the checkpoint and the table agree (pipelines/checkpoints.py).
@@ -86,9 +76,13 @@ def upsert_batch(events: DataFrame, batch_id: int, *, table_path: str, table: St
     spark = events.sparkSession
     batch = _aggregate(events, table, value_column, event_time_column)
     fault_point(STATE_MERGE_START)
+    metadata = {"app_id": app_id, "batch_id": batch_id}
+    if ttl is not None:
+        expired = expired_totals(spark, table_path)
+        metadata[EXPIRED] = expired.as_metadata()
+
     def merge() -> None:
-        with commit_confs(spark, {TXN_APP_ID: app_id, TXN_VERSION: str(batch_id),
-                                  USER_METADATA: json.dumps({"app_id": app_id, "batch_id": batch_id})}):
+        with commit_confs(spark, {TXN_APP_ID: app_id, TXN_VERSION: str(batch_id), USER_METADATA: json.dumps(metadata)}):
             (
                 DeltaTable.forPath(spark, table_path).alias("t")
                 .merge(batch.alias("s"), F.col(f"t.{table.key}") == F.col(f"s.{table.key}"))
@@ -105,6 +99,11 @@ def upsert_batch(events: DataFrame, batch_id: int, *, table_path: str, table: St
 
     retry_on_conflict(merge, f"MERGE of micro-batch {batch_id} into {table.name}")
     fault_point(STATE_AFTER_MERGE_COMMIT)
+    if ttl is not None:
+        through = newest_ingested_us(events)
+        retry_on_conflict(lambda: expire_keys(spark, table_path, table, ttl, ingested_through_us=through,
+                                              app_id=app_id, batch_id=batch_id, expired=expired),
+                          f"expiry after micro-batch {batch_id} in {table.name}")
     fault_point(STATE_BATCH_END)
 
 
@@ -140,35 +139,50 @@ def set_table_content(spark: SparkSession, table_path: str, table: StateTableSpe
         )
 
 
-def rebuild_state_table(spark: SparkSession, layout: StorageLayout, spec: StreamSpec, app_id: str) -> int:
+def rebuild_state_table(spark: SparkSession, layout: StorageLayout, spec: StreamSpec, app_id: str,
+                        ttl: timedelta | None = None) -> int:
     """Recompute the state table from the whole bronze table at one pinned version, in one MERGE.
 
-    The commit is recorded as batch -1 of `app_id`: the fresh checkpoint starts right after it.
+    A key that expired counts only the events ingested after its newest expiry, as the live table
+    does; with a `ttl`, the keys it has passed are then expired (pipelines/expiry.py).
+    The commits are recorded as batch -1 of `app_id`: the fresh checkpoint starts right after them.
     Returns the bronze version the table now reflects.
     """
     table = spec.state_table
+    table_path = layout.table(table.name)
     bronze_path = layout.table(spec.bronze_table)
     bronze_version = table_version(spark, bronze_path)
     events = spark.read.format("delta").option("versionAsOf", bronze_version).load(str(bronze_path))
-    content = _aggregate(events, table, spec.value_field, spec.event_time_field).select(
+    counted = since_last_expiry(events, expired_rows(spark, table_path, table), table.key)
+    content = _aggregate(counted, table, spec.value_field, spec.event_time_field).select(
         F.col(table.key), F.col("batch_count").alias(table.count_column), F.col("batch_sum").alias(table.sum_column),
         F.col("batch_first").alias(table.first_ts_column), F.col("batch_last").alias(table.last_ts_column),
         F.current_timestamp().alias("updated_at"))
     metadata = {"app_id": app_id, "batch_id": -1, "rebuilt_from": spec.bronze_table, "bronze_version": bronze_version}
-    set_table_content(spark, str(layout.table(table.name)), table, content, metadata)
+    expired = expired_totals(spark, table_path)
+    if ttl_property(spark, table_path) is not None:
+        metadata[EXPIRED] = expired.as_metadata()
+    set_table_content(spark, str(table_path), table, content, metadata)
+    if ttl is not None:
+        expire_keys(spark, table_path, table, ttl, ingested_through_us=newest_ingested_us(events),
+                    app_id=app_id, batch_id=-1, expired=expired)
     fault_point(STATE_AFTER_REBUILD)
     return bronze_version
 
 
 def update_state_table(spark: SparkSession, layout: StorageLayout, spec: StreamSpec, *,
-                       lock_timeout_s: float = 60.0) -> StreamRunResult:
-    """Fold every bronze event not yet counted into the stream's state table.
+                       lock_timeout_s: float = 60.0, ttl: timedelta | None = None) -> StreamRunResult:
+    """Fold every bronze event not yet counted into the stream's state table; with a `ttl`, expire
+    keys with no event for that long of event time (pipelines/expiry.py).
 
     With no trusted checkpoint (first run, checkpoint lost, corrupt, or out of step with the table)
     the table is first rebuilt from bronze and a fresh checkpoint starts after that bronze version.
 
     >>> update_state_table(spark, StorageLayout.under("data"), MOVIE_TICKET_SALES).micro_batches
     """
+    if ttl is not None and ttl <= timedelta(0):
+        raise ConfigurationError(f"The TTL of {spec.state_table.name} must be positive, got {ttl}. "
+                                 f"Fix: set a number of days > 0, or leave it unset to keep every key.")
     started = time.monotonic()
     table = spec.state_table
     table_path = layout.table(table.name)
@@ -178,6 +192,7 @@ def update_state_table(spark: SparkSession, layout: StorageLayout, spec: StreamS
     with writer_lock(layout.locks, spec.state_query, lock_timeout_s), storage_errors():
         ensure_bronze_tables(spark, layout, spec)
         ensure_state_table(spark, layout, table)
+        record_policy(spark, table_path, ttl)
         before = table_version(spark, table_path)
         bronze_id = table_id(spark, bronze_path)
         verdict, moved = checkpoint_for_run(spark, checkpoint, layout.set_aside_checkpoints, [table_path],
@@ -186,7 +201,7 @@ def update_state_table(spark: SparkSession, layout: StorageLayout, spec: StreamS
         if origin is None:
             reason = verdict.problem or "no checkpoint yet"
             app_id = new_app_id(spec.state_query)
-            bronze_version = rebuild_state_table(spark, layout, spec, app_id)
+            bronze_version = rebuild_state_table(spark, layout, spec, app_id, ttl)
             origin = start_checkpoint(checkpoint, spec.state_query, reason, app_id=app_id,
                                       source_start_version=bronze_version + 1, source_table_id=bronze_id)
             if verdict.problem or moved:
@@ -203,7 +218,7 @@ def update_state_table(spark: SparkSession, layout: StorageLayout, spec: StreamS
                 events = events.option("startingVersion", start)
             on_batch = partial(upsert_batch, table_path=str(table_path), table=table,
                                value_column=spec.value_field, event_time_column=spec.event_time_field,
-                               app_id=origin.app_id)
+                               app_id=origin.app_id, ttl=ttl)
             batches, rows = run_available_now(events.load(str(bronze_path)), query_name=spec.state_query,
                                               checkpoint_dir=checkpoint, on_batch=on_batch)
         return StreamRunResult(

@@ -26,6 +26,10 @@ from pyspark.sql.types import StructType
 
 from pipelines.errors import ConcurrentWriterError, StorageError, StreamBusyError
 
+TXN_APP_ID = "spark.databricks.delta.write.txnAppId"
+TXN_VERSION = "spark.databricks.delta.write.txnVersion"
+USER_METADATA = "spark.databricks.delta.commitInfo.userMetadata"
+
 CONFLICT_RETRIES = 8
 WORKER_START_RETRIES = 3
 _WORKER_START_FAILED = "Python worker failed to connect back"
@@ -267,3 +271,15 @@ def retry_on_conflict(commit: Callable[[], None], what: str) -> None:
             # Jittered: two writers that collided and waited the same fixed time collided again, in
             # step, until one gave up (seen with two racing MERGEs on a loaded machine).
             time.sleep(min(attempt, 4) * random.uniform(0.5, 1.5))
+
+
+@contextmanager
+def commit_confs(spark: SparkSession, confs: dict[str, str]) -> Iterator[None]:
+    """Session confs for one Delta commit; unset after, as foreachBatch shares the session over Spark Connect."""
+    for key, value in confs.items():
+        spark.conf.set(key, value)
+    try:
+        yield
+    finally:
+        for key in confs:
+            spark.conf.unset(key)

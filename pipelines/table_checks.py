@@ -18,6 +18,7 @@ from pyspark.sql import functions as F
 
 from pipelines.bronze import accepted_totals
 from pipelines.checkpoints import covered_source_version
+from pipelines.expiry import expired_rows, expired_totals, since_last_expiry
 from pipelines.layout import StorageLayout
 from pipelines.state import TOTAL_TYPE
 from pipelines.streaming import table_version
@@ -51,8 +52,11 @@ def totals_match_bronze(spark: SparkSession, layout: StorageLayout, spec: Stream
     if version is None:
         return {"covered_bronze_version": -1, **state, "passed": None}
     events, total = accepted_totals(spark, str(layout.table(spec.bronze_table)), spec.value_field, version)
+    # Rows a TTL expired hold events too: their running totals are in the table's newest commits.
+    expired = expired_totals(spark, layout.table(spec.state_table.name))
     return {"covered_bronze_version": version, "bronze_events": events, "bronze_total": total, **state,
-            "passed": events == state["events_counted"] and total == state["total"]}
+            "expired_events": expired.events, "expired_total": expired.value,
+            "passed": events == state["events_counted"] + expired.events and total == state["total"] + expired.value}
 
 
 def duplicated_or_null_keys(spark: SparkSession, layout: StorageLayout, spec: StreamSpec) -> DataFrame:
@@ -67,21 +71,32 @@ def negative_rows(spark: SparkSession, layout: StorageLayout, spec: StreamSpec) 
 
 def mismatches_with_bronze(spark: SparkSession, layout: StorageLayout, spec: StreamSpec) -> tuple[DataFrame, dict]:
     """The deep check: keys where the state table differs from the seed query over all of bronze, and
-    the totals of both."""
+    the totals of both. A key a TTL expired is compared with its events ingested after its newest
+    expiry; the expired rows' totals, read from the Change Data Feed, must equal the running totals
+    the commits carry, and with the table's they must add up to bronze's."""
     table = spec.state_table
+    table_path = layout.table(table.name)
     bronze = spark.read.format("delta").load(str(layout.table(spec.bronze_table)))
     state = _state(spark, layout, spec)
-    expected = bronze.groupBy(table.key).agg(F.count(spec.value_field).alias("expected_count"),
-                                             F.sum(spec.value_field).alias("expected_sum"))
+    expiries = expired_rows(spark, table_path, table)
+    expected = since_last_expiry(bronze, expiries, table.key).groupBy(table.key).agg(
+        F.count(spec.value_field).alias("expected_count"), F.sum(spec.value_field).alias("expected_sum"))
     joined = expected.join(state.select(table.key, table.count_column, table.sum_column), table.key, "full_outer")
     mismatched = joined.where(
         ~F.col("expected_count").eqNullSafe(F.col(table.count_column))
         | ~F.col("expected_sum").cast(TOTAL_TYPE).eqNullSafe(F.col(table.sum_column)))
+    expired = expired_totals(spark, table_path)
+    in_feed = (expiries.agg(F.count("*"), F.sum(table.count_column), F.sum(table.sum_column)).first()
+               if expiries is not None else (0, None, None))
     totals = {
         "distinct_accepted_events": bronze.select(spec.id_field, "content_hash").distinct().count(),
-        "sum_of_counts": state.agg(F.sum(table.count_column)).first()[0] or 0,
+        "sum_of_counts": (state.agg(F.sum(table.count_column)).first()[0] or 0) + expired.events,
         "bronze_sum": str(bronze.agg(F.sum(spec.value_field)).first()[0] or 0),
-        "state_sum": str(state.agg(F.sum(table.sum_column)).first()[0] or 0),
+        "state_sum": str((state.agg(F.sum(table.sum_column)).first()[0] or 0) + expired.value),
+        "expired_keys": expired.keys,
+        "expired_events": expired.events,
+        "expiries_match_change_feed": (in_feed[0], in_feed[1] or 0, in_feed[2] or 0) == (
+            expired.keys, expired.events, expired.value),
     }
     return mismatched, totals
 

@@ -502,3 +502,36 @@ def expected_sessions(batches: list[list[dict]], delay: timedelta, gap: timedelt
                 previous[customer] = end
             open_payments[customer] = kept
     return SessionsExpected(sessions, late)
+
+
+@dataclass
+class TtlExpected:
+    """A state table with a TTL: its rows, and every row it expired (in order)."""
+
+    rows: dict[str, tuple[int, Decimal]]  # key → count, sum
+    expired: list[tuple[str, int, Decimal]]  # (key, count, sum) of each expired row
+
+
+def expected_with_ttl(stream: str, batches: list[list[Path]], ttl: timedelta) -> TtlExpected:
+    """Files in micro-batches, in order. Each batch's newly accepted events are added to their key's
+    row; then every row whose newest event is more than `ttl` older than the newest event accepted so
+    far is expired. A key with events after its expiry starts a new row."""
+    rules, oracle = STREAMS[stream], Oracle(stream)
+    rows: dict[str, list] = {}  # key → [count, sum, newest event time]
+    expired: list[tuple[str, int, Decimal]] = []
+    clock = None
+    for batch in batches:
+        before = set(oracle.expected.events)
+        for path in sorted(batch, key=arrival_key):
+            oracle.deliver(str(path), file_lines(path))
+        new = [e for i, e in oracle.expected.events.items() if i not in before]
+        if not new:
+            continue
+        for event in new:
+            row = rows.setdefault(event[rules.key], [0, Decimal(0), event[rules.ts]])
+            row[0], row[1], row[2] = row[0] + 1, row[1] + event[rules.value], max(row[2], event[rules.ts])
+            clock = max(clock or event[rules.ts], event[rules.ts])
+        for key in sorted(k for k, r in rows.items() if r[2] < clock - ttl):
+            expired.append((key, rows[key][0], rows[key][1]))
+            del rows[key]
+    return TtlExpected({k: (r[0], r[1]) for k, r in rows.items()}, expired)
