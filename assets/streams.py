@@ -21,7 +21,7 @@ from pipelines.state import update_state_table
 from pipelines.table_checks import quarantine_reasons, state_totals
 from pipelines.streaming import StreamRunResult, commits_since, table_version
 from pipelines.streams import StreamSpec
-from resources import SparkSessionResource, StorageResource
+from resources import SparkSessionResource, StatePolicyResource, StorageResource
 
 TOP_ROWS = 10
 
@@ -145,15 +145,20 @@ def build_stream_assets(spec: StreamSpec) -> list:
             f"State table: one row per `{table.key}` with `{table.count_column}` (distinct accepted events), "
             f"`{table.sum_column}` (exact DECIMAL sum of `{spec.value_field}`), first/last `{spec.event_time_field}` "
             f"and `updated_at`. Kept by idempotent MERGE upserts of micro-batch aggregates read from "
-            f"{spec.bronze_table} as a stream; Change Data Feed on, so it is also a changelog stream."),
+            f"{spec.bronze_table} as a stream; Change Data Feed on, so it is also a changelog stream. "
+            f"Optional TTL (resource `state_policy`, `ttl_days`): keys with no event for that many days of event "
+            f"time are deleted, and show in the changelog as deletes."),
     )
     def state_table(context: dg.AssetExecutionContext, config: StateConfig, spark: SparkSessionResource,
-                    storage: StorageResource) -> dg.MaterializeResult:
+                    storage: StorageResource, state_policy: StatePolicyResource) -> dg.MaterializeResult:
         session = spark.session()
         layout = storage.layout()
-        result = update_state_table(session, layout, spec, lock_timeout_s=config.lock_timeout_s)
+        ttl = state_policy.ttl(table.name)
+        result = update_state_table(session, layout, spec, lock_timeout_s=config.lock_timeout_s, ttl=ttl)
         merges = [c for c in result.commits[table.name] if c["operation"] == "MERGE"]
         metric = lambda name: sum(int(c["metrics"].get(name, 0)) for c in merges)  # noqa: E731
+        expired_now = sum(int(c["metrics"].get("numDeletedRows", 0)) for c in result.commits[table.name]
+                          if c["operation"] == "DELETE")
         current = session.read.format("delta").load(str(layout.table(table.name)))
         totals = state_totals(session, layout, spec)
         return dg.MaterializeResult(metadata={
@@ -163,6 +168,8 @@ def build_stream_assets(spec: StreamSpec) -> list:
             "rows_inserted": metric("numTargetRowsInserted"),
             "rows_updated": metric("numTargetRowsUpdated"),
             "keys": totals["keys"], "events_counted": totals["events_counted"],
+            "ttl_days": f"{ttl / timedelta(days=1):g}" if ttl else "off",
+            "keys_expired_this_run": expired_now,
             f"{table.sum_column}": str(totals["total"]),
             "bronze_table_version": table_version(session, layout.table(spec.bronze_table)),
             "duration_s": round(result.duration_s, 2),

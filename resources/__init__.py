@@ -1,6 +1,7 @@
-"""Dagster resources: the Spark session with Delta, and the storage layout."""
+"""Dagster resources: the Spark session with Delta, the storage layout, the state tables' TTL."""
 
 from resources.spark import SparkSessionResource
+from resources.state_policy import StatePolicyResource
 from resources.storage import StorageResource
 
-__all__ = ["SparkSessionResource", "StorageResource"]
+__all__ = ["SparkSessionResource", "StatePolicyResource", "StorageResource"]

@@ -26,7 +26,7 @@ from pipelines.generate import generate
 from pipelines.layout import StorageLayout
 from pipelines.session import delta_jars, require_java
 from pipelines.streams import STREAMS, stream_spec
-from resources import SparkSessionResource, StorageResource
+from resources import SparkSessionResource, StatePolicyResource, StorageResource
 from statetables.definitions import defs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -73,8 +73,16 @@ def test_all_assets_materialize_with_checks_passing(spark, layout):
         grown = sorted(layout.landing("payments").glob("*.jsonl"))[0]
         with open(grown, "a") as handle:
             handle.write('{"payment_id":"late-append","customer_id":"c1","amount":1,"paid_at":"2026-11-01T10:00:00Z"}\n')
-        again = _job("advance_payments").execute_in_process(instance=instance)
+        # ... in a run that also turns on a TTL for payments_per_customer (launchpad config of the resource):
+        # customers idle for 0.1 day of event time are expired, and the per-run check still reconciles.
+        ttl = {"resources": {"state_policy": {"config": {"ttl_days": {"payments_per_customer": 0.1}}}}}
+        again = _job("advance_payments").execute_in_process(instance=instance, run_config=ttl)
         assert again.success
+        state = again.asset_materializations_for_node("payments_per_customer")[0].metadata
+        assert state["ttl_days"].value == "0.1" and state["keys_expired_this_run"].value > 0
+        checked = [e.event_specific_data for e in again.all_events if e.event_type_value == "ASSET_CHECK_EVALUATION"
+                   and e.event_specific_data.check_name == "totals_match_bronze"]
+        assert checked[0].passed and checked[0].metadata["expired_events"].value > 0
         warned = [e.event_specific_data for e in again.all_events if e.event_type_value == "ASSET_CHECK_EVALUATION"
                   and e.event_specific_data.check_name == "landing_files_written_once"]
         assert len(warned) == 1 and not warned[0].passed and warned[0].severity == dg.AssetCheckSeverity.WARN
@@ -172,6 +180,10 @@ def test_bad_configuration_fails_fast_with_the_fix(tmp_path, monkeypatch):
     monkeypatch.delenv("JAVA_HOME", raising=False)
     with pytest.raises(ConfigurationError, match="Java was not found"):
         require_java()
+    with pytest.raises(ConfigurationError, match="ttl_days names no state table: payments.*payments_per_customer"):
+        StatePolicyResource(ttl_days={"payments": 30}).ttl("payments_per_customer")
+    with pytest.raises(ConfigurationError, match="positive number of days"):
+        StatePolicyResource(ttl_days={"payments_per_customer": 0}).ttl("payments_per_customer")
 
 
 def test_cli_refuses_an_unknown_stream_before_touching_data(tmp_path):
