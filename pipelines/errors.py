@@ -19,3 +19,7 @@ class ConcurrentWriterError(RuntimeError):
 
 class SavepointError(RuntimeError):
     """A savepoint cannot be taken or restored now; the message says why and what to do."""
+
+
+class ExpiryHistoryError(RuntimeError):
+    """A state table's expired rows can no longer be read back exactly; nothing was written."""

@@ -36,6 +36,7 @@ from delta.tables import DeltaTable
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
+from pipelines.errors import ExpiryHistoryError
 from pipelines.streaming import USER_METADATA, commit_confs
 from pipelines.streams import StateTableSpec
 
@@ -144,6 +145,21 @@ def expired_rows(spark: SparkSession, table_path: str | Path, table: StateTableS
                .where(F.col("_change_type") == "delete"))
     return deletes.join(through, "_commit_version").select(
         table.key, table.count_column, table.sum_column, "_commit_version", "expired_through_us")
+
+
+def require_whole_history(expired: DataFrame | None, table: StateTableSpec, totals: ExpiredTotals,
+                          table_path: str | Path) -> None:
+    """Refuse to go on when the expired rows read back do not add up to the running totals: Delta's log
+    cleanup or a VACUUM removed an expiry's commit or change data, and counting from bronze would count
+    that expiry's events again."""
+    found = (expired.agg(F.count("*"), F.sum(table.count_column), F.sum(table.sum_column)).first()
+             if expired is not None else (0, None, None))
+    if (found[0], found[1] or 0, found[2] or 0) != (totals.keys, totals.events, totals.value):
+        raise ExpiryHistoryError(
+            f"{table_path}: the change feed holds {found[0]} expired rows, the commits record {totals.keys}; "
+            f"the table's older history is gone, so it cannot be rebuilt from bronze exactly. Fix: keep the "
+            f"history of tables with a TTL (`delta.logRetentionDuration`, VACUUM retention); to start over, delete "
+            f"the table: it is rebuilt from all of bronze and the TTL applies from then on.")
 
 
 def since_last_expiry(events: DataFrame, expired: DataFrame | None, key: str) -> DataFrame:

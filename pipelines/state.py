@@ -24,8 +24,8 @@ from pipelines.bronze import ensure_bronze_tables
 from pipelines.checkpoints import checkpoint_for_run, new_app_id, start_checkpoint
 from pipelines.errors import ConfigurationError
 from pipelines.expiry import (
-    EXPIRED, expire_keys, expired_rows, expired_totals, newest_ingested_us, record_policy, since_last_expiry,
-    ttl_property,
+    EXPIRED, expire_keys, expired_rows, expired_totals, newest_ingested_us, record_policy, require_whole_history,
+    since_last_expiry, ttl_property,
 )
 from pipelines.faults import STATE_AFTER_MERGE_COMMIT, STATE_AFTER_REBUILD, STATE_BATCH_END, STATE_MERGE_START, fault_point
 from pipelines.streaming import (
@@ -153,13 +153,15 @@ def rebuild_state_table(spark: SparkSession, layout: StorageLayout, spec: Stream
     bronze_path = layout.table(spec.bronze_table)
     bronze_version = table_version(spark, bronze_path)
     events = spark.read.format("delta").option("versionAsOf", bronze_version).load(str(bronze_path))
-    counted = since_last_expiry(events, expired_rows(spark, table_path, table), table.key)
+    expired = expired_totals(spark, table_path)
+    expired_before = expired_rows(spark, table_path, table)
+    require_whole_history(expired_before, table, expired, table_path)
+    counted = since_last_expiry(events, expired_before, table.key)
     content = _aggregate(counted, table, spec.value_field, spec.event_time_field).select(
         F.col(table.key), F.col("batch_count").alias(table.count_column), F.col("batch_sum").alias(table.sum_column),
         F.col("batch_first").alias(table.first_ts_column), F.col("batch_last").alias(table.last_ts_column),
         F.current_timestamp().alias("updated_at"))
     metadata = {"app_id": app_id, "batch_id": -1, "rebuilt_from": spec.bronze_table, "bronze_version": bronze_version}
-    expired = expired_totals(spark, table_path)
     if ttl_property(spark, table_path) is not None:
         metadata[EXPIRED] = expired.as_metadata()
     set_table_content(spark, str(table_path), table, content, metadata)
