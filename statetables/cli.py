@@ -89,11 +89,28 @@ def _print_state_tables(layout: StorageLayout) -> None:
     activity.orderBy(F.desc("session_end"), "customer_id").show(5, truncate=False)
 
 
+def _ttl_days(pairs: list[str]) -> dict[str, float]:
+    """--ttl-days TABLE=DAYS, repeated → the state_policy resource's `ttl_days`, checked before the run."""
+    from resources import StatePolicyResource
+
+    ttl: dict[str, float] = {}
+    for pair in pairs:
+        name, _, days = pair.partition("=")
+        try:
+            ttl[name] = float(days)
+        except ValueError:
+            raise ConfigurationError(f"--ttl-days {pair!r} is not TABLE=DAYS. Fix: e.g. --ttl-days payments_per_customer=30.")
+    for name in ttl:
+        StatePolicyResource(ttl_days=ttl).ttl(name)
+    return ttl
+
+
 def _run(args: argparse.Namespace) -> int:
     from assets.keys import job_names
 
     if args.job not in job_names():  # before anything is created under the storage root
         raise ConfigurationError(f"Unknown job {args.job!r}. Fix: use one of {', '.join(job_names())}.")
+    ttl = _ttl_days(args.ttl_days or [])
     layout = StorageLayout.under()
     prepare_instance(layout)
     import dagster as dg
@@ -101,10 +118,11 @@ def _run(args: argparse.Namespace) -> int:
     from statetables.definitions import defs
 
     job = defs.resolve_job_def(args.job)
+    run_config = {"loggers": {"console": {"config": {"log_level": args.log_level}}}}
+    if ttl:
+        run_config["resources"] = {"state_policy": {"config": {"ttl_days": ttl}}}
     with dg.DagsterInstance.get() as instance:
-        result = job.execute_in_process(
-            instance=instance, raise_on_error=False,
-            run_config={"loggers": {"console": {"config": {"log_level": args.log_level}}}})
+        result = job.execute_in_process(instance=instance, raise_on_error=False, run_config=run_config)
     print(f"\nrun {result.run_id}: {'SUCCESS' if result.success else 'FAILURE'} (job {args.job}, "
           f"STATETABLES_HOME={layout.home})")
     for event in result.all_events:
@@ -180,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--job", default="advance_all")
     run.add_argument("--show", action="store_true", help="print the state tables, the top 10 of the latest closed hour and the newest sessions afterwards")
     run.add_argument("--log-level", default="INFO", help="Dagster console log level (DEBUG shows every event)")
+    run.add_argument("--ttl-days", action="append", metavar="TABLE=DAYS",
+                     help="expire a state table's keys idle this many days of event time (resource state_policy)")
     run.set_defaults(func=_run)
 
     save = commands.add_parser("savepoint", help="take, list or restore a savepoint of every state table")

@@ -48,3 +48,14 @@ def test_a_storage_root_spark_cannot_address_is_refused(tmp_path, name):
     assert done.returncode == 2 and "Fix: set STATETABLES_HOME" in done.stderr
     assert "Traceback" not in done.stderr + done.stdout
     assert not (tmp_path / name).exists()
+
+
+@pytest.mark.parametrize("ttl, message", [("payments=30", "ttl_days names no state table: payments"),
+                                          ("payments_per_customer=soon", "is not TABLE=DAYS"),
+                                          ("payments_per_customer=-1", "positive number of days")])
+def test_a_bad_ttl_is_refused_before_anything_is_created(tmp_path, ttl, message):
+    home = tmp_path / "home"
+    done = _statetables(home, "run", "--ttl-days", ttl)
+    assert done.returncode == 2 and message in done.stderr and "Fix:" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr + done.stdout
+    assert not home.exists()
