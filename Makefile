@@ -7,7 +7,7 @@ JARS := .jars/.resolved
 CLASS_ARCHIVE := .jars/statetables.jsa
 export STATETABLES_HOME ?= $(CURDIR)/data
 
-.PHONY: install jars class-archive demo run dev test bench bench-quick bench-full chaos clean
+.PHONY: install jars class-archive demo run dev test bench bench-quick bench-event-time bench-full chaos clean
 
 install: $(INSTALLED)
 $(INSTALLED): setup.py
@@ -56,6 +56,10 @@ bench: install jars class-archive
 
 bench-quick: install jars class-archive
 	$(BIN)/python -m benchmarks.run --quick
+
+# only case (g): the windows and sessions steps against the all-time step, 1M events of each stream
+bench-event-time: install jars class-archive
+	$(BIN)/python -m benchmarks.run --only paths
 
 bench-full: install jars class-archive
 	$(BIN)/python -m benchmarks.run --full

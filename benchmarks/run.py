@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+from functools import partial
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -158,17 +159,19 @@ def median(runs: list[dict], key: str = "wall_s") -> float:
     return round(statistics.median(r.get(key, r["wall_s"]) for r in runs), 2)
 
 
+def record_case(results: dict, key: str, runs: list[dict]) -> None:
+    results["cases"][key] = {"runs": runs, "wall_s": median(runs), "work_s": median(runs, "work_s"),
+                             "peak_rss_mb": max(r["peak_rss_mb"]["total"] for r in runs),
+                             "peak_rss_jvm_mb": max(r["peak_rss_mb"]["jvm"] for r in runs),
+                             "peak_rss_python_mb": max(r["peak_rss_mb"]["python"] for r in runs)}
+    c = results["cases"][key]
+    print(f"{key:45s} wall {c['wall_s']:8.2f}s  work {c['work_s']:8.2f}s  peak {c['peak_rss_mb']:6d} MB", flush=True)
+
+
 def bench(sizes: list[int], increments: list[int], repeat: int, work: Path) -> dict:
     data = Data(work / "data", min(INCREMENT_FILE_LINES, max(sizes) // 10 or 1))
     results: dict = {"cases": {}}
-
-    def record(key: str, runs: list[dict]) -> None:
-        results["cases"][key] = {"runs": runs, "wall_s": median(runs), "work_s": median(runs, "work_s"),
-                                 "peak_rss_mb": max(r["peak_rss_mb"]["total"] for r in runs),
-                                 "peak_rss_jvm_mb": max(r["peak_rss_mb"]["jvm"] for r in runs),
-                                 "peak_rss_python_mb": max(r["peak_rss_mb"]["python"] for r in runs)}
-        c = results["cases"][key]
-        print(f"{key:45s} wall {c['wall_s']:8.2f}s  work {c['work_s']:8.2f}s  peak {c['peak_rss_mb']:6d} MB", flush=True)
+    record = partial(record_case, results)
 
     small = work / "small_table"
     if not small.is_dir():
@@ -204,18 +207,7 @@ def bench(sizes: list[int], increments: list[int], repeat: int, work: Path) -> d
         for key, label in (("a", "a_spark_floor"), ("b", "b_full_recompute"), ("c", "c_spark_stateful_rocksdb"),
                            ("d", "d_polars_deltalake"), ("f", "f_statetables_run")):
             record(f"{label}@{size}", runs[key])
-        # (g) the event-time paths against the all-time path, on the same 1M-event bronze of each stream
-        paths = []
-        for rep in range(repeat):
-            home = work / f"paths-{size}-{rep}"
-            link_into(history, home / "landing" / "payments")
-            link_into(data.sales_history(size), home / "landing" / "movie_ticket_sales")
-            paths.append(measure(case("paths", home=home), home))
-        record(f"g_event_time_paths@{size}", paths)
-        results["cases"][f"g_event_time_paths@{size}"]["steps"] = {
-            stream: {key: statistics.median(r[stream][key] for r in paths) for key in paths[0][stream]
-                     if isinstance(paths[0][stream][key], (int, float))}
-            for stream in ("movie_ticket_sales", "payments")}
+        event_time_paths(data, size, repeat, work, record, results)
         history_home = work / f"home-{size}-0"
         record(f"f_statetables_run_no_new_files@{size}", [measure(project_run(history_home), history_home)
                                                          for _ in range(repeat)])
@@ -244,6 +236,31 @@ def bench(sizes: list[int], increments: list[int], repeat: int, work: Path) -> d
     return results
 
 
+def event_time_paths(data: Data, size: int, repeat: int, work: Path, record, results: dict) -> None:
+    """(g) the event-time paths against the all-time path, on the same `size`-event bronze of each stream."""
+    paths = []
+    for rep in range(repeat):
+        home = work / f"paths-{size}-{rep}"
+        link_into(data.history(size), home / "landing" / "payments")
+        link_into(data.sales_history(size), home / "landing" / "movie_ticket_sales")
+        paths.append(measure(case("paths", home=home), home))
+    record(f"g_event_time_paths@{size}", paths)
+    results["cases"][f"g_event_time_paths@{size}"]["steps"] = {
+        stream: {key: statistics.median(r[stream][key] for r in paths) for key in paths[0][stream]
+                 if isinstance(paths[0][stream][key], (int, float))}
+        for stream in ("movie_ticket_sales", "payments")}
+
+
+def event_time_ratios(results: dict, size: int) -> dict:
+    out = {}
+    for stream, g in results["cases"][f"g_event_time_paths@{size}"]["steps"].items():
+        out[f"{stream}@{size}: event-time step / all-time step, same bronze"] = g["event_time_s"] / g["all_time_s"]
+        out[f"{stream}@{size}: event-time step, events/s"] = g["event_time_events_per_s"]
+        out[f"{stream}@{size}: all-time step, events/s"] = g["all_time_events_per_s"]
+        out[f"{stream}@{size}: event-time operator state, MB"] = (g.get("operator_state_memory_bytes") or 0) / 2**20
+    return out
+
+
 def ratios(results: dict, sizes: list[int], increments: list[int]) -> dict:
     c = {k: v["wall_s"] for k, v in results["cases"].items()}
     work = {k: v["work_s"] for k, v in results["cases"].items()}
@@ -259,12 +276,7 @@ def ratios(results: dict, sizes: list[int], increments: list[int]) -> dict:
         out[f"no new files@{size} / smallest process (e) [target <= 1.5]"] = c[f"f_statetables_run_no_new_files@{size}"] / minimal
         out[f"bulk events/s, run@{size} (whole process)"] = size / f
         out[f"bulk events/s, spark floor (a)@{size} (job inside)"] = size / work[f"a_spark_floor@{size}"]
-        steps = results["cases"][f"g_event_time_paths@{size}"]["steps"]
-        for stream, g in steps.items():
-            out[f"{stream}@{size}: event-time step / all-time step, same bronze"] = g["event_time_s"] / g["all_time_s"]
-            out[f"{stream}@{size}: event-time step, events/s"] = g["event_time_events_per_s"]
-            out[f"{stream}@{size}: all-time step, events/s"] = g["all_time_events_per_s"]
-            out[f"{stream}@{size}: event-time operator state, MB"] = (g.get("operator_state_memory_bytes") or 0) / 2**20
+        out.update(event_time_ratios(results, size))
         for inc in increments:
             empty = c[f"f_increment_{inc}_process@history_0"]
             full = c[f"f_increment_{inc}_process@history_{size}"]
@@ -327,12 +339,35 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def only_event_time_paths(sizes: list[int], repeat: int, work: Path, *, keep: bool, quick: bool) -> None:
+    started = time.monotonic()
+    data = Data(work / "data", min(INCREMENT_FILE_LINES, max(sizes) // 10 or 1))
+    results: dict = {"cases": {}}
+    try:
+        for size in sizes:
+            event_time_paths(data, size, repeat, work, partial(record_case, results), results)
+    finally:
+        if not keep:
+            shutil.rmtree(work, ignore_errors=True)
+    results["ratios"] = {k: round(v, 2) for size in sizes for k, v in event_time_ratios(results, size).items()}
+    results["machine"] = {"cpus": os.cpu_count(), "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+                          "repeat": repeat, "sizes": sizes, "bench_s": round(time.monotonic() - started)}
+    print(json.dumps({"steps": {k: v["steps"] for k, v in results["cases"].items()}, "ratios": results["ratios"]},
+                     indent=1))
+    target = OUT if not quick else work.parent / f"statetables-bench-quick-{os.getpid()}"
+    target.mkdir(parents=True, exist_ok=True)
+    (target / "event_time_paths.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+    print(f"written: {target}/event_time_paths.json")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="small sizes, one repetition: checks the harness")
     parser.add_argument("--full", action="store_true", help="also 10M events (~1M customers) and 10k increments")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--work", default=None, help="scratch folder (default: a temporary one, removed after)")
+    parser.add_argument("--only", choices=["paths"], help="only case (g), the event-time paths; writes "
+                        "docs/bench/event_time_paths.json and leaves the full results as they are")
     args = parser.parse_args()
     sizes, increments, repeat = [1_000_000], [100_000], args.repeat
     if args.full:
@@ -342,6 +377,8 @@ def main() -> None:
     work = Path(args.work) if args.work else Path(os.environ.get("TMPDIR", "/tmp")) / f"statetables-bench-{os.getpid()}"
     work.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
+    if args.only == "paths":
+        return only_event_time_paths(sizes, repeat, work, keep=bool(args.work), quick=args.quick)
     try:
         results = bench(sizes, increments, repeat, work)
     finally:
