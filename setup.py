@@ -8,7 +8,7 @@ setup(
     python_requires=">=3.11,<3.12",
     packages=find_packages(include=["pipelines", "assets", "resources", "statetables", "benchmarks"]),
     install_requires=[
-        "pyspark==4.1.1",
+        "pyspark[connect]==4.1.1",  # [connect]: the Spark Connect client (grpcio, grpcio-status)
         "delta-spark==4.3.1",
         "dagster==1.13.27",
         "dagster-webserver==1.13.27",

@@ -16,6 +16,7 @@ from pyspark.sql import functions as F
 from assets.keys import DEEP_CHECK, KINDS, bronze_key, changelog_key, ingest_op_name, pool, quarantine_key, state_key
 from pipelines.bronze import DEFAULT_MAX_FILES_PER_TRIGGER, ingest_stream
 from pipelines.changelog import publish_changes
+from pipelines.expiry import EXPIRY
 from pipelines import table_checks
 from pipelines.state import update_state_table
 from pipelines.table_checks import quarantine_reasons, state_totals
@@ -155,10 +156,11 @@ def build_stream_assets(spec: StreamSpec) -> list:
         layout = storage.layout()
         ttl = state_policy.ttl(table.name)
         result = update_state_table(session, layout, spec, lock_timeout_s=config.lock_timeout_s, ttl=ttl)
-        merges = [c for c in result.commits[table.name] if c["operation"] == "MERGE"]
+        # Expiries are MERGE commits too (pipelines/expiry.py), told apart by their commit metadata.
+        expiries = [c for c in result.commits[table.name] if EXPIRY in c["user"]]
+        merges = [c for c in result.commits[table.name] if c["operation"] == "MERGE" and EXPIRY not in c["user"]]
         metric = lambda name: sum(int(c["metrics"].get(name, 0)) for c in merges)  # noqa: E731
-        expired_now = sum(int(c["metrics"].get("numDeletedRows", 0)) for c in result.commits[table.name]
-                          if c["operation"] == "DELETE")
+        expired_now = sum(int(c["metrics"].get("numTargetRowsDeleted", 0)) for c in expiries)
         current = session.read.format("delta").load(str(layout.table(table.name)))
         totals = state_totals(session, layout, spec)
         return dg.MaterializeResult(metadata={

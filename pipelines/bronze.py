@@ -16,7 +16,6 @@ from datetime import datetime, timedelta, timezone
 from functools import partial, reduce
 from pathlib import Path
 
-from delta.tables import DeltaTable
 
 from pyspark.sql import Column, DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
@@ -24,6 +23,7 @@ from pyspark.sql.types import (
     BinaryType, DecimalType, LongType, StringType, StructField, StructType, TimestampType,
 )
 
+from pipelines import delta_sql
 from pipelines.layout import StorageLayout
 from pipelines.errors import ConcurrentWriterError, StorageError
 from pipelines.source import LEDGER_SCHEMA, arrival_order, read_units, record_units, scan_landing, split_lines
@@ -333,7 +333,7 @@ def accepted_totals(spark: SparkSession, bronze_path: str, value_field: str,
     """(events, sum of values) in bronze at `version` (default: latest), from the running totals its
     ingest commits carry; bronze itself is counted only when no commit near that version has them
     (tables written by an earlier version, or a version far behind the latest)."""
-    history = DeltaTable.forPath(spark, bronze_path).history(TOTALS_SEARCHED).select("version", "userMetadata")
+    history = delta_sql.history(spark, bronze_path, TOTALS_SEARCHED).select("version", "userMetadata")
     for row in sorted(history.collect(), key=lambda r: -r["version"]):
         if version is not None and row["version"] > version:
             continue

@@ -8,14 +8,15 @@ from the changelog alone: per key, the newest change at or before that version.
 from __future__ import annotations
 
 import time
-from functools import partial, reduce
+from functools import partial
 from pathlib import Path
 
-from delta.tables import DeltaTable
 from pyspark.sql import DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 from pyspark.sql.types import LongType, StringType, TimestampType
 
+from pipelines import delta_sql
+from pipelines.delta_sql import ident, int_literal
 from pipelines.layout import StorageLayout
 from pipelines.state import state_schema
 from pipelines.streaming import (
@@ -42,11 +43,9 @@ def append_changes(changes: DataFrame, batch_id: int, *, changelog_path: str, ke
         return  # no change rows: nothing to add
     # The range on the target lets Delta skip every changelog file of other versions (file statistics):
     # the lookup costs what the batch holds, not the changelog's whole history.
-    on = (F.col("t._commit_version").between(versions["lo"], versions["hi"])
-          & reduce(lambda a, b: a & b, [F.col(f"t.{c}").eqNullSafe(F.col(f"s.{c}"))
-                                        for c in ("_commit_version", key, "_change_type")]))
-    DeltaTable.forPath(spark, changelog_path).alias("t").merge(changes.alias("s"), on) \
-        .whenNotMatchedInsertAll().execute()
+    on = " AND ".join([f"t._commit_version BETWEEN {int_literal(versions['lo'])} AND {int_literal(versions['hi'])}"]
+                      + [f"t.{ident(c)} <=> s.{ident(c)}" for c in ("_commit_version", key, "_change_type")])
+    delta_sql.merge(spark, changelog_path, changes, on=on, clauses="WHEN NOT MATCHED THEN INSERT *")
 
 
 def publish_changes(spark: SparkSession, layout: StorageLayout, table: StateTableSpec, *,

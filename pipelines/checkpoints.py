@@ -26,8 +26,10 @@ import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from delta.tables import DeltaTable
 from pyspark.sql import SparkSession
+
+from pipelines import delta_sql
+from pipelines.streaming import table_version
 
 ORIGIN_FILE = "statetables_checkpoint.json"
 HISTORY_WINDOW = 1000  # newest table commits searched for this checkpoint's last batch
@@ -154,12 +156,11 @@ def table_batches(spark: SparkSession, table_path: Path, app_id: str) -> tuple[i
     by a restore would be skipped as "already written" if replayed under the same app id, so the
     two numbers differing is itself a reason to start over under a new app id.
     """
-    if not DeltaTable.isDeltaTable(spark, str(table_path)):
+    if table_version(spark, table_path) is None:
         return None, None
-    table = DeltaTable.forPath(spark, str(table_path))
     # A healthy checkpoint's last batch is among the newest commits: most runs read only a few.
     for window in (RECENT_WINDOW, HISTORY_WINDOW):
-        rows = (table.history(window).select("version", "operation", "operationParameters", "userMetadata")
+        rows = (delta_sql.history(spark, table_path, window).select("version", "operation", "operationParameters", "userMetadata")
                 .orderBy("version", ascending=False).collect())
         found = _last_batches(rows, app_id)
         if found[1] is not None or len(rows) < window:

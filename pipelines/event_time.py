@@ -15,11 +15,11 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from delta.tables import DeltaTable
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.types import LongType, StringType, StructField, StructType, TimestampType
 
+from pipelines import delta_sql
 from pipelines.layout import StorageLayout
 from pipelines.streaming import commits_since, retry_on_conflict, table_version
 
@@ -84,9 +84,10 @@ def undo_late_rows(spark: SparkSession, layout: StorageLayout, stream: str, mark
         added = added.union(rows_at(version).subtract(rows_at(version - 1)))
     added = added.localCheckpoint()
     count = added.count()
-    retry_on_conflict(lambda: DeltaTable.forPath(spark, str(path)).alias("t").merge(
-        added.alias("a"), (F.col("t.stream") == stream) & (F.col("t.event_id") == F.col("a.event_id")))
-        .whenMatchedDelete().execute(), f"undo {LATE} rows of {stream}")
+    # The stream name travels as a column of the source, not as SQL text.
+    doomed = added.withColumn("stream", F.lit(stream))
+    retry_on_conflict(lambda: delta_sql.merge(spark, path, doomed, on="t.stream = s.stream AND t.event_id = s.event_id",
+                                              clauses="WHEN MATCHED THEN DELETE"), f"undo {LATE} rows of {stream}")
     return [f"{LATE}: {count} {stream} rows of unfinished version(s) {unfinished} deleted"]
 
 

@@ -2,7 +2,7 @@
 
 Off by default, set per table (resources/state_policy.py). After each micro-batch that brought events,
 the table's clock is its newest event time (the largest last-event column) and every key whose newest
-event is more than D behind the clock is deleted, in one DELETE commit after the batch's MERGE. The
+event is more than D behind the clock is deleted, in one commit (a MERGE that deletes them) after the batch's MERGE. The
 Change Data Feed records each expiry as a `delete` whose pre-image holds the key's totals, so the
 changelog table keeps them and a restore from the changelog agrees with the table. A key with events
 after its expiry starts a new row from those events.
@@ -32,10 +32,11 @@ from datetime import datetime, timedelta, timezone
 from decimal import Decimal
 from pathlib import Path
 
-from delta.tables import DeltaTable
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
+from pipelines import delta_sql
+from pipelines.delta_sql import ident
 from pipelines.errors import ExpiryHistoryError
 from pipelines.streaming import USER_METADATA, commit_confs
 from pipelines.streams import StateTableSpec
@@ -73,7 +74,7 @@ def _user_metadata(row) -> dict:
 
 def ttl_property(spark: SparkSession, table_path: str | Path) -> str | None:
     """The table's `statetables.keyTtlDays` ("off" once a TTL was removed), None if it never had one."""
-    properties = DeltaTable.forPath(spark, str(table_path)).detail().select("properties").first()[0]
+    properties = delta_sql.detail(spark, table_path)["properties"]
     return (properties or {}).get(TTL_PROPERTY)
 
 
@@ -83,9 +84,7 @@ def record_policy(spark: SparkSession, table_path: str | Path, ttl: timedelta | 
     current = ttl_property(spark, table_path)
     if current == wanted or (current is None and ttl is None):
         return
-    quoted = str(table_path).replace("`", "``")
-    # DDL takes no parameter markers; the value is a number formatted here, not user text.
-    spark.sql(f"ALTER TABLE delta.`{quoted}` SET TBLPROPERTIES ('{TTL_PROPERTY}' = '{wanted}')")
+    delta_sql.set_property(spark, table_path, TTL_PROPERTY, wanted)
 
 
 def _days(ttl: timedelta) -> str:
@@ -98,9 +97,8 @@ def expired_totals(spark: SparkSession, table_path: str | Path, *, as_of: int | 
     restored. Zero for a table that never had a TTL."""
     if ttl_property(spark, table_path) is None:
         return ExpiredTotals()
-    table = DeltaTable.forPath(spark, str(table_path))
     columns = ("version", "operation", "operationParameters", "userMetadata")
-    for history in (table.history(RECENT_COMMITS), table.history()):
+    for history in (delta_sql.history(spark, table_path, RECENT_COMMITS), delta_sql.history(spark, table_path)):
         rows = sorted(history.select(*columns).collect(), key=lambda r: -r["version"])
         target = as_of
         for row in rows:
@@ -124,7 +122,7 @@ def expired_rows(spark: SparkSession, table_path: str | Path, table: StateTableS
     if ttl_property(spark, table_path) is None:
         return None
     path = str(table_path)
-    rows = sorted(DeltaTable.forPath(spark, path).history()
+    rows = sorted(delta_sql.history(spark, path)
                   .select("version", "operation", "operationParameters", "userMetadata").collect(),
                   key=lambda r: -r["version"])
     undone: list[tuple[int, int]] = []  # (went back to version, at version)
@@ -203,8 +201,13 @@ def expire_keys(spark: SparkSession, table_path: str | Path, table: StateTableSp
                 EXPIRED: expired.plus(row["keys"], row["events"], row["value"]).as_metadata(),
                 EXPIRY: {"clock": _iso(clock), "cutoff": _iso(cutoff), "ingested_through": _iso(ingested_through_us),
                          "ingested_through_us": ingested_through_us}}
+    # A MERGE with the stale keys as its source, not DELETE ... WHERE: Delta's DELETE takes no bound
+    # parameters, and the cutoff must not be written into SQL text (pipelines/delta_sql.py).
+    doomed = state.where(stale).select(table.key, F.timestamp_micros(F.lit(cutoff)).alias("cutoff"))
+    key, last = ident(table.key), ident(table.last_ts_column)
     with commit_confs(spark, {USER_METADATA: json.dumps(metadata)}):
-        DeltaTable.forPath(spark, path).delete(stale)
+        delta_sql.merge(spark, path, doomed, on=f"t.{key} = s.{key}",
+                        clauses=f"WHEN MATCHED AND t.{last} < s.cutoff THEN DELETE")
     return int(row["keys"])
 
 

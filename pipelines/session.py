@@ -113,11 +113,12 @@ def build_spark_session(settings: SparkSettings | None = None) -> SparkSession:
     require_java()
     jars = delta_jars(settings.jars_dir)
     conf = {**SESSION_CONFS, **LOCAL_DEFAULTS, "spark.jars": ",".join(str(j) for j in jars)}
-    if settings.master.startswith("local"):
-        # The embedded engine talks to itself only: keep the driver on loopback.
+    if settings.master.startswith(("local", "spark://127.0.0.1:", "spark://localhost:")):
+        # The engine is on this host only: keep the driver on loopback.
         conf.update({"spark.driver.host": "127.0.0.1", "spark.driver.bindAddress": "127.0.0.1"})
         # Python workers (transformWithState) need this interpreter's packages (pandas, pyarrow, the
         # project); pyspark takes their interpreter from PYSPARK_PYTHON only, else `python3` on PATH.
+        # On a cluster of other hosts, set `spark.pyspark.python` to the workers' interpreter (docs/deploy.md).
         os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     # Applies when this call starts the driver JVM (spark-submit reads it before launching java).
     archive = class_archive_options(settings.jars_dir)

@@ -12,13 +12,14 @@ from __future__ import annotations
 import json
 import time
 from datetime import timedelta
-from functools import partial, reduce
+from functools import partial
 
-from delta.tables import DeltaTable
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.types import DecimalType, LongType, StringType, StructField, StructType, TimestampType
 
+from pipelines import delta_sql
+from pipelines.delta_sql import ident
 from pipelines.layout import StorageLayout
 from pipelines.bronze import ensure_bronze_tables
 from pipelines.checkpoints import checkpoint_for_run, new_app_id, start_checkpoint
@@ -83,19 +84,7 @@ def upsert_batch(events: DataFrame, batch_id: int, *, table_path: str, table: St
 
     def merge() -> None:
         with commit_confs(spark, {TXN_APP_ID: app_id, TXN_VERSION: str(batch_id), USER_METADATA: json.dumps(metadata)}):
-            (
-                DeltaTable.forPath(spark, table_path).alias("t")
-                .merge(batch.alias("s"), F.col(f"t.{table.key}") == F.col(f"s.{table.key}"))
-                .whenMatchedUpdate(set={
-                    table.count_column: F.col(f"t.{table.count_column}") + F.col("s.batch_count"),
-                    table.sum_column: (F.col(f"t.{table.sum_column}") + F.col("s.batch_sum")).cast(TOTAL_TYPE),
-                    table.first_ts_column: F.least(F.col(f"t.{table.first_ts_column}"), F.col("s.batch_first")),
-                    table.last_ts_column: F.greatest(F.col(f"t.{table.last_ts_column}"), F.col("s.batch_last")),
-                    "updated_at": F.current_timestamp(),
-                })
-                .whenNotMatchedInsert(values=_insert_values(table))
-                .execute()
-            )
+            delta_sql.merge(spark, table_path, batch, on=_on_key(table), clauses=_upsert_clauses(table))
 
     retry_on_conflict(merge, f"MERGE of micro-batch {batch_id} into {table.name}")
     fault_point(STATE_AFTER_MERGE_COMMIT)
@@ -107,15 +96,23 @@ def upsert_batch(events: DataFrame, batch_id: int, *, table_path: str, table: St
     fault_point(STATE_BATCH_END)
 
 
-def _insert_values(table: StateTableSpec) -> dict:
-    return {
-        table.key: F.col(f"s.{table.key}"),
-        table.count_column: F.col("s.batch_count"),
-        table.sum_column: F.col("s.batch_sum"),
-        table.first_ts_column: F.col("s.batch_first"),
-        table.last_ts_column: F.col("s.batch_last"),
-        "updated_at": F.current_timestamp(),
-    }
+def _on_key(table: StateTableSpec) -> str:
+    key = ident(table.key)
+    return f"t.{key} = s.{key}"
+
+
+def _upsert_clauses(table: StateTableSpec) -> str:
+    """Add the batch's count and sum to a key's row, widen its first/last event time; new keys insert."""
+    key, count, total = ident(table.key), ident(table.count_column), ident(table.sum_column)
+    first, last = ident(table.first_ts_column), ident(table.last_ts_column)
+    return (
+        f"WHEN MATCHED THEN UPDATE SET t.{count} = t.{count} + s.batch_count, "
+        f"t.{total} = CAST(t.{total} + s.batch_sum AS {TOTAL_TYPE.simpleString()}), "
+        f"t.{first} = least(t.{first}, s.batch_first), t.{last} = greatest(t.{last}, s.batch_last), "
+        f"t.updated_at = current_timestamp() "
+        f"WHEN NOT MATCHED THEN INSERT ({key}, {count}, {total}, {first}, {last}, updated_at) "
+        f"VALUES (s.{key}, s.batch_count, s.batch_sum, s.batch_first, s.batch_last, current_timestamp())"
+    )
 
 
 def set_table_content(spark: SparkSession, table_path: str, table: StateTableSpec, content: DataFrame,
@@ -127,16 +124,11 @@ def set_table_content(spark: SparkSession, table_path: str, table: StateTableSpe
     from bronze and by savepoint restores; the result is absolute, so repeating it is safe.
     """
     values = [c for c in state_schema(table).fieldNames() if c not in (table.key, "updated_at")]
-    differs = reduce(lambda a, b: a | b, [~F.col(f"t.{c}").eqNullSafe(F.col(f"s.{c}")) for c in values])
+    differs = " OR ".join(f"NOT (t.{ident(c)} <=> s.{ident(c)})" for c in values)
     with commit_confs(spark, {USER_METADATA: json.dumps(metadata)}):
-        (
-            DeltaTable.forPath(spark, table_path).alias("t")
-            .merge(content.alias("s"), F.col(f"t.{table.key}") == F.col(f"s.{table.key}"))
-            .whenMatchedUpdateAll(condition=differs)
-            .whenNotMatchedInsertAll()
-            .whenNotMatchedBySourceDelete()
-            .execute()
-        )
+        delta_sql.merge(spark, table_path, content, on=_on_key(table),
+                        clauses=f"WHEN MATCHED AND ({differs}) THEN UPDATE SET * WHEN NOT MATCHED THEN INSERT * "
+                                f"WHEN NOT MATCHED BY SOURCE THEN DELETE")
 
 
 def rebuild_state_table(spark: SparkSession, layout: StorageLayout, spec: StreamSpec, app_id: str,

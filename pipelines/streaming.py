@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
-from delta.tables import DeltaTable
 from pyspark.errors import StreamingQueryException
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.types import StructType
 
+from pipelines import delta_sql
 from pipelines.errors import ConcurrentWriterError, StorageError, StreamBusyError
 
 TXN_APP_ID = "spark.databricks.delta.write.txnAppId"
@@ -109,10 +109,8 @@ def create_table_if_missing(spark: SparkSession, path: Path, schema: StructType,
     log = path / "_delta_log"
     if log.is_dir() and not any(p.suffix == ".json" or ".checkpoint" in p.name for p in log.iterdir()):
         os.replace(log, path / f"_delta_log.uncommitted-{time.time_ns()}")
-    builder = DeltaTable.createIfNotExists(spark).location(str(path)).addColumns(schema)
-    if change_data_feed:
-        builder = builder.property("delta.enableChangeDataFeed", "true")
-    builder.execute()
+    delta_sql.create_table_if_missing(spark, path, schema,
+                                      {"delta.enableChangeDataFeed": "true"} if change_data_feed else None)
 
 
 def table_version(spark: SparkSession, path: Path) -> int | None:
@@ -140,7 +138,7 @@ def table_id(spark: SparkSession, path: Path) -> str:
                     return action["metaData"]["id"]
     except (FileNotFoundError, ValueError):
         pass
-    return DeltaTable.forPath(spark, str(path)).detail().select("id").first()[0]
+    return delta_sql.detail(spark, path)["id"]
 
 
 def commits_since(spark: SparkSession, path: Path, version: int | None) -> list[dict]:
@@ -150,7 +148,7 @@ def commits_since(spark: SparkSession, path: Path, version: int | None) -> list[
         return []
     # Versions are contiguous: only the newest commits are read, not the whole log (a few spare for
     # commits made since `latest` was read).
-    history = DeltaTable.forPath(spark, str(path)).history(latest - version + 5 if version is not None else None)
+    history = delta_sql.history(spark, path, latest - version + 5 if version is not None else None)
     if version is not None:
         history = history.where(history.version > version)
     rows = history.select("version", "operation", "operationMetrics", "userMetadata").orderBy("version").collect()

@@ -26,7 +26,6 @@ from functools import partial
 from pathlib import Path
 from typing import Iterator
 
-from delta.tables import DeltaTable
 from pyspark.sql import DataFrame, Row, SparkSession, Window
 from pyspark.sql import functions as F
 from pyspark.sql.streaming import StatefulProcessor, StatefulProcessorHandle
@@ -38,6 +37,7 @@ from pipelines.checkpoints import (
 from pipelines import event_time
 from pipelines.event_time import LATE, LATE_SCHEMA, Progress, append_batch, late_rows, micros, undo_late_rows
 from pipelines.faults import WINDOWS_BEFORE_CLOSING_COMMIT, fault_point
+from pipelines import delta_sql
 from pipelines.layout import StorageLayout
 from pipelines.bronze import ensure_bronze_tables
 from pipelines.streaming import (
@@ -201,7 +201,7 @@ def _undo_unfinished_batch(spark: SparkSession, layout: StorageLayout) -> list[s
     unfinished = [c["version"] for c in commits_since(spark, path, max(-1, latest - 5))
                   if int(c["user"].get("hourly_version", -1)) > hourly_version]
     if unfinished:
-        DeltaTable.forPath(spark, str(path)).restoreToVersion(min(unfinished) - 1)
+        delta_sql.restore(spark, path, min(unfinished) - 1)
         undone.append(f"{TOP} restored to version {min(unfinished) - 1}")
     return undone
 

@@ -2,7 +2,9 @@
 print the state tables, prepare the Dagster instance.
 
     statetables generate --stream payments --events 100000 --malformed 0.005 --duplicates 0.01 --late 0.02 --seed 1
-    statetables run [--job advance_all] [--show]
+    statetables run [--job advance_all] [--show] [--remote sc://127.0.0.1:15002 | --master spark://127.0.0.1:7077]
+    statetables connect-server [--port 15002]     # Spark Connect with Delta on 127.0.0.1, until Ctrl-C
+    statetables cluster [--port 7077]             # a standalone master + worker on 127.0.0.1, until Ctrl-C
     statetables savepoint create|list|restore [NAME]
     statetables restore-changelog --table movie_tickets_sold --version 12 [--into NAME]
     statetables instance            # prints DAGSTER_HOME after writing its dagster.yaml
@@ -118,9 +120,12 @@ def _run(args: argparse.Namespace) -> int:
     from statetables.definitions import defs
 
     job = defs.resolve_job_def(args.job)
-    run_config = {"loggers": {"console": {"config": {"log_level": args.log_level}}}}
+    run_config: dict = {"loggers": {"console": {"config": {"log_level": args.log_level}}}, "resources": {}}
     if ttl:
-        run_config["resources"] = {"state_policy": {"config": {"ttl_days": ttl}}}
+        run_config["resources"]["state_policy"] = {"config": {"ttl_days": ttl}}
+    engine = {k: v for k, v in (("remote", args.remote), ("master", args.master)) if v}
+    if engine:
+        run_config["resources"]["spark"] = {"config": engine}
     with dg.DagsterInstance.get() as instance:
         result = job.execute_in_process(instance=instance, raise_on_error=False, run_config=run_config)
     print(f"\nrun {result.run_id}: {'SUCCESS' if result.success else 'FAILURE'} (job {args.job}, "
@@ -174,6 +179,34 @@ def _restore_changelog(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve_until_interrupted(what: str, url: str) -> int:
+    import time
+
+    print(f"{what} ready: {url}  (Ctrl-C stops it)", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        return 0
+
+
+def _connect_server(args: argparse.Namespace) -> int:
+    from statetables.servers import spark_connect_server
+
+    layout = StorageLayout.under()
+    with spark_connect_server(port=args.port, log=layout.home / "logs" / "spark-connect.log") as url:
+        return _serve_until_interrupted("Spark Connect server (Delta)", f"{url}   e.g. statetables run --remote {url}")
+
+
+def _cluster(args: argparse.Namespace) -> int:
+    from statetables.servers import spark_standalone
+
+    layout = StorageLayout.under()
+    with spark_standalone(port=args.port, log_dir=layout.home / "logs" / "spark-standalone", worker_cores=args.cores,
+                          worker_memory=args.memory) as url:
+        return _serve_until_interrupted("Spark standalone master + worker", f"{url}   e.g. statetables run --master {url}")
+
+
 def _instance(args: argparse.Namespace) -> int:
     print(prepare_instance(StorageLayout.under()))
     return 0
@@ -200,7 +233,19 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--log-level", default="INFO", help="Dagster console log level (DEBUG shows every event)")
     run.add_argument("--ttl-days", action="append", metavar="TABLE=DAYS",
                      help="expire a state table's keys idle this many days of event time (resource state_policy)")
+    run.add_argument("--remote", metavar="sc://HOST:PORT", help="run on a Spark Connect server (`statetables connect-server`)")
+    run.add_argument("--master", metavar="URL", help="spark.master: local[N] (default local[2]) or spark://HOST:PORT (`statetables cluster`)")
     run.set_defaults(func=_run)
+
+    server = commands.add_parser("connect-server", help="serve Spark Connect with Delta on 127.0.0.1 until interrupted")
+    server.add_argument("--port", type=int, default=15002)
+    server.set_defaults(func=_connect_server)
+
+    cluster = commands.add_parser("cluster", help="a Spark standalone master and worker on 127.0.0.1 until interrupted")
+    cluster.add_argument("--port", type=int, default=7077)
+    cluster.add_argument("--cores", type=int, default=2)
+    cluster.add_argument("--memory", default="6g", help="the worker's memory for executors")
+    cluster.set_defaults(func=_cluster)
 
     save = commands.add_parser("savepoint", help="take, list or restore a savepoint of every state table")
     save.add_argument("action", choices=["create", "list", "restore"])

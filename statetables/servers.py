@@ -75,3 +75,115 @@ def dagster_dev(layout: StorageLayout, *, port: int, extra_env: dict[str, str] |
         except ProcessLookupError:
             pass
         out.close()
+
+
+# ---- Spark engines beyond the embedded JVM: a Spark Connect server and a standalone master + worker ----
+# pyspark's pip package ships bin/spark-class and bin/spark-submit and every server jar (the Connect
+# server's included), but not the sbin/ start scripts: the servers are launched through them here.
+
+def spark_home() -> Path:
+    import pyspark
+
+    return Path(pyspark.__file__).resolve().parent
+
+
+def _wait_for_port(proc: subprocess.Popen, port: int, what: str, log: Path, timeout_s: float) -> None:
+    import socket
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode} before listening on 127.0.0.1:{port}; see {log}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=2):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{what} did not listen on 127.0.0.1:{port} within {timeout_s:.0f}s; see {log}") from None
+            time.sleep(0.5)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        pass
+
+
+def _engine_env() -> dict[str, str]:
+    # The engine's Python workers (foreachBatch over Connect, transformWithState) import the project
+    # from this interpreter's environment; on loopback only.
+    return {**os.environ, "PYSPARK_PYTHON": sys.executable, "SPARK_LOCAL_IP": "127.0.0.1",
+            "SPARK_HOME": str(spark_home())}
+
+
+def connect_server_command(port: int, *, jars_dir: str | None = None, conf: dict[str, str] | None = None) -> list[str]:
+    """`spark-submit` of Spark's SparkConnectServer carrying Delta's jars, SQL extension and catalog,
+    bound to 127.0.0.1 (Spark binds every interface unless told)."""
+    from pipelines.session import LOCAL_DEFAULTS, SESSION_CONFS, delta_jars
+
+    confs = {**SESSION_CONFS, **LOCAL_DEFAULTS, "spark.connect.grpc.binding.address": "127.0.0.1",
+             "spark.connect.grpc.binding.port": str(port), "spark.driver.host": "127.0.0.1",
+             "spark.driver.bindAddress": "127.0.0.1", **(conf or {})}
+    command = [str(spark_home() / "bin" / "spark-submit"), "--class",
+               "org.apache.spark.sql.connect.service.SparkConnectServer", "--name", "statetables-connect",
+               "--master", confs.pop("spark.master", "local[2]"),
+               "--jars", ",".join(str(j) for j in delta_jars(jars_dir))]
+    for key, value in confs.items():
+        command += ["--conf", f"{key}={value}"]
+    return command + ["spark-internal"]
+
+
+@contextmanager
+def spark_connect_server(*, port: int, log: Path, jars_dir: str | None = None, conf: dict[str, str] | None = None,
+                         ready_timeout_s: float = 120) -> Iterator[str]:
+    """A Spark Connect server with Delta on 127.0.0.1:`port`, in its own process group; yields its
+    `sc://` URL and stops it on exit."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    out = open(log, "ab")
+    proc = subprocess.Popen(connect_server_command(port, jars_dir=jars_dir, conf=conf), cwd=REPO_ROOT,
+                            env=_engine_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        _wait_for_port(proc, port, "the Spark Connect server", log, ready_timeout_s)
+        yield f"sc://127.0.0.1:{port}"
+    finally:
+        _stop(proc)
+        out.close()
+
+
+@contextmanager
+def spark_standalone(*, port: int, log_dir: Path, worker_cores: int = 2, worker_memory: str = "6g",
+                     ready_timeout_s: float = 120) -> Iterator[str]:
+    """A standalone master on 127.0.0.1:`port` and one worker registered with it (web UIs off); yields
+    the `spark://` URL and stops both on exit."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    spark_class = str(spark_home() / "bin" / "spark-class")
+    env = {**_engine_env(), "SPARK_MASTER_OPTS": "-Dspark.ui.enabled=false", "SPARK_NO_DAEMONIZE": "1",
+           "SPARK_WORKER_DIR": str(log_dir / "work")}
+    url = f"spark://127.0.0.1:{port}"
+    procs: list[subprocess.Popen] = []
+    logs = [open(log_dir / "master.log", "ab"), open(log_dir / "worker.log", "ab")]
+    try:
+        procs.append(subprocess.Popen(
+            [spark_class, "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1", "--port", str(port),
+             "--webui-port", "0"], env=env, stdout=logs[0], stderr=subprocess.STDOUT, start_new_session=True))
+        _wait_for_port(procs[0], port, "the standalone master", log_dir / "master.log", ready_timeout_s)
+        procs.append(subprocess.Popen(
+            [spark_class, "org.apache.spark.deploy.worker.Worker", "--host", "127.0.0.1", "--webui-port", "0",
+             "--cores", str(worker_cores), "--memory", worker_memory, url],
+            env=env, stdout=logs[1], stderr=subprocess.STDOUT, start_new_session=True))
+        deadline = time.monotonic() + ready_timeout_s
+        while b"Successfully registered with master" not in (log_dir / "worker.log").read_bytes():
+            if procs[1].poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the standalone worker did not register with {url}; see {log_dir / 'worker.log'}")
+            time.sleep(0.5)
+        yield url
+    finally:
+        for proc in reversed(procs):
+            _stop(proc)
+        for handle in logs:
+            handle.close()
