@@ -7,7 +7,7 @@ JARS := .jars/.resolved
 CLASS_ARCHIVE := .jars/statetables.jsa
 export STATETABLES_HOME ?= $(CURDIR)/data
 
-.PHONY: install jars class-archive demo run dev test bench bench-quick bench-event-time bench-full chaos clean
+.PHONY: install jars class-archive demo run dev connect-server cluster test bench bench-quick bench-event-time bench-engines bench-full chaos clean
 
 install: $(INSTALLED)
 $(INSTALLED): setup.py
@@ -45,6 +45,13 @@ run: install jars class-archive
 dev: install jars class-archive
 	DAGSTER_HOME=$$($(BIN)/statetables instance) $(BIN)/dagster dev -w workspace.yaml -h 127.0.0.1 -p 3000
 
+# Other engines on 127.0.0.1 (docs/deploy.md): then `statetables run --remote sc://127.0.0.1:15002` or `--master spark://127.0.0.1:7077`.
+connect-server: install jars
+	$(BIN)/statetables connect-server --port 15002
+
+cluster: install jars
+	$(BIN)/statetables cluster --port 7077
+
 # Two workers, each with its own SparkSession: a single test keeps ~65% of the 2 cores busy (much of a
 # small run is waiting on commits and query starts), two keep both busy; 23.7 -> 18.4 min measured.
 test: install jars class-archive
@@ -60,6 +67,10 @@ bench-quick: install jars class-archive
 # only case (g): the windows and sessions steps against the all-time step, 1M events of each stream
 bench-event-time: install jars class-archive
 	$(BIN)/python -m benchmarks.run --only paths
+
+# `statetables run` on the embedded JVM, a warm Spark Connect server and a warm standalone cluster
+bench-engines: install jars class-archive
+	$(BIN)/python -m benchmarks.run --only engines
 
 bench-full: install jars class-archive
 	$(BIN)/python -m benchmarks.run --full

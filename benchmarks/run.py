@@ -360,14 +360,64 @@ def only_event_time_paths(sizes: list[int], repeat: int, work: Path, *, keep: bo
     print(f"written: {target}/event_time_paths.json")
 
 
+def engine_runs(repeat: int, work: Path, *, history: int, increment: int) -> dict:
+    """The whole-process time of `statetables run` (job advance_payments) on each engine, over a storage
+    root that already holds `history` events, each run bringing `increment` new events: the orchestrated
+    run's usual work. The Connect server and the standalone master + worker are started once and stay
+    warm, as a deployment keeps them; the embedded engine starts its JVM in every run. Runs alternate
+    between engines so that drift on the machine spreads over all three."""
+    from statetables.servers import spark_connect_server, spark_standalone
+
+    data = Data(work / "data", INCREMENT_FILE_LINES)
+    engines = {"embedded": [], "connect": ["--remote"], "standalone": ["--master"]}
+    homes = {name: work / f"engine-{name}" for name in engines}
+    runs: dict[str, list[dict]] = {name: [] for name in engines}
+    with spark_connect_server(port=15402, log=work / "connect.log") as remote, \
+            spark_standalone(port=17402, log_dir=work / "standalone", worker_memory="4g") as master:
+        urls = {"embedded": [], "connect": ["--remote", remote], "standalone": ["--master", master]}
+        for name, home in homes.items():
+            link_into(data.history(history), home / "landing" / "payments")
+            measure(project_run(home) + urls[name], home)  # not timed: the history, once
+        for i in range(repeat):
+            for name, home in homes.items():
+                link_into(data.increment(increment, 50 + i, customers=2000), home / "landing" / "payments", f"inc{i}-")
+                run = measure(project_run(home) + urls[name], home)
+                runs[name].append(run)
+                print(f"engine {name:10s} run {i + 1}: {run['wall_s']:6.1f} s", flush=True)
+    results = {name: {"runs": [round(r["wall_s"], 2) for r in rs], "wall_s": median(rs),
+                      "client_peak_rss_mb": max(r["peak_rss_mb"]["total"] for r in rs)} for name, rs in runs.items()}
+    for name in ("connect", "standalone"):
+        results[name]["vs_embedded"] = round(results[name]["wall_s"] / results["embedded"]["wall_s"], 2)
+    return results
+
+
+def only_engines(repeat: int, work: Path, *, keep: bool, quick: bool) -> None:
+    started = time.monotonic()
+    sizes = (2_000, 200) if quick else (100_000, 1_000)
+    try:
+        results = {"engines": engine_runs(repeat, work, history=sizes[0], increment=sizes[1])}
+    finally:
+        if not keep:
+            shutil.rmtree(work, ignore_errors=True)
+    results["machine"] = {"cpus": os.cpu_count(), "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+                          "repeat": repeat, "history_events": sizes[0], "increment_events": sizes[1],
+                          "bench_s": round(time.monotonic() - started)}
+    print(json.dumps(results["engines"], indent=1))
+    target = OUT if not quick else work.parent / f"statetables-bench-quick-{os.getpid()}"
+    target.mkdir(parents=True, exist_ok=True)
+    (target / "engines.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+    print(f"written: {target}/engines.json")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="small sizes, one repetition: checks the harness")
     parser.add_argument("--full", action="store_true", help="also 10M events (~1M customers) and 10k increments")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--work", default=None, help="scratch folder (default: a temporary one, removed after)")
-    parser.add_argument("--only", choices=["paths"], help="only case (g), the event-time paths; writes "
-                        "docs/bench/event_time_paths.json and leaves the full results as they are")
+    parser.add_argument("--only", choices=["paths", "engines"], help="paths: only case (g), the event-time paths, "
+                        "into docs/bench/event_time_paths.json; engines: `statetables run` per Spark engine, into "
+                        "docs/bench/engines.json. Both leave the full results as they are")
     args = parser.parse_args()
     sizes, increments, repeat = [1_000_000], [100_000], args.repeat
     if args.full:
@@ -379,6 +429,8 @@ def main() -> None:
     started = time.monotonic()
     if args.only == "paths":
         return only_event_time_paths(sizes, repeat, work, keep=bool(args.work), quick=args.quick)
+    if args.only == "engines":
+        return only_engines(repeat if not args.quick else 2, work, keep=bool(args.work), quick=args.quick)
     try:
         results = bench(sizes, increments, repeat, work)
     finally:

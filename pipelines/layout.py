@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +33,25 @@ def _inside(root: Path, path: Path) -> bool:
 # Spark and Hadoop read these in a path as a URI scheme (`:`) or a glob pattern; tables and checkpoints
 # live under the root, so it must not hold them (landing file names may: they are staged, see source.py).
 UNSAFE_ROOT_CHARACTERS = ":[]{}*?"
+
+
+def _posix_root(raw: str) -> str:
+    """The storage root as a POSIX path; `file://` URIs are accepted, object-store URIs refused.
+
+    Without this, `s3a://bucket/x` would silently become the local folder `./s3a:/bucket/x`. And the
+    one-writer guarantee rests on a kernel file lock under the root (pipelines/streaming.py
+    `writer_lock`), which object stores do not have (docs/deploy.md)."""
+    scheme = re.match(r"^([A-Za-z][A-Za-z0-9+.-]*)://", raw)
+    if scheme is None:
+        return raw
+    if scheme.group(1).lower() == "file":
+        return raw[len("file://"):] or "/"
+    raise ConfigurationError(
+        f"The storage root {raw} is on {scheme.group(1)}://, which statetables does not support yet: its one-writer "
+        f"lock and checkpoint checks need a POSIX file system, and on an object store two runs could advance a "
+        f"stream at once. Fix: set {HOME_ENV} to a local folder, or to a shared POSIX mount (NFS) at the same path "
+        f"on every host; docs/deploy.md says what an object-store root needs."
+    )
 
 
 def _require_usable_root(root: Path) -> None:
@@ -80,7 +100,8 @@ class StorageLayout:
         Sub-folders may be relative (to home) or absolute, but must stay inside home:
         everything the project writes lives under one root that can be backed up or wiped.
         """
-        root = Path(home or os.environ.get(HOME_ENV) or DEFAULT_HOME).expanduser().resolve()
+        raw = str(home or os.environ.get(HOME_ENV) or DEFAULT_HOME)
+        root = Path(_posix_root(raw)).expanduser().resolve()
         _require_usable_root(root)
         resolved = {}
         for name, sub in (("landing", landing), ("tables", tables), ("checkpoints", checkpoints)):

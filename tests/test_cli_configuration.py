@@ -59,3 +59,13 @@ def test_a_bad_ttl_is_refused_before_anything_is_created(tmp_path, ttl, message)
     assert done.returncode == 2 and message in done.stderr and "Fix:" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr + done.stdout
     assert not home.exists()
+
+
+@pytest.mark.parametrize("root", ["s3a://bucket/statetables", "abfss://lake@account.dfs.core.windows.net/st"])
+def test_an_object_store_root_is_refused_not_taken_for_a_local_folder(root):
+    # `Path("s3a://b/x")` is the local folder ./s3a:/b/x: the run must refuse instead of writing there,
+    # since the one-writer lock would not hold on an object store (docs/deploy.md).
+    done = _statetables(root, "run")
+    assert done.returncode == 2 and "does not support yet" in done.stderr and "docs/deploy.md" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr + done.stdout
+    assert not Path(root.split("/")[0]).exists()
