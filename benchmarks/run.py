@@ -393,7 +393,7 @@ def engine_runs(repeat: int, work: Path, *, history: int, increment: int) -> dic
 
 def only_engines(repeat: int, work: Path, *, keep: bool, quick: bool) -> None:
     started = time.monotonic()
-    sizes = (2_000, 200) if quick else (100_000, 1_000)
+    sizes = (2_000, 200) if quick else (20_000, 1_000)
     try:
         results = {"engines": engine_runs(repeat, work, history=sizes[0], increment=sizes[1])}
     finally:
