@@ -4,7 +4,9 @@
 - `reconcile_state_tables`: the deep check of every state table against all of bronze; nightly.
 - `advance_<stream>`: one stream; launched by the landing-files sensor and by recovery.
 - `recover_failed_stream`: a run failure starts a recovery run of each failed stream, which resumes
-  from its checkpoint; bounded by MAX_RECOVERY_ATTEMPTS so a persistent fault cannot loop.
+  from its checkpoint; bounded by MAX_RECOVERY_ATTEMPTS so a persistent fault cannot loop. A failed
+  `run_continuously` (assets/continuous.py) is started again with its own config.
+- While a continuous run is in progress it advances every stream: neither sensor starts an orchestrated run.
 """
 
 
@@ -14,8 +16,9 @@ from pathlib import Path
 
 import dagster as dg
 
+from assets.continuous import run_continuously
 from assets.keys import (
-    ADVANCE_ALL_JOB, DEEP_CHECK_JOB, MAX_RECOVERY_ATTEMPTS, RECOVERY_ATTEMPT_TAG, RECOVERY_OF_TAG, RECOVERY_REASON_TAG, STREAM_TAG,
+    CONTINUOUS_JOB, ADVANCE_ALL_JOB, DEEP_CHECK_JOB, MAX_RECOVERY_ATTEMPTS, RECOVERY_ATTEMPT_TAG, RECOVERY_OF_TAG, RECOVERY_REASON_TAG, STREAM_TAG,
     deep_check_keys, stream_job_name, stream_of_step,
 )
 from pipelines.source import landing_files
@@ -48,6 +51,18 @@ every_five_minutes = dg.ScheduleDefinition(
     default_status=dg.DefaultScheduleStatus.STOPPED)
 
 
+# A run of an older recovery chain that lasted this long was not the same fault repeating: count anew.
+RECOVERY_CHAIN_RESET_S = 600
+
+
+def continuous_run_in_progress(instance: dg.DagsterInstance) -> str | None:
+    """The id of a `run_continuously` run that is queued, starting or running, if any."""
+    records = instance.get_run_records(dg.RunsFilter(job_name=CONTINUOUS_JOB, statuses=[
+        dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.STARTING,
+        dg.DagsterRunStatus.STARTED]), limit=1)
+    return records[0].dagster_run.run_id if records else None
+
+
 def _newest_landing_file(folder: Path) -> tuple[int, str] | None:
     """(mtime_ns, path) of the newest complete landing file at any depth (an append makes a file newer)."""
     newest = None
@@ -67,6 +82,9 @@ def landing_files_sensor(context: dg.SensorEvaluationContext, storage: StorageRe
     # The cursor only decides *when* to run; which files are new is tracked by each stream's own
     # checkpoint, so a file the cursor misses (an old mtime) is still ingested by the next run.
     cursor = json.loads(context.cursor) if context.cursor else {}
+    continuous = continuous_run_in_progress(context.instance)
+    if continuous:
+        return dg.SkipReason(f"{CONTINUOUS_JOB} run {continuous} is advancing every stream")
     layout = storage.layout()
     requests = []
     for name, spec in STREAMS.items():
@@ -111,8 +129,8 @@ def _failure_summary(context: dg.RunFailureSensorContext) -> str:
 
 @dg.run_failure_sensor(
     name="recover_failed_stream",
-    monitored_jobs=[advance_all, *stream_jobs.values()],
-    request_jobs=list(stream_jobs.values()),
+    monitored_jobs=[advance_all, *stream_jobs.values(), run_continuously],
+    request_jobs=[*stream_jobs.values(), run_continuously],
     default_status=dg.DefaultSensorStatus.RUNNING,
     description=("When a run fails, starts a recovery run of each failed stream; it resumes from the "
                  f"stream's checkpoint. At most {MAX_RECOVERY_ATTEMPTS} recovery attempts in a row."),
@@ -122,17 +140,29 @@ def recover_failed_stream(context: dg.RunFailureSensorContext):
     attempt = int(run.tags.get(RECOVERY_ATTEMPT_TAG, "0")) + 1
     origin = run.tags.get(RECOVERY_OF_TAG, run.run_id)
     error = _failure_summary(context)
+    continuous = run.job_name == CONTINUOUS_JOB
+    if continuous:
+        record = context.instance.get_run_record_by_id(run.run_id)
+        if record and record.start_time and record.end_time and record.end_time - record.start_time > RECOVERY_CHAIN_RESET_S:
+            attempt, origin = 1, run.run_id  # it ran fine for a while: a new fault, not the old one again
+    elif (other := continuous_run_in_progress(context.instance)):
+        return dg.SkipReason(f"Not recovering run {run.run_id}: {CONTINUOUS_JOB} run {other} is advancing every "
+                             f"stream from the same checkpoints.")
     if attempt > MAX_RECOVERY_ATTEMPTS:
         message = (f"Not recovering run {run.run_id}: it was recovery attempt {attempt - 1} of {MAX_RECOVERY_ATTEMPTS} "
                    f"for run {origin}. The fault persists; fix it (see the run's error), then run the stream's job.")
         context.log.error(message)
         return dg.SkipReason(message)
+    tags = {RECOVERY_OF_TAG: origin, RECOVERY_ATTEMPT_TAG: str(attempt),
+            RECOVERY_REASON_TAG: f"run {run.run_id} failed: {error}"[:400]}
+    if continuous:  # started again as it was, with its own config
+        return [dg.RunRequest(job_name=CONTINUOUS_JOB, run_key=f"recover:{run.run_id}", run_config=run.run_config,
+                              tags=tags)]
     return [
         dg.RunRequest(
             job_name=stream_job_name(spec),
             run_key=f"recover:{run.run_id}:{spec.name}",
-            tags={STREAM_TAG: spec.name, RECOVERY_OF_TAG: origin, RECOVERY_ATTEMPT_TAG: str(attempt),
-                  RECOVERY_REASON_TAG: f"run {run.run_id} failed: {error}"[:400]},
+            tags={STREAM_TAG: spec.name, **tags},
         )
         for spec in failed_streams(context)
     ]

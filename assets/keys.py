@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import dagster as dg
 
 from pipelines.streams import STREAMS, StreamSpec
@@ -15,6 +17,11 @@ RECOVERY_REASON_TAG = "statetables/recovery_reason"
 MAX_RECOVERY_ATTEMPTS = 3
 DEEP_CHECK = "reconciles_with_bronze"  # reads all of bronze: nightly and on demand, not in every run
 DEEP_CHECK_JOB = "reconcile_state_tables"
+CONTINUOUS_JOB = "run_continuously"
+CONTINUOUS_TAG = "statetables/continuous"
+# A state table not materialized for this long shows as stale in the UI. The continuous job reports every
+# 30 s while a table moves; orchestrated runs follow the landing sensor (30 s) or the 5-minute schedule.
+STATE_FRESHNESS = dg.FreshnessPolicy.time_window(fail_window=timedelta(minutes=30), warn_window=timedelta(minutes=10))
 
 
 def bronze_key(spec: StreamSpec) -> dg.AssetKey:
@@ -48,7 +55,7 @@ def stream_job_name(spec: StreamSpec) -> str:
 
 
 def job_names() -> list[str]:
-    return [ADVANCE_ALL_JOB, DEEP_CHECK_JOB, *(stream_job_name(spec) for spec in STREAMS.values())]
+    return [ADVANCE_ALL_JOB, DEEP_CHECK_JOB, CONTINUOUS_JOB, *(stream_job_name(spec) for spec in STREAMS.values())]
 
 
 def ingest_op_name(spec: StreamSpec) -> str:

@@ -5,7 +5,7 @@ call one pipeline function, and describe what happened in metadata.
 """
 
 
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from decimal import Decimal
 
 import dagster as dg
@@ -13,7 +13,7 @@ from pydantic import Field
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
-from assets.keys import DEEP_CHECK, KINDS, bronze_key, changelog_key, ingest_op_name, pool, quarantine_key, state_key
+from assets.keys import DEEP_CHECK, KINDS, STATE_FRESHNESS, bronze_key, changelog_key, ingest_op_name, pool, quarantine_key, state_key
 from pipelines.bronze import DEFAULT_MAX_FILES_PER_TRIGGER, ingest_stream
 from pipelines.changelog import publish_changes
 from pipelines.expiry import EXPIRY
@@ -49,6 +49,13 @@ def markdown_table(frame: DataFrame, limit: int = TOP_ROWS, *, rows_known: int |
     header = "| " + " | ".join(frame.columns) + " |\n|" + "---|" * len(frame.columns) + "\n"
     body = "".join("| " + " | ".join("" if v is None else str(v) for v in row) + " |\n" for row in rows)
     return dg.MetadataValue.md(header + body)
+
+
+def event_time_metadata(value: datetime | None) -> dg.MetadataValue:
+    """An event time as Dagster shows a timestamp (Spark returns it naive, in the session's UTC)."""
+    if value is None:
+        return dg.MetadataValue.text("no event yet")
+    return dg.MetadataValue.timestamp(value.replace(tzinfo=timezone.utc))
 
 
 def _versions(result: StreamRunResult, name: str) -> dict:
@@ -142,6 +149,7 @@ def build_stream_assets(spec: StreamSpec) -> list:
         group_name=spec.name,
         kinds=KINDS,
         pool=pool(spec),
+        freshness_policy=STATE_FRESHNESS,
         description=(
             f"State table: one row per `{table.key}` with `{table.count_column}` (distinct accepted events), "
             f"`{table.sum_column}` (exact DECIMAL sum of `{spec.value_field}`), first/last `{spec.event_time_field}` "
@@ -170,6 +178,7 @@ def build_stream_assets(spec: StreamSpec) -> list:
             "rows_inserted": metric("numTargetRowsInserted"),
             "rows_updated": metric("numTargetRowsUpdated"),
             "keys": totals["keys"], "events_counted": totals["events_counted"],
+            "latest_event_time": event_time_metadata(totals["latest_event_time"]),
             "ttl_days": f"{ttl / timedelta(days=1):g}" if ttl else "off",
             "keys_expired_this_run": expired_now,
             f"{table.sum_column}": str(totals["total"]),

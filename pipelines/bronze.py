@@ -9,6 +9,7 @@ read again under a new checkpoint is recognised by its file and line number.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from decimal import Decimal
 from dataclasses import dataclass, replace
@@ -26,7 +27,9 @@ from pyspark.sql.types import (
 from pipelines import delta_sql
 from pipelines.layout import StorageLayout
 from pipelines.errors import ConcurrentWriterError, StorageError
-from pipelines.source import LEDGER_SCHEMA, arrival_order, read_units, record_units, scan_landing, split_lines
+from pipelines.source import (
+    LEDGER_SCHEMA, arrival_order, landing_listing, read_units, record_units, scan_landing, split_lines,
+)
 from pipelines.checkpoints import checkpoint_for_run, start_checkpoint, write_origin
 from pipelines.faults import (
     INGEST_AFTER_BRONZE_COMMIT, INGEST_AFTER_QUARANTINE_COMMIT, INGEST_BATCH_END, INGEST_POISON, InjectedFault,
@@ -34,7 +37,7 @@ from pipelines.faults import (
 )
 from pipelines.streaming import (
     StreamRunResult, TableVersions, commits_since, create_table_if_missing, require_writable, retry_on_conflict,
-    run_available_now, storage_errors, storage_fault, table_id, table_version, writer_lock,
+    Continuous, run_query, storage_errors, storage_fault, table_id, table_version, writer_lock,
 )
 from pipelines.streams import StreamSpec
 from pipelines.validate import DEFAULT_MAX_AHEAD, content_identity, validate_lines
@@ -394,13 +397,33 @@ def _write_batch(lines: DataFrame, batch_id: int, settings: IngestSettings, inge
         fault_point(fault)
 
 
+def _scan_continuously(spark: SparkSession, layout: StorageLayout, spec: StreamSpec, per_commit: int,
+                       continuous: Continuous, changed: list[dict]) -> None:
+    """The continuous run's landing scan: every trigger interval, record what arrived in the ledger, which the
+    running ingest query reads. A listing equal to the last one costs no Spark job."""
+    landing, ledger, staging = layout.landing(spec.name), layout.table(spec.files_table), layout.staging(spec.name)
+    last = None  # the first pass scans: a file may have arrived since the run's own scan
+    while not continuous.stop.wait(continuous.trigger_interval_s):
+        try:
+            listing = landing_listing(landing)
+            if listing == last:
+                continue
+            scan = scan_landing(spark, landing, ledger, staging)
+            record_units(spark, ledger, scan.units, per_commit)
+            changed.extend(scan.changed)
+            last = listing
+        except BaseException as exc:  # noqa: BLE001 - handed to the run, which stops every query and raises it
+            continuous.fail(exc)
+            return
+
+
 def ingest_stream(spark: SparkSession, layout: StorageLayout, spec: StreamSpec, *,
                   max_files_per_trigger: int = DEFAULT_MAX_FILES_PER_TRIGGER,
                   dedup_horizon: timedelta = DEFAULT_DEDUP_HORIZON,
                   max_ahead: timedelta = DEFAULT_MAX_AHEAD,
-                  lock_timeout_s: float = 60.0) -> StreamRunResult:
+                  lock_timeout_s: float = 60.0, continuous: Continuous | None = None) -> StreamRunResult:
     """Ingest every landing file (and every change to one) not yet ingested into the stream's bronze
-    and quarantine tables.
+    and quarantine tables. With `continuous`, keep scanning the landing folder and ingesting until stopped.
 
     >>> result = ingest_stream(spark, StorageLayout.under("data"), MOVIE_TICKET_SALES)
     >>> result.commits["bronze"][-1]["user"]["accepted"]
@@ -441,8 +464,19 @@ def ingest_stream(spark: SparkSession, layout: StorageLayout, spec: StreamSpec, 
                                   max_ahead=max_ahead, recheck_through_unit=origin.recheck_through_unit)
         # One ledger commit file per micro-batch, in unit order (record_units writes them that way).
         units = spark.readStream.format("delta").option("maxFilesPerTrigger", "1").load(str(ledger_path))
-        batches, rows = run_available_now(units, query_name=spec.ingest_query, checkpoint_dir=checkpoint,
-                                          on_batch=partial(ingest_batch, settings=settings))
+        changed = list(scan.changed)
+        scanner = None
+        if continuous is not None:
+            scanner = threading.Thread(target=_scan_continuously, name=f"{spec.name}-landing-scan", daemon=True,
+                                       args=(spark, layout, spec, max_files_per_trigger, continuous, changed))
+            scanner.start()
+        try:
+            batches, rows = run_query(units, query_name=spec.ingest_query, checkpoint_dir=checkpoint,
+                                      on_batch=partial(ingest_batch, settings=settings), continuous=continuous)
+        finally:
+            if scanner is not None:
+                continuous.stop.set()
+                scanner.join()
         return StreamRunResult(
             query_name=spec.ingest_query,
             micro_batches=batches,
@@ -455,5 +489,5 @@ def ingest_stream(spark: SparkSession, layout: StorageLayout, spec: StreamSpec, 
             # The bronze commit's userMetadata carries the batch's line accounting for both tables.
             commits={"bronze": commits_since(spark, bronze_path, before["bronze"])},
             recovery=recovery,
-            changed_files=scan.changed,
+            changed_files=changed,
         )

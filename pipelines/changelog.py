@@ -20,7 +20,8 @@ from pipelines.delta_sql import ident, int_literal
 from pipelines.layout import StorageLayout
 from pipelines.state import state_schema
 from pipelines.streaming import (
-    StreamRunResult, TableVersions, create_table_if_missing, run_available_now, table_version, writer_lock,
+    Continuous, StreamRunResult, TableVersions, create_table_if_missing, run_query, source_ready, table_version,
+    writer_lock,
 )
 from pipelines.streams import StateTableSpec
 
@@ -49,8 +50,9 @@ def append_changes(changes: DataFrame, batch_id: int, *, changelog_path: str, ke
 
 
 def publish_changes(spark: SparkSession, layout: StorageLayout, table: StateTableSpec, *,
-                    lock_timeout_s: float = 60.0) -> StreamRunResult:
-    """Append every change of the state table not yet in its changelog table."""
+                    lock_timeout_s: float = 60.0, continuous: Continuous | None = None) -> StreamRunResult:
+    """Append every change of the state table not yet in its changelog table; with `continuous`, keep
+    appending until stopped."""
     started = time.monotonic()
     name = changelog_name(table)
     path = layout.table(name)
@@ -60,10 +62,15 @@ def publish_changes(spark: SparkSession, layout: StorageLayout, table: StateTabl
             .add("_commit_timestamp", TimestampType())
         create_table_if_missing(spark, path, schema, change_data_feed=False)
         before = table_version(spark, path)
+        # A continuous run starts every step at once: the state table may not exist yet.
+        if not source_ready(lambda: table_version(spark, layout.table(table.name)) is not None, continuous):
+            return StreamRunResult(query_name=query, micro_batches=0, rows_read=0, duration_s=time.monotonic() - started,
+                                   versions={name: TableVersions(before, before)})
         changes = (spark.readStream.format("delta").option("readChangeFeed", "true").option("startingVersion", 0)
                    .load(str(layout.table(table.name))))
-        batches, rows = run_available_now(changes, query_name=query, checkpoint_dir=layout.checkpoint(query),
-                                          on_batch=partial(append_changes, changelog_path=str(path), key=table.key))
+        batches, rows = run_query(changes, query_name=query, checkpoint_dir=layout.checkpoint(query),
+                                          on_batch=partial(append_changes, changelog_path=str(path), key=table.key),
+                                  continuous=continuous)
         return StreamRunResult(query_name=query, micro_batches=batches, rows_read=rows,
                                duration_s=time.monotonic() - started,
                                versions={name: TableVersions(before, table_version(spark, path))})

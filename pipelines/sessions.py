@@ -58,8 +58,8 @@ from pipelines.faults import SESSIONS_BEFORE_CLOSING_COMMIT, fault_point
 from pipelines.layout import StorageLayout
 from pipelines.state import TOTAL_TYPE
 from pipelines.streaming import (
-    StreamRunResult, TableVersions, commits_since, create_table_if_missing, require_writable, run_available_now,
-    storage_errors, table_id, table_version, writer_lock,
+    Continuous, StreamRunResult, TableVersions, commits_since, create_table_if_missing, require_writable, run_query,
+    source_ready, storage_errors, table_id, table_version, writer_lock,
 )
 from pipelines.streams import PAYMENTS
 
@@ -399,7 +399,7 @@ class SessionSettings:
 
 
 def update_sessions(spark: SparkSession, layout: StorageLayout, settings: SessionSettings = SessionSettings(), *,
-                    lock_timeout_s: float = 60.0) -> StreamRunResult:
+                    lock_timeout_s: float = 60.0, continuous: Continuous | None = None) -> StreamRunResult:
     """Fold every bronze payment not yet seen into the customers' sessions; write the ones that closed.
 
     Without a trusted checkpoint (first run, lost, corrupt) the query starts again after the last
@@ -451,8 +451,9 @@ def update_sessions(spark: SparkSession, layout: StorageLayout, settings: Sessio
         batches = rows = 0
         reports: list = []
         start_version = origin.source_start_version
-        if (any((checkpoint / "offsets").glob("[0-9]*")) or start_version is None
-                or start_version <= table_version(spark, bronze_path)):
+        has_offsets = any((checkpoint / "offsets").glob("[0-9]*"))
+        if source_ready(lambda: has_offsets or start_version is None
+                        or start_version <= table_version(spark, bronze_path), continuous):
             events = spark.readStream.format("delta").option("maxFilesPerTrigger", 1_000_000)  # whole versions
             if start_version is not None:
                 events = events.option("startingVersion", start_version)
@@ -468,8 +469,9 @@ def update_sessions(spark: SparkSession, layout: StorageLayout, settings: Sessio
                 initialState=initial.groupBy("customer_id") if initial is not None else None)
             on_batch = partial(write_sessions, layout=layout, checkpoint=checkpoint, app_id=origin.app_id,
                                closed_through_ms=closed_through)
-            batches, rows = run_available_now(emitted, query_name=SESSIONS_QUERY, checkpoint_dir=checkpoint,
-                                              on_batch=on_batch, progress=reports)
+            batches, rows = run_query(emitted, query_name=SESSIONS_QUERY, checkpoint_dir=checkpoint,
+                                              on_batch=on_batch, progress=reports,
+                                      continuous=continuous)
         return StreamRunResult(
             query_name=SESSIONS_QUERY, micro_batches=batches, rows_read=rows, duration_s=time.monotonic() - started,
             versions={name: TableVersions(before[name], table_version(spark, layout.table(name)))

@@ -106,6 +106,19 @@ def _latest_units(spark: SparkSession, ledger_path: Path) -> tuple[dict[str, Row
     return {r["source_file"]: r for r in rows}, max((r["unit"] for r in rows), default=-1) + 1
 
 
+def landing_listing(landing_dir: Path) -> list[tuple[int, str, int]]:
+    """(mtime_ns, path, size) of every complete landing file, in arrival order. Costs no Spark job: a
+    continuous run compares it with the previous one before it scans (pipelines/continuous.py)."""
+    found = []
+    for path in landing_files(landing_dir):
+        try:
+            stat = path.stat()
+        except FileNotFoundError:  # renamed or deleted while scanning: the next scan sees it
+            continue
+        found.append((stat.st_mtime_ns, str(path), stat.st_size))
+    return sorted(found)
+
+
 def scan_landing(spark: SparkSession, landing_dir: Path, ledger_path: Path, staging_dir: Path) -> ScanResult:
     """Find the content that arrived since the last scan, link it under staging names; returns the new
     ledger rows (not yet committed: `record_units` does that, after the links exist).
@@ -119,14 +132,7 @@ def scan_landing(spark: SparkSession, landing_dir: Path, ledger_path: Path, stag
     landing_dir.mkdir(parents=True, exist_ok=True)
     latest, next_unit = _latest_units(spark, ledger_path)
     known = next_unit
-    found = []
-    for path in landing_files(landing_dir):
-        try:
-            stat = path.stat()
-        except FileNotFoundError:  # renamed or deleted while scanning: the next scan sees it
-            continue
-        found.append((stat.st_mtime_ns, str(path), stat.st_size))
-    found.sort()
+    found = landing_listing(landing_dir)
     staging_dir.mkdir(parents=True, exist_ok=True)
     units, changed = [], []
     scanned_at = time.time()

@@ -30,8 +30,9 @@ from pipelines.expiry import (
 )
 from pipelines.faults import STATE_AFTER_MERGE_COMMIT, STATE_AFTER_REBUILD, STATE_BATCH_END, STATE_MERGE_START, fault_point
 from pipelines.streaming import (
-    TXN_APP_ID, TXN_VERSION, USER_METADATA, StreamRunResult, TableVersions, commit_confs, commits_since, create_table_if_missing, require_writable, retry_on_conflict, run_available_now,
-    storage_errors, table_id, table_version, writer_lock,
+    TXN_APP_ID, TXN_VERSION, USER_METADATA, Continuous, StreamRunResult, TableVersions, commit_confs, commits_since,
+    create_table_if_missing, require_writable, retry_on_conflict, run_query, source_ready, storage_errors, table_id,
+    table_version, writer_lock,
 )
 from pipelines.streams import StateTableSpec, StreamSpec
 
@@ -165,7 +166,8 @@ def rebuild_state_table(spark: SparkSession, layout: StorageLayout, spec: Stream
 
 
 def update_state_table(spark: SparkSession, layout: StorageLayout, spec: StreamSpec, *,
-                       lock_timeout_s: float = 60.0, ttl: timedelta | None = None) -> StreamRunResult:
+                       lock_timeout_s: float = 60.0, ttl: timedelta | None = None,
+                       continuous: Continuous | None = None) -> StreamRunResult:
     """Fold every bronze event not yet counted into the stream's state table; with a `ttl`, expire
     keys with no event for that long of event time (pipelines/expiry.py).
 
@@ -206,15 +208,16 @@ def update_state_table(spark: SparkSession, layout: StorageLayout, spec: StreamS
         # Delta refuses a starting version that does not exist yet; until it does, the rebuild is current.
         has_offsets = any((checkpoint / "offsets").glob("[0-9]*"))
         start = origin.source_start_version
-        if has_offsets or start is None or start <= table_version(spark, bronze_path):
+        if source_ready(lambda: has_offsets or start is None or start <= table_version(spark, bronze_path),
+                        continuous):
             events = spark.readStream.format("delta")
             if start is not None:
                 events = events.option("startingVersion", start)
             on_batch = partial(upsert_batch, table_path=str(table_path), table=table,
                                value_column=spec.value_field, event_time_column=spec.event_time_field,
                                app_id=origin.app_id, ttl=ttl)
-            batches, rows = run_available_now(events.load(str(bronze_path)), query_name=spec.state_query,
-                                              checkpoint_dir=checkpoint, on_batch=on_batch)
+            batches, rows = run_query(events.load(str(bronze_path)), query_name=spec.state_query,
+                                      checkpoint_dir=checkpoint, on_batch=on_batch, continuous=continuous)
         return StreamRunResult(
             query_name=spec.state_query,
             micro_batches=batches,

@@ -13,6 +13,7 @@ import json
 import os
 import random
 import re
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.types import StructType
 
 from pipelines import delta_sql
-from pipelines.errors import ConcurrentWriterError, StorageError, StreamBusyError
+from pipelines.errors import ConcurrentWriterError, ConfigurationError, StorageError, StreamBusyError
 
 TXN_APP_ID = "spark.databricks.delta.write.txnAppId"
 TXN_VERSION = "spark.databricks.delta.write.txnVersion"
@@ -163,38 +164,115 @@ def commits_since(spark: SparkSession, path: Path, version: int | None) -> list[
     ]
 
 
-def run_available_now(
+@dataclass
+class Continuous:
+    """Keep queries running with a processing-time trigger until `stop` is set: the always-on mode
+    (pipelines/continuous.py). Without it a query processes what is available now and stops.
+
+    `on_progress(query_name, report)` receives each new progress report of each query (from several
+    threads); `fail` records the first error of any thread and stops every query."""
+
+    trigger_interval_s: float = 2.0
+    stop: threading.Event = field(default_factory=threading.Event)
+    on_progress: Callable[[str, object], None] | None = None
+    error: BaseException | None = None
+    # How long a graceful stop waits for a running micro-batch to commit before stopping the query.
+    stop_timeout_s: float = 300.0
+
+    def __post_init__(self):
+        if not self.trigger_interval_s > 0:
+            raise ConfigurationError(f"trigger interval {self.trigger_interval_s}s: it must be positive. "
+                                     f"Fix: give a number of seconds > 0 (default 2).")
+
+    def fail(self, exc: BaseException) -> None:
+        if self.error is None:
+            self.error = exc
+        self.stop.set()
+
+    def wait_until(self, ready: Callable[[], bool]) -> bool:
+        """Whether a query can start: availableNow runs ask once; a continuous run waits for it (a Delta
+        source cannot start at a version that does not exist yet) until it is told to stop."""
+        while not ready():
+            if self.stop.wait(self.trigger_interval_s):
+                return False
+        return True
+
+
+def source_ready(ready: Callable[[], bool], continuous: Continuous | None) -> bool:
+    return ready() if continuous is None else continuous.wait_until(ready)
+
+
+def _new_reports(query, seen: set, query_name: str, continuous: Continuous, batches: list) -> None:
+    for report in query.recentProgress:
+        if report.timestamp in seen:
+            continue
+        seen.add(report.timestamp)
+        # Idle triggers also report (no `addBatch`): they are passed on, not counted as batches.
+        if "addBatch" in (report.durationMs or {}):
+            batches.append(report)
+        if continuous.on_progress is not None:
+            continuous.on_progress(query_name, report)
+
+
+def _stop_between_batches(query, timeout_s: float) -> None:
+    """Stop the query once no micro-batch is running, so that the current batch commits first. A batch
+    that a stop interrupts anyway (one starting in between, or one past the timeout) is replayed by the
+    next run from the checkpoint and its commits skipped by their transaction ids."""
+    deadline = time.monotonic() + timeout_s
+    while query.isActive and query.status["isTriggerActive"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    query.stop()
+
+
+def run_query(
     stream: DataFrame,
     *,
     query_name: str,
     checkpoint_dir: Path,
     on_batch: Callable[[DataFrame, int], None],
     progress: list | None = None,
+    continuous: Continuous | None = None,
 ) -> tuple[int, int]:
-    """Process everything available now in micro-batches, then stop. Returns (batches, rows read);
-    the query's progress reports are added to `progress` when given (state operator figures).
+    """Process everything available now in micro-batches, then stop; with `continuous`, keep going with a
+    processing-time trigger until it is stopped. Returns (batches, rows read); the query's progress reports
+    are added to `progress` when given (state operator figures).
 
     A Python worker that does not connect back to the JVM in time (Spark waits 10 s, not configurable;
     seen on this 2-core machine under load, with transformWithState's workers) fails the query before
     its batch commits: the query is started again from its checkpoint, which replays nothing twice."""
     reports: list = []
     for attempt in range(1, WORKER_START_RETRIES + 1):
-        query = (
-            stream.writeStream.queryName(query_name)
-            .option("checkpointLocation", str(checkpoint_dir))
-            .trigger(availableNow=True)
-            .foreachBatch(on_batch)
-            .start()
-        )
+        writer = (stream.writeStream.queryName(query_name)
+                  .option("checkpointLocation", str(checkpoint_dir))
+                  .foreachBatch(on_batch))
+        if continuous is None:
+            query = writer.trigger(availableNow=True).start()
+        else:
+            query = writer.trigger(processingTime=f"{continuous.trigger_interval_s} seconds").start()
+        seen: set = set()
         try:
-            query.awaitTermination()
-            reports += query.recentProgress
+            if continuous is None:
+                query.awaitTermination()
+                reports += query.recentProgress
+                break
+            # awaitTermination(timeout) raises as soon as the query fails.
+            while not query.awaitTermination(0.5):
+                _new_reports(query, seen, query_name, continuous, reports)
+                if continuous.stop.is_set():
+                    _stop_between_batches(query, continuous.stop_timeout_s)
+            _new_reports(query, seen, query_name, continuous, reports)
             break
         except StreamingQueryException as exc:
-            reports += query.recentProgress
+            if continuous is None:
+                reports += query.recentProgress
             if _WORKER_START_FAILED not in str(exc) or attempt == WORKER_START_RETRIES:
                 raise
             time.sleep(2 * attempt)
+        except BaseException:
+            # Interrupted (a Dagster cancel arrives as an exception in this thread): the batch finishes first.
+            if query.isActive:
+                _stop_between_batches(query, continuous.stop_timeout_s if continuous else 0)
+            raise
     # A replayed batch reports 0 input rows from a Delta source, so batches are counted, not rows.
     if progress is not None:
         progress.extend(reports)
@@ -213,7 +291,7 @@ def require_writable(folders: list[Path]) -> None:
         while not folder.exists() and folder.parent != folder:  # not created yet: its parent must be writable
             folder = folder.parent
         try:
-            probe = folder / f".statetables-write-probe-{os.getpid()}"
+            probe = folder / f".statetables-write-probe-{os.getpid()}-{threading.get_ident()}"  # steps run in threads
             with open(probe, "wb") as handle:
                 handle.write(b"probe")
                 handle.flush()

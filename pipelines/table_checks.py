@@ -11,13 +11,15 @@ A corrupted state table fails both (tests/assets/test_dagster.py).
 from __future__ import annotations
 
 import datetime as dt
+import json
 from decimal import Decimal
 
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from pipelines.bronze import accepted_totals
-from pipelines.checkpoints import covered_source_version
+from pipelines import delta_sql
+from pipelines.checkpoints import batch_end_version, covered_source_version, read_origin
 from pipelines.expiry import expired_rows, expired_totals, since_last_expiry
 from pipelines.layout import StorageLayout
 from pipelines.state import TOTAL_TYPE
@@ -31,13 +33,38 @@ def _state(spark: SparkSession, layout: StorageLayout, spec: StreamSpec) -> Data
     return spark.read.format("delta").load(str(layout.table(spec.state_table.name)))
 
 
-def state_totals(spark: SparkSession, layout: StorageLayout, spec: StreamSpec) -> dict:
-    """keys, events counted and the value total of the state table, in one scan."""
+def state_totals(spark: SparkSession, layout: StorageLayout, spec: StreamSpec, version: int | None = None) -> dict:
+    """keys, events counted, the value total and the newest event time folded into the state table (at
+    `version`, default the latest), in one scan."""
     table = spec.state_table
-    row = _state(spark, layout, spec).agg(
+    frame = spark.read.format("delta")
+    if version is not None:
+        frame = frame.option("versionAsOf", version)
+    row = frame.load(str(layout.table(table.name))).agg(
         F.count("*").alias("keys"), F.sum(table.count_column).alias("events"),
-        F.sum(table.sum_column).alias("total")).first()
-    return {"keys": row["keys"], "events_counted": row["events"] or 0, "total": row["total"] or Decimal(0)}
+        F.sum(table.sum_column).alias("total"), F.max(table.last_ts_column).alias("latest")).first()
+    return {"keys": row["keys"], "events_counted": row["events"] or 0, "total": row["total"] or Decimal(0),
+            "latest_event_time": row["latest"]}
+
+
+def _pinned_versions(spark: SparkSession, layout: StorageLayout, spec: StreamSpec) -> tuple[int | None, int | None]:
+    """(state table version, bronze version it covers), read from the table's newest commit: the batch id it
+    carries names the checkpoint's offset of that batch. While the state query runs (a continuous run) the
+    checkpoint's newest committed batch can lag the table by one MERGE, so the pair is taken from the table.
+    (None, None) when the newest commit is not a batch of the current checkpoint (a rebuild, a restore)."""
+    path = layout.table(spec.state_table.name)
+    checkpoint = layout.checkpoint(spec.state_query)
+    origin = read_origin(checkpoint)
+    newest = delta_sql.history(spark, path, 1).select("version", "userMetadata").first()
+    if origin is None or newest is None or not newest["userMetadata"]:
+        return None, None
+    try:
+        meta = json.loads(newest["userMetadata"])
+        if meta.get("app_id") != origin.app_id or int(meta.get("batch_id", -1)) < 0:
+            return None, None
+        return newest["version"], batch_end_version(checkpoint, int(meta["batch_id"]))
+    except (ValueError, TypeError, OSError, IndexError, KeyError):
+        return None, None
 
 
 def totals_match_bronze(spark: SparkSession, layout: StorageLayout, spec: StreamSpec) -> dict:
@@ -47,14 +74,18 @@ def totals_match_bronze(spark: SparkSession, layout: StorageLayout, spec: Stream
     checkpoint does not say which version it covers, `covered_bronze_version` is -1 and the caller
     runs the deep check instead.
     """
-    version = covered_source_version(layout.checkpoint(spec.state_query))
-    state = state_totals(spark, layout, spec)
+    state_version, version = _pinned_versions(spark, layout, spec)
+    if version is None:
+        state_version, version = None, covered_source_version(layout.checkpoint(spec.state_query))
+    state = state_totals(spark, layout, spec, state_version)
+    state.pop("latest_event_time")
     if version is None:
         return {"covered_bronze_version": -1, **state, "passed": None}
     events, total = accepted_totals(spark, str(layout.table(spec.bronze_table)), spec.value_field, version)
     # Rows a TTL expired hold events too: their running totals are in the table's newest commits.
-    expired = expired_totals(spark, layout.table(spec.state_table.name))
-    return {"covered_bronze_version": version, "bronze_events": events, "bronze_total": total, **state,
+    expired = expired_totals(spark, layout.table(spec.state_table.name), as_of=state_version)
+    return {"covered_bronze_version": version, "state_table_version": state_version if state_version is not None
+            else -1, "bronze_events": events, "bronze_total": total, **state,
             "expired_events": expired.events, "expired_total": expired.value,
             "passed": events == state["events_counted"] + expired.events and total == state["total"] + expired.value}
 

@@ -41,8 +41,8 @@ from pipelines import delta_sql
 from pipelines.layout import StorageLayout
 from pipelines.bronze import ensure_bronze_tables
 from pipelines.streaming import (
-    StreamRunResult, TableVersions, commits_since, create_table_if_missing, require_writable, run_available_now,
-    storage_errors, table_id, table_version, writer_lock,
+    Continuous, StreamRunResult, TableVersions, commits_since, create_table_if_missing, require_writable, run_query,
+    source_ready, storage_errors, table_id, table_version, writer_lock,
 )
 from pipelines.state import TOTAL_TYPE
 from pipelines.streams import MOVIE_TICKET_SALES
@@ -282,7 +282,7 @@ def _restart(spark: SparkSession, layout: StorageLayout, last: Progress | None, 
 
 def update_windows(spark: SparkSession, layout: StorageLayout, *,
                    watermark_delay: dt.timedelta = DEFAULT_WATERMARK_DELAY,
-                   lock_timeout_s: float = 60.0) -> StreamRunResult:
+                   lock_timeout_s: float = 60.0, continuous: Continuous | None = None) -> StreamRunResult:
     """Fold every bronze sale not yet seen into the hourly windows; write the windows that closed.
 
     Without a trusted checkpoint (first run, lost, corrupt) the query starts again after the last
@@ -329,7 +329,8 @@ def update_windows(spark: SparkSession, layout: StorageLayout, *,
         reports: list = []
         has_offsets = any((checkpoint / "offsets").glob("[0-9]*"))
         start_version = origin.source_start_version
-        if has_offsets or start_version is None or start_version <= table_version(spark, bronze_path):
+        if source_ready(lambda: has_offsets or start_version is None
+                        or start_version <= table_version(spark, bronze_path), continuous):
             events = spark.readStream.format("delta").option("maxFilesPerTrigger", 1_000_000)  # whole versions
             if start_version is not None:
                 events = events.option("startingVersion", start_version)
@@ -345,8 +346,9 @@ def update_windows(spark: SparkSession, layout: StorageLayout, *,
                 initialState=initial.groupBy("title") if initial is not None else None)
             on_batch = partial(write_windows, layout=layout, checkpoint=checkpoint, app_id=origin.app_id,
                                stream=spec.name, closed_through_ms=closed_through)
-            batches, rows = run_available_now(emitted, query_name=WINDOWS_QUERY, checkpoint_dir=checkpoint,
-                                              on_batch=on_batch, progress=reports)
+            batches, rows = run_query(emitted, query_name=WINDOWS_QUERY, checkpoint_dir=checkpoint,
+                                              on_batch=on_batch, progress=reports,
+                                      continuous=continuous)
         return StreamRunResult(
             query_name=WINDOWS_QUERY, micro_batches=batches, rows_read=rows,
             duration_s=time.monotonic() - started,

@@ -31,6 +31,13 @@ concurrency:
 run_coordinator:
   module: dagster.core.run_coordinator
   class: QueuedRunCoordinator
+# A run stuck starting or cancelling is marked failed (and recovered by the run-failure sensor). A run
+# worker that dies (kill -9) is reported failed by the code server that launched it.
+run_monitoring:
+  enabled: true
+  start_timeout_seconds: 300
+  cancel_timeout_seconds: 600
+  poll_interval_seconds: 30
 telemetry:
   enabled: false
 """

@@ -6,6 +6,7 @@ from assets.automation import (
     advance_all, every_five_minutes, landing_files_sensor, nightly_reconciliation, reconcile_state_tables,
     recover_failed_stream, stream_jobs,
 )
+from assets.continuous import run_continuously
 from assets.sessions import customer_activity
 from assets.streams import build_stream_assets
 from assets.windows import movie_ticket_sales_windows
@@ -15,7 +16,7 @@ from resources import SparkSessionResource, StatePolicyResource, StorageResource
 defs = dg.Definitions(
     assets=[*(a for spec in STREAMS.values() for a in build_stream_assets(spec)), movie_ticket_sales_windows,
             customer_activity],
-    jobs=[advance_all, reconcile_state_tables, *stream_jobs.values()],
+    jobs=[advance_all, reconcile_state_tables, *stream_jobs.values(), run_continuously],
     schedules=[every_five_minutes, nightly_reconciliation],
     sensors=[landing_files_sensor, recover_failed_stream],
     resources={"spark": SparkSessionResource(), "storage": StorageResource(), "state_policy": StatePolicyResource()},

@@ -1,0 +1,101 @@
+"""Always-on mode: every step's streaming query kept running in one SparkSession, each in its own thread.
+
+A step is one of the functions that advance a table (`ingest_stream`, `update_state_table`, ...), called
+with a `Continuous`: it takes its writer lock, verifies its checkpoint exactly as an orchestrated run does,
+then keeps its query running with a processing-time trigger. Spark runs concurrent streaming queries of one
+session side by side, and in the embedded and standalone engines each query's foreachBatch gets a session of
+its own, so the per-batch transaction confs of one query never reach another's commit. Over Spark Connect
+foreachBatch shares the client's session (the confs would race), so a continuous run there is refused.
+
+A stop (a cancel in Dagster arrives as an exception in the calling thread) lets each query finish its current
+micro-batch, then stops it; whatever the stop interrupts is replayed by the next run from the checkpoint.
+
+    >>> steps = [ContinuousStep("movie_ticket_sales_ingest", lambda c: ingest_stream(spark, layout, spec, continuous=c))]
+    >>> for _ in run_continuously(steps, Continuous(trigger_interval_s=2), tick_s=30):
+    ...     print("report")
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+from pyspark.sql import SparkSession
+
+from pipelines.bronze import ensure_bronze_tables
+from pipelines.errors import ConfigurationError
+from pipelines.layout import StorageLayout
+from pipelines.sessions import ACTIVITY, ACTIVITY_SCHEMA
+from pipelines.state import ensure_state_table
+from pipelines.streaming import Continuous, StreamRunResult, create_table_if_missing
+from pipelines.streams import STREAMS
+from pipelines.windows import ensure_window_tables
+
+
+@dataclass(frozen=True)
+class ContinuousStep:
+    name: str
+    run: Callable[[Continuous], StreamRunResult]
+    # The event-time steps (windows, sessions) cost far more per batch (docs/performance.md): they may run
+    # on a slower trigger than the all-time tables, which freshness is measured on.
+    trigger_interval_s: float | None = None
+
+
+def create_tables(spark: SparkSession, layout: StorageLayout) -> None:
+    """Every table the steps write, created one after the other before the steps start: steps that share a
+    table (bronze, late_events) would otherwise race to create it, and Delta refuses the second creation
+    (DELTA_PROTOCOL_CHANGED)."""
+    for spec in STREAMS.values():
+        ensure_bronze_tables(spark, layout, spec)
+        ensure_state_table(spark, layout, spec.state_table)
+    ensure_window_tables(spark, layout)
+    create_table_if_missing(spark, layout.table(ACTIVITY), ACTIVITY_SCHEMA)
+
+
+def refuse_over_connect(remote: str | None) -> None:
+    if remote:
+        raise ConfigurationError(
+            f"A continuous run cannot use Spark Connect ({remote}): its queries run side by side, and over Connect "
+            f"every foreachBatch shares the client's session, so one query's transaction confs would reach another "
+            f"query's commit. Fix: run the continuous job on the embedded JVM or a standalone cluster (`master`), "
+            f"or use orchestrated runs (`advance_all`) over Connect.")
+
+
+def run_continuously(steps: list[ContinuousStep], continuous: Continuous, *, tick_s: float) -> Iterator[None]:
+    """Run every step until `continuous.stop` is set, a step fails, or the consumer is interrupted; yields
+    every `tick_s` seconds (the consumer reports between ticks) and once more after every query stopped.
+    Raises the first step's error after that. Close the generator (`contextlib.closing`) to stop early."""
+
+    def run(step: ContinuousStep) -> None:
+        own = Continuous(trigger_interval_s=step.trigger_interval_s or continuous.trigger_interval_s,
+                         stop=continuous.stop, on_progress=continuous.on_progress,
+                         stop_timeout_s=continuous.stop_timeout_s)
+        try:
+            step.run(own)
+        except BaseException as exc:  # noqa: BLE001 - raised in the consumer's thread below
+            continuous.fail(exc)
+        else:
+            if not continuous.stop.is_set():
+                continuous.fail(RuntimeError(f"{step.name} stopped while the run was still going; see the Spark log"))
+        if own.error is not None:
+            continuous.fail(own.error)
+
+    threads = [threading.Thread(target=run, args=(step,), name=f"continuous-{step.name}", daemon=True)
+               for step in steps]
+    for thread in threads:
+        thread.start()
+    try:
+        next_tick = time.monotonic() + tick_s
+        while not continuous.stop.wait(min(1.0, max(0.0, next_tick - time.monotonic()))):
+            if time.monotonic() >= next_tick:
+                yield
+                next_tick = time.monotonic() + tick_s
+    finally:
+        continuous.stop.set()
+        for thread in threads:
+            thread.join()
+    yield
+    if continuous.error is not None:
+        raise continuous.error
