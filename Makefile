@@ -7,7 +7,7 @@ JARS := .jars/.resolved
 CLASS_ARCHIVE := .jars/statetables.jsa
 export STATETABLES_HOME ?= $(CURDIR)/data
 
-.PHONY: install jars class-archive demo run dev connect-server cluster test bench bench-quick bench-event-time bench-engines bench-full chaos clean
+.PHONY: install jars class-archive demo run dev serve connect-server cluster test bench bench-quick bench-event-time bench-engines bench-freshness bench-full chaos clean
 
 install: $(INSTALLED)
 $(INSTALLED): setup.py
@@ -45,6 +45,10 @@ run: install jars class-archive
 dev: install jars class-archive
 	DAGSTER_HOME=$$($(BIN)/statetables instance) $(BIN)/dagster dev -w workspace.yaml -h 127.0.0.1 -p 3000
 
+# Always on: the Dagster UI + daemon with the continuous job running (assets/continuous.py); Ctrl-C cancels it.
+serve: install jars class-archive
+	$(BIN)/statetables serve --port 3000
+
 # Other engines on 127.0.0.1 (docs/deploy.md): then `statetables run --remote sc://127.0.0.1:15002` or `--master spark://127.0.0.1:7077`.
 connect-server: install jars
 	$(BIN)/statetables connect-server --port 15002
@@ -71,6 +75,10 @@ bench-event-time: install jars class-archive
 # `statetables run` on the embedded JVM, a warm Spark Connect server and a warm standalone cluster
 bench-engines: install jars class-archive
 	$(BIN)/python -m benchmarks.run --only engines
+
+# freshness (landing file → state table, read with deltalake): continuous job against landing sensor + run
+bench-freshness: install jars class-archive
+	$(BIN)/python -m benchmarks.run --only freshness
 
 bench-full: install jars class-archive
 	$(BIN)/python -m benchmarks.run --full

@@ -82,9 +82,6 @@ def landing_files_sensor(context: dg.SensorEvaluationContext, storage: StorageRe
     # The cursor only decides *when* to run; which files are new is tracked by each stream's own
     # checkpoint, so a file the cursor misses (an old mtime) is still ingested by the next run.
     cursor = json.loads(context.cursor) if context.cursor else {}
-    continuous = continuous_run_in_progress(context.instance)
-    if continuous:
-        return dg.SkipReason(f"{CONTINUOUS_JOB} run {continuous} is advancing every stream")
     layout = storage.layout()
     requests = []
     for name, spec in STREAMS.items():
@@ -94,6 +91,10 @@ def landing_files_sensor(context: dg.SensorEvaluationContext, storage: StorageRe
         cursor[name] = list(newest)
         requests.append(dg.RunRequest(job_name=stream_job_name(spec), run_key=f"{name}:{newest[0]}:{newest[1]}",
                                       tags={STREAM_TAG: name}))
+    # The cursor moves on either way: files a continuous run ingests are not a reason for a run after it.
+    if requests and (continuous := continuous_run_in_progress(context.instance)):
+        return dg.SensorResult(skip_reason=f"{CONTINUOUS_JOB} run {continuous} is advancing every stream",
+                               cursor=json.dumps(cursor))
     if not requests:
         return dg.SensorResult(skip_reason="no new landing files", cursor=json.dumps(cursor))
     return dg.SensorResult(run_requests=requests, cursor=json.dumps(cursor))

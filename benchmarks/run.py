@@ -409,15 +409,46 @@ def only_engines(repeat: int, work: Path, *, keep: bool, quick: bool) -> None:
     print(f"written: {target}/engines.json")
 
 
+def only_freshness(work: Path, *, keep: bool, quick: bool) -> None:
+    """Freshness of payments_per_customer, continuous against orchestrated, under `dagster dev`
+    (benchmarks/freshness.py), into docs/bench/freshness.json."""
+    from benchmarks.freshness import run_mode
+    from pipelines.generate import generate
+    from pipelines.streams import PAYMENTS
+
+    started = time.monotonic()
+    files, every_s = (10, 2.0) if quick else (60, 2.0)
+    results: dict = {}
+    try:
+        for mode in ("continuous", "orchestrated"):
+            home = work / f"freshness-{mode}"
+            generate(PAYMENTS, home / "landing" / "payments" / "history", events=2_000, seed=3, events_per_file=1_000)
+            measure(project_run(home), home)  # not timed: the tables and checkpoints exist, as in production
+            results[mode] = run_mode(home, mode, files=files, every_s=every_s,
+                                     rate_steps=[] if quick or mode == "orchestrated" else [200, 1_000, 5_000, 20_000],
+                                     rate_seconds=60)
+    finally:
+        if not keep:
+            shutil.rmtree(work, ignore_errors=True)
+    results["machine"] = {"cpus": os.cpu_count(), "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+                          "files": files, "every_s": every_s, "bench_s": round(time.monotonic() - started)}
+    print(json.dumps(results, indent=1))
+    target = OUT if not quick else work.parent / f"statetables-bench-quick-{os.getpid()}"
+    target.mkdir(parents=True, exist_ok=True)
+    (target / "freshness.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+    print(f"written: {target}/freshness.json")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="small sizes, one repetition: checks the harness")
     parser.add_argument("--full", action="store_true", help="also 10M events (~1M customers) and 10k increments")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--work", default=None, help="scratch folder (default: a temporary one, removed after)")
-    parser.add_argument("--only", choices=["paths", "engines"], help="paths: only case (g), the event-time paths, "
-                        "into docs/bench/event_time_paths.json; engines: `statetables run` per Spark engine, into "
-                        "docs/bench/engines.json. Both leave the full results as they are")
+    parser.add_argument("--only", choices=["paths", "engines", "freshness"], help="paths: only case (g), the "
+                        "event-time paths, into docs/bench/event_time_paths.json; engines: `statetables run` per Spark "
+                        "engine, into docs/bench/engines.json; freshness: landing file to state table, continuous and "
+                        "orchestrated, into docs/bench/freshness.json. All leave the full results as they are")
     args = parser.parse_args()
     sizes, increments, repeat = [1_000_000], [100_000], args.repeat
     if args.full:
@@ -431,6 +462,8 @@ def main() -> None:
         return only_event_time_paths(sizes, repeat, work, keep=bool(args.work), quick=args.quick)
     if args.only == "engines":
         return only_engines(repeat if not args.quick else 2, work, keep=bool(args.work), quick=args.quick)
+    if args.only == "freshness":
+        return only_freshness(work, keep=bool(args.work), quick=args.quick)
     try:
         results = bench(sizes, increments, repeat, work)
     finally:

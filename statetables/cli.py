@@ -7,6 +7,7 @@ print the state tables, prepare the Dagster instance.
     statetables cluster [--port 7077]             # a standalone master + worker on 127.0.0.1, until Ctrl-C
     statetables savepoint create|list|restore [NAME]
     statetables restore-changelog --table movie_tickets_sold --version 12 [--into NAME]
+    statetables serve [--port 3000]                # Dagster UI + daemon with the continuous job running, until Ctrl-C
     statetables instance            # prints DAGSTER_HOME after writing its dagster.yaml
 """
 
@@ -214,6 +215,37 @@ def _cluster(args: argparse.Namespace) -> int:
         return _serve_until_interrupted("Spark standalone master + worker", f"{url}   e.g. statetables run --master {url}")
 
 
+def _serve(args: argparse.Namespace) -> int:
+    """`dagster dev` on 127.0.0.1, and the continuous job launched in it; Ctrl-C cancels the job (the current
+    micro-batches commit first), then stops Dagster."""
+    import time
+
+    from assets.keys import CONTINUOUS_JOB
+    from statetables.servers import dagster_dev, launch_run, run_status, terminate_run
+
+    layout = StorageLayout.under()
+    config = {"trigger_seconds": args.trigger_seconds, "report_every_seconds": args.report_every_seconds}
+    with dagster_dev(layout, port=args.port, log=layout.home / "logs" / "dagster-dev.log") as url:
+        run_id = launch_run(url, CONTINUOUS_JOB, {"ops": {"keep_streams_running": {"config": config}}})
+        print(f"Dagster UI: {url}   {CONTINUOUS_JOB} run {run_id}: {url}/runs/{run_id}\n"
+              f"Drop *.jsonl files into {layout.landing('<stream>')}/ and follow the tables in the UI. "
+              f"Ctrl-C cancels the run (the current micro-batches commit first), then stops Dagster.", flush=True)
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            pass
+        print(f"cancelling {run_id} ...", flush=True)
+        terminate_run(url, run_id)
+        deadline = time.monotonic() + 300
+        while (status := run_status(url, run_id)) not in ("CANCELED", "FAILURE", "SUCCESS"):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(2)
+        print(f"run {run_id}: {status}")
+    return 0
+
+
 def _instance(args: argparse.Namespace) -> int:
     print(prepare_instance(StorageLayout.under()))
     return 0
@@ -264,6 +296,12 @@ def main(argv: list[str] | None = None) -> int:
     restore.add_argument("--version", type=int, required=True)
     restore.add_argument("--into", help="table name under tables/ to write (default <table>_restored_v<version>)")
     restore.set_defaults(func=_restore_changelog)
+
+    serve = commands.add_parser("serve", help="Dagster UI + daemon on 127.0.0.1 with the continuous job running")
+    serve.add_argument("--port", type=int, default=3000)
+    serve.add_argument("--trigger-seconds", type=float, default=2.0, help="processing-time trigger of the queries")
+    serve.add_argument("--report-every-seconds", type=float, default=30.0, help="how often tables are reported")
+    serve.set_defaults(func=_serve)
 
     inst = commands.add_parser("instance", help="prepare the Dagster instance under the storage root")
     inst.set_defaults(func=_instance)

@@ -34,6 +34,39 @@ def graphql(url: str, query: str, variables: dict | None = None) -> dict:
     return body["data"]
 
 
+_LAUNCH = """mutation Launch($params: ExecutionParams!) { launchRun(executionParams: $params) { __typename
+  ... on LaunchRunSuccess { run { runId } } ... on PythonError { message }
+  ... on RunConfigValidationInvalid { errors { message } } ... on InvalidStepError { invalidStepKey } } }"""
+_TERMINATE = """mutation Terminate($runId: String!) { terminateRun(runId: $runId) { __typename
+  ... on TerminateRunFailure { message } ... on PythonError { message } } }"""
+_RUN = """query Run($runId: ID!) { runOrError(runId: $runId) { __typename ... on Run { status } } }"""
+_LOCATION = """{ repositoriesOrError { ... on RepositoryConnection { nodes { name location { name } } } } }"""
+
+
+def launch_run(url: str, job: str, run_config: dict | None = None, tags: dict[str, str] | None = None) -> str:
+    """Launch `job` through the webserver, as the launchpad does; returns the run id."""
+    repository = graphql(url, _LOCATION)["repositoriesOrError"]["nodes"][0]
+    params = {"selector": {"repositoryLocationName": repository["location"]["name"],
+                           "repositoryName": repository["name"], "jobName": job},
+              "runConfigData": run_config or {},
+              "executionMetadata": {"tags": [{"key": k, "value": v} for k, v in (tags or {}).items()]}}
+    answer = graphql(url, _LAUNCH, {"params": params})["launchRun"]
+    if answer["__typename"] != "LaunchRunSuccess":
+        raise RuntimeError(f"launching {job} failed: {answer}")
+    return answer["run"]["runId"]
+
+
+def terminate_run(url: str, run_id: str) -> None:
+    """Cancel a run as the UI's Terminate button does (SAFE_TERMINATE: the run worker is interrupted)."""
+    answer = graphql(url, _TERMINATE, {"runId": run_id})["terminateRun"]
+    if answer["__typename"] != "TerminateRunSuccess":
+        raise RuntimeError(f"terminating run {run_id} failed: {answer}")
+
+
+def run_status(url: str, run_id: str) -> str:
+    return graphql(url, _RUN, {"runId": run_id})["runOrError"]["status"]
+
+
 @contextmanager
 def dagster_dev(layout: StorageLayout, *, port: int, extra_env: dict[str, str] | None = None,
                 log: Path | None = None, ready_timeout_s: float = 180) -> Iterator[str]:
@@ -47,7 +80,9 @@ def dagster_dev(layout: StorageLayout, *, port: int, extra_env: dict[str, str] |
         os.environ["DAGSTER_HOME"] = saved
     env = {**os.environ, HOME_ENV: str(layout.home), "DAGSTER_HOME": str(dagster_home), **(extra_env or {})}
     url = f"http://127.0.0.1:{port}"
-    out = open(log or layout.home / "dagster-dev.log", "ab")
+    log = log or layout.home / "dagster-dev.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    out = open(log, "ab")
     proc = subprocess.Popen(
         [str(Path(sys.executable).parent / "dagster"), "dev", "-w", str(REPO_ROOT / "workspace.yaml"),
          "-h", "127.0.0.1", "-p", str(port)],

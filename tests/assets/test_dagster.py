@@ -20,7 +20,7 @@ from delta.tables import DeltaTable
 from pyspark.sql import functions as F
 
 from assets.automation import landing_files_sensor, recover_failed_stream
-from assets.keys import RECOVERY_ATTEMPT_TAG, RECOVERY_OF_TAG, RECOVERY_REASON_TAG, STREAM_TAG
+from assets.keys import CONTINUOUS_JOB, RECOVERY_ATTEMPT_TAG, RECOVERY_OF_TAG, RECOVERY_REASON_TAG, STREAM_TAG
 from pipelines.errors import ConfigurationError
 from pipelines.generate import generate
 from pipelines.layout import StorageLayout
@@ -117,24 +117,37 @@ def test_a_failing_blocking_check_fails_the_run(spark, layout):
 
 def test_landing_sensor_requests_one_run_per_stream_with_new_files(layout, landing):
     storage = StorageResource(home=str(layout.home))
-    with dg.build_sensor_context(resources={"storage": storage}) as context:
+    instance = dg.DagsterInstance.ephemeral()
+    with dg.build_sensor_context(instance=instance, resources={"storage": storage}) as context:
         assert not landing_files_sensor(context).run_requests
     landing.write("payments", "a.jsonl", ["{}"])
     landing.write("payments", "_in_flight.jsonl", ["{}"])
-    with dg.build_sensor_context(resources={"storage": storage}) as context:
+    with dg.build_sensor_context(instance=instance, resources={"storage": storage}) as context:
         first = landing_files_sensor(context)
         assert [r.job_name for r in first.run_requests] == ["advance_payments"]
         assert first.run_requests[0].tags[STREAM_TAG] == "payments"
-    with dg.build_sensor_context(resources={"storage": storage}, cursor=first.cursor) as context:
+    with dg.build_sensor_context(instance=instance, resources={"storage": storage}, cursor=first.cursor) as context:
         assert not landing_files_sensor(context).run_requests  # nothing new since the cursor
     landing.write("payments", "b.jsonl", ["{}"])
     landing.write("movie_ticket_sales", "c.jsonl", ["{}"])
-    with dg.build_sensor_context(resources={"storage": storage}, cursor=first.cursor) as context:
+    with dg.build_sensor_context(instance=instance, resources={"storage": storage}, cursor=first.cursor) as context:
         second = landing_files_sensor(context)
     assert sorted(r.job_name for r in second.run_requests) == ["advance_movie_ticket_sales", "advance_payments"]
     assert json.loads(second.cursor)["payments"][1] == str(layout.landing("payments") / "b.jsonl")
     landing.write("payments", "2026/11/22/deep.jsonl.gz", ["{}"])  # date folders and gzip count too
-    with dg.build_sensor_context(resources={"storage": storage}, cursor=second.cursor) as context:
+    with dg.build_sensor_context(instance=instance, resources={"storage": storage}, cursor=second.cursor) as context:
+        assert [r.job_name for r in landing_files_sensor(context).run_requests] == ["advance_payments"]
+
+    # While a continuous run is in progress it advances every stream: no run is requested, the cursor moves on.
+    continuous = instance.create_run_for_job(_job(CONTINUOUS_JOB), status=dg.DagsterRunStatus.STARTED)
+    landing.write("payments", "during.jsonl", ["{}"])
+    with dg.build_sensor_context(instance=instance, resources={"storage": storage}, cursor=second.cursor) as context:
+        during = landing_files_sensor(context)
+    assert not during.run_requests and continuous.run_id in during.skip_reason.skip_message
+    assert json.loads(during.cursor)["payments"][1] == str(layout.landing("payments") / "during.jsonl")
+    instance.report_run_failed(continuous)
+    landing.write("payments", "after.jsonl", ["{}"])
+    with dg.build_sensor_context(instance=instance, resources={"storage": storage}, cursor=during.cursor) as context:
         assert [r.job_name for r in landing_files_sensor(context).run_requests] == ["advance_payments"]
 
 
@@ -166,7 +179,25 @@ def test_failure_sensor_requests_a_bounded_recovery_run(spark, layout):
             sensor_name="recover_failed_stream", dagster_event=last_failure, dagster_instance=instance,
             dagster_run=last).for_run_failure()
         gave_up = recover_failed_stream(context)
-    assert isinstance(gave_up, dg.SkipReason) and "recovery attempt 3" in gave_up.skip_message
+        assert isinstance(gave_up, dg.SkipReason) and "recovery attempt 3" in gave_up.skip_message
+
+        # A failed stream run while a continuous run advances the same checkpoints: left to that run.
+        continuous = instance.create_run_for_job(_job(CONTINUOUS_JOB), status=dg.DagsterRunStatus.STARTED)
+        left = recover_failed_stream(dg.build_run_status_sensor_context(
+            sensor_name="recover_failed_stream", dagster_event=failure, dagster_instance=instance,
+            dagster_run=run).for_run_failure())
+        assert isinstance(left, dg.SkipReason) and continuous.run_id in left.skip_message
+        # A failed continuous run is started again with its own config, tagged with why.
+        config = {"ops": {"keep_streams_running": {"config": {"trigger_seconds": 3.0}}}}
+        failed = instance.create_run_for_job(_job(CONTINUOUS_JOB), run_config=config, status=dg.DagsterRunStatus.STARTED)
+        instance.report_run_failed(failed)
+        instance.report_run_failed(continuous)
+        event = instance.all_logs(failed.run_id, of_type=dg.DagsterEventType.RUN_FAILURE)[0].dagster_event
+        again = recover_failed_stream(dg.build_run_status_sensor_context(
+            sensor_name="recover_failed_stream", dagster_event=event, dagster_instance=instance,
+            dagster_run=instance.get_run_by_id(failed.run_id)).for_run_failure())
+    assert [r.job_name for r in again] == [CONTINUOUS_JOB] and again[0].run_config == config
+    assert again[0].tags[RECOVERY_OF_TAG] == failed.run_id and again[0].tags[RECOVERY_ATTEMPT_TAG] == "1"
 
 
 def test_bad_configuration_fails_fast_with_the_fix(tmp_path, monkeypatch):

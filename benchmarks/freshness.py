@@ -1,0 +1,147 @@
+"""Freshness: the time from a landing file renamed into landing/ to its events visible in the state table,
+read with the independent `deltalake` reader, under the real `dagster dev` (webserver + daemon).
+
+- continuous: the `run_continuously` job, launched once through the webserver, keeps the queries running;
+- orchestrated: the landing sensor (30 s) starts `advance_payments` runs, one JVM each.
+
+Each file holds the payments of one new customer id, so the file is visible when that key appears in
+payments_per_customer. Files arrive at a steady rate. The throughput part raises the arrival rate step by
+step and reports, per rate, whether the lag grew over the step (the last files later than the first).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import threading
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from deltalake import DeltaTable
+
+from pipelines.layout import StorageLayout
+
+STATE = "payments_per_customer"
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+class Arrivals:
+    """Writes one file per customer id, as producers must (hidden name, then rename), and watches the
+    state table for the ids with `deltalake`; latency = first seen - renamed."""
+
+    def __init__(self, layout: StorageLayout, tag: str):
+        self.layout, self.tag = layout, tag
+        self.renamed: dict[str, float] = {}
+        self.seen: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, daemon=True)
+
+    def __enter__(self):
+        self._watcher.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._watcher.join()
+
+    def write(self, index: int, events: int) -> None:
+        customer = f"{self.tag}-{index:05d}"
+        folder = self.layout.landing("payments") / self.tag
+        folder.mkdir(parents=True, exist_ok=True)
+        now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        lines = "".join(json.dumps({"payment_id": f"{customer}-{i}", "customer_id": customer, "amount": "12.50",
+                                    "paid_at": now}) + "\n" for i in range(events))
+        hidden, final = folder / f".{customer}.jsonl", folder / f"{customer}.jsonl"
+        hidden.write_text(lines)
+        os.replace(hidden, final)
+        self.renamed[customer] = time.monotonic()
+
+    def _watch(self) -> None:
+        path = str(self.layout.table(STATE))
+        table = None
+        while not self._stop.wait(0.2):
+            try:
+                if table is None:
+                    table = DeltaTable(path)
+                else:
+                    table.update_incremental()
+                keys = table.to_pyarrow_table(columns=["customer_id"]).column("customer_id").to_pylist()
+            except Exception:  # not created yet, or a commit being written: look again
+                table = None
+                continue
+            now = time.monotonic()
+            for key in keys:
+                if key in self.renamed and key not in self.seen:
+                    self.seen[key] = now
+
+    def wait_all(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while len(self.seen) < len(self.renamed) and time.monotonic() < deadline:
+            time.sleep(0.5)
+
+    def latencies(self) -> list[float]:
+        return [self.seen[k] - self.renamed[k] for k in sorted(self.renamed) if k in self.seen]
+
+
+def steady(layout: StorageLayout, tag: str, files: int, every_s: float, events: int, timeout_s: float) -> dict:
+    with Arrivals(layout, tag) as arrivals:
+        started = time.monotonic()
+        for i in range(files):
+            arrivals.write(i, events)
+            time.sleep(max(0.0, started + (i + 1) * every_s - time.monotonic()))
+        arrivals.wait_all(timeout_s)
+    lat = arrivals.latencies()
+    result = {"files": files, "every_s": every_s, "events_per_file": events, "visible": len(lat)}
+    if lat:
+        fifth = max(1, len(lat) // 5)
+        first, last = statistics.mean(lat[:fifth]), statistics.mean(lat[-fifth:])
+        result.update({"p50_s": round(statistics.median(lat), 2), "p99_s": round(_percentile(lat, 0.99), 2),
+                       "min_s": round(min(lat), 2), "max_s": round(max(lat), 2),
+                       "first_fifth_s": round(first, 2), "last_fifth_s": round(last, 2),
+                       "lag_grew": len(lat) < files or (last > 2 * first and last > 10)})
+    print(f"freshness {tag}: {json.dumps(result)}", flush=True)
+    return result
+
+
+def rates(layout: StorageLayout, steps: list[int], seconds: float) -> list[dict]:
+    """Arrival rates (events/s, one file per second), each held for `seconds`; stops at the first rate whose
+    lag grew (the last fifth of the files more than 2x later than the first fifth, and above 10 s)."""
+    out = []
+    for rate in steps:
+        result = steady(layout, f"rate{rate}", int(seconds), 1.0, rate, timeout_s=300)
+        out.append({"events_per_s": rate, **result})
+        if result.get("lag_grew", True):
+            break
+    return out
+
+
+def run_mode(home: Path, mode: str, *, files: int, every_s: float, rate_steps: list[int], rate_seconds: float) -> dict:
+    """One mode under a fresh `dagster dev` over `home` (which already holds a little history)."""
+    from assets.keys import CONTINUOUS_JOB
+    from statetables.servers import dagster_dev, launch_run, run_status, terminate_run
+
+    layout = StorageLayout.under(home)
+    result: dict = {}
+    with dagster_dev(layout, port=13700 + os.getpid() % 200, log=home / "logs" / f"dagster-{mode}.log") as url:
+        run_id = None
+        if mode == "continuous":
+            run_id = launch_run(url, CONTINUOUS_JOB, {"ops": {"keep_streams_running": {"config": {}}}})
+            # Warm: the queries are running once a first file is visible.
+            warm = steady(layout, "warmup", 3, 2.0, 5, timeout_s=300)
+            result["warmup"] = warm
+        result["steady"] = steady(layout, mode, files, every_s, 10, timeout_s=600)
+        if rate_steps:
+            result["rates"] = rates(layout, rate_steps, rate_seconds)
+        if run_id:
+            terminate_run(url, run_id)
+            deadline = time.monotonic() + 300
+            while run_status(url, run_id) not in ("CANCELED", "FAILURE", "SUCCESS") and time.monotonic() < deadline:
+                time.sleep(2)
+            result["run_status"] = run_status(url, run_id)
+    return result

@@ -1,0 +1,139 @@
+"""The continuous job under the real Dagster webserver and daemon (`dagster dev`), as an operator uses it.
+
+Launched through the webserver (as the launchpad does) → files dropped into landing/ while it runs show up in
+both state tables, equal to the independent oracle (read with `deltalake`) → the run reports materializations
+and passing checks as it goes, and the landing sensor starts no orchestrated run meanwhile → kill -9 of its run
+worker: the run-failure sensor starts it again, tagged with why, and it resumes from the checkpoints → more
+files, still equal to the oracle (nothing counted twice) → a cancel stops it, CANCELED, tables intact.
+
+Not covered here: the windows and sessions queries in continuous mode (`event_time_steps` off to keep the test
+short; `make chaos` runs them), Spark Connect (refused for continuous runs) and freshness figures (`make bench`).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+import dagster as dg
+from deltalake import DeltaTable as IndependentDeltaTable
+
+from assets.keys import CONTINUOUS_JOB, RECOVERY_ATTEMPT_TAG, RECOVERY_OF_TAG, RECOVERY_REASON_TAG
+from pipelines.generate import generate
+from pipelines.streams import STREAMS
+from statetables.servers import dagster_dev, graphql, launch_run, run_status, terminate_run
+from tests.contract_oracle import expected_state, landing_files
+
+RUNS = """{ runsOrError { ... on Runs { results { runId jobName status tags { key value } } } } }"""
+CONFIG = {"ops": {"keep_streams_running": {"config": {
+    "trigger_seconds": 1.0, "report_every_seconds": 5.0, "event_time_steps": False}}}}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _runs(url: str) -> list[dict]:
+    runs = graphql(url, RUNS)["runsOrError"]["results"]
+    for run in runs:
+        run["tags"] = {t["key"]: t["value"] for t in run["tags"]}
+    return runs
+
+
+def _state(layout, spec) -> dict | None:
+    table = spec.state_table
+    path = layout.table(table.name)
+    if not (path / "_delta_log").is_dir():
+        return None
+    rows = IndependentDeltaTable(str(path)).to_pyarrow_table().to_pylist()
+    return {r[table.key]: (r[table.count_column], r[table.sum_column]) for r in rows}
+
+
+def _expected(layout, spec) -> dict:
+    expected = expected_state(spec.name, landing_files(layout.landing(spec.name)))
+    return {k: (expected.counts[k], expected.sums[k]) for k in expected.counts}
+
+
+def _wait_until_equal(layout, url: str, run_id: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if all(_state(layout, spec) == _expected(layout, spec) for spec in STREAMS.values()):
+            return
+        status = run_status(url, run_id)
+        assert status in ("STARTING", "STARTED", "QUEUED", "NOT_STARTED"), f"run {run_id} is {status}"
+        assert time.monotonic() < deadline, {s: (len(_state(layout, spec) or {}), len(_expected(layout, spec)))
+                                             for s, spec in STREAMS.items()}
+        time.sleep(1)
+
+
+def _run_worker_pid(instance: dg.DagsterInstance, run_id: str) -> int:
+    for record in instance.all_logs(run_id, of_type=dg.DagsterEventType.ENGINE_EVENT):
+        data = record.dagster_event.engine_event_data
+        if data and "pid" in data.metadata:
+            return int(data.metadata["pid"].value)
+    raise AssertionError(f"no run worker pid in the events of {run_id}")
+
+
+def _drop(layout, seed: int, sub: str) -> None:
+    for spec in STREAMS.values():
+        generate(spec, layout.landing(spec.name) / sub, events=300, malformed=0.03, duplicates=0.03, conflicts=0.01,
+                 seed=seed, events_per_file=150)
+
+
+def test_continuous_job_follows_landing_survives_kill_9_and_cancels(layout):
+    with dagster_dev(layout, port=_free_port()) as url:
+        dagster_home = Path(layout.dagster_home)
+        run_id = launch_run(url, CONTINUOUS_JOB, CONFIG)
+        _drop(layout, seed=11, sub="first")  # while the run starts: the files land during the run
+        _wait_until_equal(layout, url, run_id, timeout_s=240)
+
+        with dg.DagsterInstance.from_config(str(dagster_home)) as instance:
+            # It reports as it goes: materializations of the state tables with their figures, and passing checks.
+            deadline = time.monotonic() + 60
+            while True:
+                event = instance.get_latest_materialization_event(dg.AssetKey("payments_per_customer"))
+                if event is not None and event.run_id == run_id:
+                    break
+                assert time.monotonic() < deadline, "no materialization reported by the continuous run"
+                time.sleep(2)
+            metadata = event.asset_materialization.metadata
+            assert metadata["mode"].value == "continuous" and metadata["keys"].value > 0
+            assert metadata["latest_event_time"].value > 0  # a timestamp
+            checks = [r for r in instance.all_logs(run_id, of_type=dg.DagsterEventType.ASSET_CHECK_EVALUATION)]
+            names = {(c.dagster_event.event_specific_data.asset_key.to_user_string(),
+                      c.dagster_event.event_specific_data.check_name, c.dagster_event.event_specific_data.passed)
+                     for c in checks}
+            assert ("payments_per_customer", "totals_match_bronze", True) in names, names
+            assert not [n for n in names if not n[2]], names
+
+            # kill -9 the run worker: the code server reports the run failed, the sensor starts it again.
+            os.kill(_run_worker_pid(instance, run_id), signal.SIGKILL)
+            deadline = time.monotonic() + 240
+            while not (recovery := next((r for r in _runs(url) if r["tags"].get(RECOVERY_OF_TAG) == run_id), None)):
+                assert time.monotonic() < deadline, _runs(url)
+                time.sleep(3)
+            assert recovery["jobName"] == CONTINUOUS_JOB and recovery["tags"][RECOVERY_ATTEMPT_TAG] == "1"
+            assert run_id in recovery["tags"][RECOVERY_REASON_TAG]
+            assert run_status(url, run_id) == "FAILURE"
+
+            _drop(layout, seed=12, sub="second")
+            _wait_until_equal(layout, url, recovery["runId"], timeout_s=300)
+            # One writer: while a continuous run was in progress no orchestrated run was started.
+            assert {r["jobName"] for r in _runs(url)} == {CONTINUOUS_JOB}
+
+            terminate_run(url, recovery["runId"])
+            deadline = time.monotonic() + 180
+            while (status := run_status(url, recovery["runId"])) != "CANCELED":
+                assert status in ("STARTED", "CANCELING"), status
+                assert time.monotonic() < deadline, status
+                time.sleep(2)
+            # Cancelled is not failed: no recovery of the cancelled run.
+            time.sleep(5)
+            assert not [r for r in _runs(url) if r["tags"].get(RECOVERY_OF_TAG) == recovery["runId"]]
+    for spec in STREAMS.values():
+        assert _state(layout, spec) == _expected(layout, spec)
