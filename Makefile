@@ -84,9 +84,11 @@ bench-full: install jars class-archive
 	$(BIN)/python -m benchmarks.run --full
 
 # kill -9 the real pipeline KILLS times (named fault points and random instants), then compare every key.
+# Then CONTINUOUS_KILLS kills of the continuous job (run_continuously) while files land.
 KILLS ?= 24
+CONTINUOUS_KILLS ?= 4
 chaos: install jars class-archive
-	$(BIN)/python -m tests.chaos --kills $(KILLS)
+	$(BIN)/python -m tests.chaos --kills $(KILLS) --continuous-kills $(CONTINUOUS_KILLS)
 
 clean:
 	rm -rf data

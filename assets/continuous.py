@@ -31,7 +31,7 @@ from assets.windows import WindowsConfig
 from pipelines import table_checks
 from pipelines.bronze import ingest_stream
 from pipelines.changelog import changelog_name, publish_changes
-from pipelines.continuous import ContinuousStep, create_tables, refuse_over_connect, run_continuously
+from pipelines.continuous import ContinuousStep, create_tables, refuse_over_connect, run_steps_continuously
 from pipelines.layout import StorageLayout
 from pipelines.sessions import ACTIVITY, SESSIONS_QUERY, SessionSettings, update_sessions
 from pipelines.state import update_state_table
@@ -206,7 +206,7 @@ def keep_streams_running(context: dg.OpExecutionContext, config: ContinuousConfi
     steps = continuous_steps(session, layout, config, state_policy)
     report = ContinuousReport(session, layout, progress, config.event_time_steps)
     context.log.info(f"{len(steps)} queries running: {', '.join(s.name for s in steps)}")
-    with closing(run_continuously(steps, continuous, tick_s=config.report_every_seconds)) as ticks:
+    with closing(run_steps_continuously(steps, continuous, tick_s=config.report_every_seconds)) as ticks:
         for _ in ticks:
             yield from report.events()
             if report.failed_checks:

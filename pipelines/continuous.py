@@ -11,7 +11,7 @@ A stop (a cancel in Dagster arrives as an exception in the calling thread) lets 
 micro-batch, then stops it; whatever the stop interrupts is replayed by the next run from the checkpoint.
 
     >>> steps = [ContinuousStep("movie_ticket_sales_ingest", lambda c: ingest_stream(spark, layout, spec, continuous=c))]
-    >>> for _ in run_continuously(steps, Continuous(trigger_interval_s=2), tick_s=30):
+    >>> for _ in run_steps_continuously(steps, Continuous(trigger_interval_s=2), tick_s=30):
     ...     print("report")
 """
 
@@ -63,7 +63,7 @@ def refuse_over_connect(remote: str | None) -> None:
             f"or use orchestrated runs (`advance_all`) over Connect.")
 
 
-def run_continuously(steps: list[ContinuousStep], continuous: Continuous, *, tick_s: float) -> Iterator[None]:
+def run_steps_continuously(steps: list[ContinuousStep], continuous: Continuous, *, tick_s: float) -> Iterator[None]:
     """Run every step until `continuous.stop` is set, a step fails, or the consumer is interrupted; yields
     every `tick_s` seconds (the consumer reports between ticks) and once more after every query stopped.
     Raises the first step's error after that. Close the generator (`contextlib.closing`) to stop early."""

@@ -14,7 +14,10 @@ table is compared by accounting: per key, its row plus every expired row of it i
 equals the oracle's count and sum, and the running totals in the table's newest commit equal the
 changelog's expired rows.
 
-    python -m tests.chaos --kills 30            # make chaos
+    python -m tests.chaos --kills 30 --continuous-kills 4    # make chaos
+
+The continuous rounds run `statetables run --job run_continuously` (every query kept running, files landing
+while it runs) and kill it at a named point or a random instant; the clean run after them is orchestrated.
     tests/test_chaos.py                         # the quick variant in the test suite
 """
 
@@ -112,6 +115,31 @@ def _run_pipeline(layout: StorageLayout, fault_dir: Path, log: Path, kill_after:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             code = proc.wait()
+    _wait_group_gone(proc.pid)
+    return code, time.monotonic() - started
+
+
+def _run_continuous(layout: StorageLayout, fault_dir: Path, log: Path, rng: random.Random, streams: list[str],
+                    events: int, kill_after: float, ttl_days: dict[str, float]) -> tuple[int, float]:
+    """`statetables run --job run_continuously` (every query kept running); files are delivered while it runs
+    (after a random part of `kill_after`), and the process group is killed after `kill_after` s unless an
+    armed fault point kills it first."""
+    started = time.monotonic()
+    ttl = [arg for name, days in ttl_days.items() for arg in ("--ttl-days", f"{name}={days}")]
+    with open(log, "ab") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "statetables.cli", "run", "--job", "run_continuously",
+                                 "--log-level", "WARNING", *ttl],
+                                env=_env(layout, fault_dir), stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            code = proc.wait(timeout=rng.uniform(0.3, 0.8) * kill_after)
+        except subprocess.TimeoutExpired:
+            _deliver(layout, rng, events, streams)  # lands while the queries run
+            try:
+                code = proc.wait(timeout=max(1.0, kill_after - (time.monotonic() - started)))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                code = proc.wait()
     _wait_group_gone(proc.pid)
     return code, time.monotonic() - started
 
@@ -272,9 +300,11 @@ def compare(layout: StorageLayout, report: ChaosReport, streams: list[str], ttl_
 def run_chaos(home: Path, *, kills: int, seed: int, events: int = 600, random_share: float = 0.4,
               damage_share: float = 0.15, typical_run_s: float = 60.0, named_only: bool = False,
               plan: list[tuple[str, dict]] | None = None, streams: list[str] | None = None,
-              ttl_days: dict[str, float] | None = None, say=print) -> ChaosReport:
+              ttl_days: dict[str, float] | None = None, continuous_kills: int = 0, say=print) -> ChaosReport:
     """`plan`: the named kills to make, in order (default: NAMED_KILLS, cycled); `streams`: default all;
-    `ttl_days`: the state tables' TTL in every run (default CHAOS_TTL_DAYS)."""
+    `ttl_days`: the state tables' TTL in every run (default CHAOS_TTL_DAYS); `continuous_kills`: then as
+    many kills of the continuous job (`run_continuously`), every other one at a named point (every query
+    runs in it, so each point is on its path), the others at a random instant, files landing meanwhile."""
     ttl_days = CHAOS_TTL_DAYS if ttl_days is None else ttl_days
     streams = streams or list(STREAMS)
     job = "advance_all" if len(streams) == len(STREAMS) else f"advance_{streams[0]}"
@@ -314,6 +344,26 @@ def run_chaos(home: Path, *, kills: int, seed: int, events: int = 600, random_sh
         r = report.rounds[-1]
         say(f"round {len(report.rounds):>3}: {kind:<32} {'killed' if r.killed else f'exit {code}':<8} "
             f"after {seconds:5.1f} s  {note}")
+    continuous_made = 0
+    while continuous_made < continuous_kills:
+        if len(report.rounds) > 4 * (kills + continuous_kills) + 4:
+            raise RuntimeError(f"only {continuous_made} of {continuous_kills} continuous kills landed; see {log}")
+        _deliver(layout, rng, events // 3, streams)
+        kind, limit = "continuous random", rng.uniform(30.0, 2 * typical_run_s)
+        if continuous_made % 2 == 0:
+            point, options = plan[(named + continuous_made // 2) % len(plan)]
+            if point == faults.STATE_AFTER_REBUILD:
+                point, options = faults.STATE_AFTER_MERGE_COMMIT, {}
+            faults.arm(fault_dir, point, "kill", **options)
+            kind, limit = f"continuous {point}", 4 * typical_run_s
+        code, seconds = _run_continuous(layout, fault_dir, log, rng, streams, events // 3, limit, ttl_days)
+        shutil.rmtree(fault_dir, ignore_errors=True)
+        continuous_made += code == -signal.SIGKILL
+        report.rounds.append(Round(kind, seconds, code == -signal.SIGKILL, "" if code == -signal.SIGKILL
+                                   else f"not killed (exit {code})"))
+        r = report.rounds[-1]
+        say(f"round {len(report.rounds):>3}: {kind:<32} {'killed' if r.killed else f'exit {code}':<8} "
+            f"after {seconds:5.1f} s  {r.note}")
     code, seconds = _run_pipeline(layout, fault_dir, log, None, job, ttl_days)
     report.rounds.append(Round("clean", seconds, False, f"exit {code}"))
     say(f"clean run: exit {code} after {seconds:.1f} s")
@@ -329,11 +379,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--events", type=int, default=2000, help="events per stream in the first delivery")
     parser.add_argument("--random-share", type=float, default=0.4, help="share of kills at random instants")
+    parser.add_argument("--continuous-kills", type=int, default=4,
+                        help="then kills of the continuous job (run_continuously), named points and random instants")
     parser.add_argument("--home", help="storage root to use (default: a new temporary folder, kept)")
     args = parser.parse_args(argv)
     home = Path(args.home or tempfile.mkdtemp(prefix="statetables-chaos-")).resolve()
     print(f"chaos: {args.kills} kills, seed {args.seed}, storage root {home}")
-    report = run_chaos(home, kills=args.kills, seed=args.seed, events=args.events, random_share=args.random_share)
+    report = run_chaos(home, kills=args.kills, seed=args.seed, events=args.events, random_share=args.random_share,
+                       continuous_kills=args.continuous_kills)
     by_kind: dict[str, int] = {}
     for r in report.rounds:
         if r.killed:
