@@ -30,7 +30,7 @@ from pipelines.errors import ConcurrentWriterError, StorageError
 from pipelines.source import (
     LEDGER_SCHEMA, arrival_order, landing_listing, read_units, record_units, scan_landing, split_lines,
 )
-from pipelines.checkpoints import checkpoint_for_run, start_checkpoint, write_origin
+from pipelines.checkpoints import checkpoint_for_run, planned_source_version, start_checkpoint, write_origin
 from pipelines.faults import (
     INGEST_AFTER_BRONZE_COMMIT, INGEST_AFTER_QUARANTINE_COMMIT, INGEST_BATCH_END, INGEST_POISON, InjectedFault,
     fault_marker, fault_point,
@@ -357,6 +357,17 @@ def _partitions(spark: SparkSession) -> int:
     return int(spark.conf.get("spark.sql.shuffle.partitions"))
 
 
+SMALL_BATCH_ROWS = 50_000
+
+
+def _by_event_time(accepted: DataFrame, spec: StreamSpec, rows: int) -> DataFrame:
+    """Bronze rows laid out by event time. A small batch (a continuous run's usual one) becomes one sorted
+    file: range partitioning would cost a sampling job and a shuffle, and one file spans one range anyway."""
+    if rows <= SMALL_BATCH_ROWS:
+        return accepted.coalesce(1).sortWithinPartitions(spec.event_time_field)
+    return accepted.repartitionByRange(_partitions(accepted.sparkSession), spec.event_time_field)
+
+
 def _write_batch(lines: DataFrame, batch_id: int, settings: IngestSettings, ingested_at: datetime,
                  vanished: list[str], unprocessable: DataFrame | None, error: str | None, *,
                  may_repeat: bool) -> None:
@@ -383,8 +394,8 @@ def _write_batch(lines: DataFrame, batch_id: int, settings: IngestSettings, inge
          settings.quarantine_path, INGEST_AFTER_QUARANTINE_COMMIT),
         # Each bronze file holds one range of event times: the dedup lookup of later batches (an
         # event-time window) then skips the other files by their statistics.
-        (classified.where(F.col("outcome") == "accepted").select(*bronze_schema(spec).fieldNames())
-         .repartitionByRange(_partitions(classified.sparkSession), spec.event_time_field),
+        (_by_event_time(classified.where(F.col("outcome") == "accepted").select(*bronze_schema(spec).fieldNames()),
+                        spec, accepted["count"] if accepted else 0),
          settings.bronze_path, INGEST_AFTER_BRONZE_COMMIT),
     )
     for frame, path, fault in writes:
@@ -400,14 +411,22 @@ def _write_batch(lines: DataFrame, batch_id: int, settings: IngestSettings, inge
 def _scan_continuously(spark: SparkSession, layout: StorageLayout, spec: StreamSpec, per_commit: int,
                        continuous: Continuous, changed: list[dict]) -> None:
     """The continuous run's landing scan: every trigger interval, record what arrived in the ledger, which the
-    running ingest query reads. A listing equal to the last one costs no Spark job."""
+    running ingest query reads. A listing equal to the last one costs no Spark job.
+
+    The query reads one ledger commit per micro-batch, and a batch costs seconds whatever it holds, so a commit
+    per scan would fall behind files arriving every few seconds, for good. While the query has a commit it
+    has not planned yet, nothing is recorded: what arrives meanwhile goes into one commit, the next batch."""
     landing, ledger, staging = layout.landing(spec.name), layout.table(spec.files_table), layout.staging(spec.name)
+    checkpoint = layout.checkpoint(spec.ingest_query)
     last = None  # the first pass scans: a file may have arrived since the run's own scan
     while not continuous.stop.wait(continuous.trigger_interval_s):
         try:
             listing = landing_listing(landing)
             if listing == last:
                 continue
+            planned = planned_source_version(checkpoint)
+            if planned is not None and (table_version(spark, ledger) or 0) > planned:
+                continue  # a backlog: wait for the query to take it
             scan = scan_landing(spark, landing, ledger, staging)
             record_units(spark, ledger, scan.units, per_commit)
             changed.extend(scan.changed)

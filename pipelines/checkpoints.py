@@ -302,6 +302,18 @@ def covered_source_version(checkpoint_dir: Path) -> int | None:
         return None
 
 
+def planned_source_version(checkpoint_dir: Path) -> int | None:
+    """The newest source Delta version that the query's newest planned batch (its offset log, written
+    before the batch runs) reads whole; None before the first batch or when it stops inside a version."""
+    offsets = _batch_files(checkpoint_dir / "offsets")
+    if not offsets:
+        return None
+    try:
+        return batch_end_version(checkpoint_dir, max(offsets))
+    except (OSError, ValueError, IndexError, KeyError):
+        return None
+
+
 def batch_watermark_ms(checkpoint_dir: Path, batch_id: int) -> int:
     """The watermark Spark used for `batch_id`: the offset log's metadata line, written before the batch runs."""
     return int(json.loads((checkpoint_dir / "offsets" / str(batch_id)).read_text().split("\n")[1])["batchWatermarkMs"])
