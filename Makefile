@@ -59,7 +59,7 @@ cluster: install jars
 # Two workers, each with its own SparkSession: a single test keeps ~65% of the 2 cores busy (much of a
 # small run is waiting on commits and query starts), two keep both busy; 23.7 -> 18.4 min measured.
 test: install jars class-archive
-	$(BIN)/pytest -q -n 2 --dist worksteal tests
+	$(BIN)/pytest -q -n 2 --dist worksteal --durations=25 tests
 
 # Side by side with the alternatives on the same files; writes docs/bench/ (see docs/performance.md).
 bench: install jars class-archive

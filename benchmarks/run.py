@@ -425,7 +425,7 @@ def only_freshness(work: Path, *, keep: bool, quick: bool) -> None:
             generate(PAYMENTS, home / "landing" / "payments" / "history", events=2_000, seed=3, events_per_file=1_000)
             measure(project_run(home), home)  # not timed: the tables and checkpoints exist, as in production
             results[mode] = run_mode(home, mode, files=files, every_s=every_s,
-                                     rate_steps=[] if quick or mode == "orchestrated" else [200, 1_000, 5_000, 20_000],
+                                     rate_steps=[] if quick or mode == "orchestrated" else [200, 1_000, 2_000, 5_000, 20_000],
                                      rate_seconds=60)
     finally:
         if not keep:

@@ -28,7 +28,7 @@ from pipelines import delta_sql
 from pipelines.layout import StorageLayout
 from pipelines.errors import ConcurrentWriterError, StorageError
 from pipelines.source import (
-    LEDGER_SCHEMA, arrival_order, landing_listing, read_units, record_units, scan_landing, split_lines,
+    LEDGER_SCHEMA, LedgerView, arrival_order, landing_listing, read_units, record_units, scan_landing, split_lines,
 )
 from pipelines.checkpoints import checkpoint_for_run, planned_source_version, start_checkpoint, write_origin
 from pipelines.faults import (
@@ -419,6 +419,7 @@ def _scan_continuously(spark: SparkSession, layout: StorageLayout, spec: StreamS
     landing, ledger, staging = layout.landing(spec.name), layout.table(spec.files_table), layout.staging(spec.name)
     checkpoint = layout.checkpoint(spec.ingest_query)
     last = None  # the first pass scans: a file may have arrived since the run's own scan
+    view = None
     while not continuous.stop.wait(continuous.trigger_interval_s):
         try:
             listing = landing_listing(landing)
@@ -427,8 +428,10 @@ def _scan_continuously(spark: SparkSession, layout: StorageLayout, spec: StreamS
             planned = planned_source_version(checkpoint)
             if planned is not None and (table_version(spark, ledger) or 0) > planned:
                 continue  # a backlog: wait for the query to take it
-            scan = scan_landing(spark, landing, ledger, staging)
+            view = view or LedgerView.read(spark, ledger)
+            scan = scan_landing(spark, landing, ledger, staging, view)
             record_units(spark, ledger, scan.units, per_commit)
+            view.add(scan.units)
             changed.extend(scan.changed)
             last = listing
         except BaseException as exc:  # noqa: BLE001 - handed to the run, which stops every query and raises it

@@ -98,12 +98,26 @@ def _digest(path: Path, prefix: int | None) -> tuple[str, str | None, int, bool]
     return whole.hexdigest(), head.hexdigest() if head else None, newlines, last == b"\n"
 
 
-def _latest_units(spark: SparkSession, ledger_path: Path) -> tuple[dict[str, Row], int]:
-    """The newest ledger row of every file, and the next unit number."""
-    ledger = spark.read.format("delta").load(str(ledger_path))
-    newest = ledger.groupBy("source_file").agg(F.max_by(F.struct(*ledger.columns), "unit").alias("u")).select("u.*")
-    rows = newest.collect()
-    return {r["source_file"]: r for r in rows}, max((r["unit"] for r in rows), default=-1) + 1
+@dataclass
+class LedgerView:
+    """The newest ledger row of every file, and the next unit number. Read from the ledger (a Spark job over
+    all of it); a continuous run's scanner, the ledger's one writer, keeps it current with `add` instead
+    of reading it again on every scan."""
+
+    latest: dict[str, Row | dict]
+    next_unit: int
+
+    @classmethod
+    def read(cls, spark: SparkSession, ledger_path: Path) -> "LedgerView":
+        ledger = spark.read.format("delta").load(str(ledger_path))
+        newest = ledger.groupBy("source_file").agg(F.max_by(F.struct(*ledger.columns), "unit").alias("u")).select("u.*")
+        rows = newest.collect()
+        return cls({r["source_file"]: r for r in rows}, max((r["unit"] for r in rows), default=-1) + 1)
+
+    def add(self, units: list[dict]) -> None:
+        for unit in units:
+            self.latest[unit["source_file"]] = unit
+            self.next_unit = max(self.next_unit, unit["unit"] + 1)
 
 
 def landing_listing(landing_dir: Path) -> list[tuple[int, str, int]]:
@@ -119,7 +133,8 @@ def landing_listing(landing_dir: Path) -> list[tuple[int, str, int]]:
     return sorted(found)
 
 
-def scan_landing(spark: SparkSession, landing_dir: Path, ledger_path: Path, staging_dir: Path) -> ScanResult:
+def scan_landing(spark: SparkSession, landing_dir: Path, ledger_path: Path, staging_dir: Path,
+                 view: LedgerView | None = None) -> ScanResult:
     """Find the content that arrived since the last scan, link it under staging names; returns the new
     ledger rows (not yet committed: `record_units` does that, after the links exist).
 
@@ -130,7 +145,8 @@ def scan_landing(spark: SparkSession, landing_dir: Path, ledger_path: Path, stag
         raise ConfigurationError(f"The landing folder {landing_dir} is a file. Fix: move it away; landing files go "
                                  f"inside that folder (any depth).")
     landing_dir.mkdir(parents=True, exist_ok=True)
-    latest, next_unit = _latest_units(spark, ledger_path)
+    view = view or LedgerView.read(spark, ledger_path)
+    latest, next_unit = view.latest, view.next_unit
     known = next_unit
     found = landing_listing(landing_dir)
     staging_dir.mkdir(parents=True, exist_ok=True)

@@ -34,6 +34,26 @@ def graphql(url: str, query: str, variables: dict | None = None) -> dict:
     return body["data"]
 
 
+_RUNS = """{ runsOrError { ... on Runs { results { runId jobName status tags { key value } } } } }"""
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a server a test or bench starts)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def list_runs(url: str) -> list[dict]:
+    """Every run the webserver knows: runId, jobName, status, tags (as a dict)."""
+    runs = graphql(url, _RUNS)["runsOrError"]["results"]
+    for run in runs:
+        run["tags"] = {t["key"]: t["value"] for t in run["tags"]}
+    return runs
+
+
 _LAUNCH = """mutation Launch($params: ExecutionParams!) { launchRun(executionParams: $params) { __typename
   ... on LaunchRunSuccess { run { runId } } ... on PythonError { message }
   ... on RunConfigValidationInvalid { errors { message } } ... on InvalidStepError { invalidStepKey } } }"""

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import time
 from pathlib import Path
 
@@ -24,25 +23,13 @@ from deltalake import DeltaTable as IndependentDeltaTable
 from assets.keys import CONTINUOUS_JOB, RECOVERY_ATTEMPT_TAG, RECOVERY_OF_TAG, RECOVERY_REASON_TAG
 from pipelines.generate import generate
 from pipelines.streams import STREAMS
-from statetables.servers import dagster_dev, graphql, launch_run, run_status, terminate_run
+from statetables.servers import dagster_dev, free_port, launch_run, list_runs, run_status, terminate_run
 from tests.contract_oracle import expected_state, landing_files
 
-RUNS = """{ runsOrError { ... on Runs { results { runId jobName status tags { key value } } } } }"""
 CONFIG = {"ops": {"keep_streams_running": {"config": {
     "trigger_seconds": 1.0, "report_every_seconds": 5.0, "event_time_steps": False}}}}
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _runs(url: str) -> list[dict]:
-    runs = graphql(url, RUNS)["runsOrError"]["results"]
-    for run in runs:
-        run["tags"] = {t["key"]: t["value"] for t in run["tags"]}
-    return runs
 
 
 def _state(layout, spec) -> dict | None:
@@ -86,7 +73,7 @@ def _drop(layout, seed: int, sub: str) -> None:
 
 
 def test_continuous_job_follows_landing_survives_kill_9_and_cancels(layout):
-    with dagster_dev(layout, port=_free_port()) as url:
+    with dagster_dev(layout, port=free_port()) as url:
         dagster_home = Path(layout.dagster_home)
         run_id = launch_run(url, CONTINUOUS_JOB, CONFIG)
         _drop(layout, seed=11, sub="first")  # while the run starts: the files land during the run
@@ -114,8 +101,8 @@ def test_continuous_job_follows_landing_survives_kill_9_and_cancels(layout):
             # kill -9 the run worker: the code server reports the run failed, the sensor starts it again.
             os.kill(_run_worker_pid(instance, run_id), signal.SIGKILL)
             deadline = time.monotonic() + 240
-            while not (recovery := next((r for r in _runs(url) if r["tags"].get(RECOVERY_OF_TAG) == run_id), None)):
-                assert time.monotonic() < deadline, _runs(url)
+            while not (recovery := next((r for r in list_runs(url) if r["tags"].get(RECOVERY_OF_TAG) == run_id), None)):
+                assert time.monotonic() < deadline, list_runs(url)
                 time.sleep(3)
             assert recovery["jobName"] == CONTINUOUS_JOB and recovery["tags"][RECOVERY_ATTEMPT_TAG] == "1"
             assert run_id in recovery["tags"][RECOVERY_REASON_TAG]
@@ -124,7 +111,7 @@ def test_continuous_job_follows_landing_survives_kill_9_and_cancels(layout):
             _drop(layout, seed=12, sub="second")
             _wait_until_equal(layout, url, recovery["runId"], timeout_s=300)
             # One writer: while a continuous run was in progress no orchestrated run was started.
-            assert {r["jobName"] for r in _runs(url)} == {CONTINUOUS_JOB}
+            assert {r["jobName"] for r in list_runs(url)} == {CONTINUOUS_JOB}
 
             terminate_run(url, recovery["runId"])
             deadline = time.monotonic() + 180
@@ -134,6 +121,6 @@ def test_continuous_job_follows_landing_survives_kill_9_and_cancels(layout):
                 time.sleep(2)
             # Cancelled is not failed: no recovery of the cancelled run.
             time.sleep(5)
-            assert not [r for r in _runs(url) if r["tags"].get(RECOVERY_OF_TAG) == recovery["runId"]]
+            assert not [r for r in list_runs(url) if r["tags"].get(RECOVERY_OF_TAG) == recovery["runId"]]
     for spec in STREAMS.values():
         assert _state(layout, spec) == _expected(layout, spec)

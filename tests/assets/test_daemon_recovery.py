@@ -8,7 +8,6 @@ independent oracle. Everything is observed through the webserver's GraphQL API, 
 
 from __future__ import annotations
 
-import socket
 import time
 
 from deltalake import DeltaTable as IndependentDeltaTable
@@ -17,23 +16,11 @@ from assets.keys import RECOVERY_ATTEMPT_TAG, RECOVERY_OF_TAG, RECOVERY_REASON_T
 from pipelines import faults
 from pipelines.generate import generate
 from pipelines.streams import PAYMENTS
-from statetables.servers import dagster_dev, graphql
+from statetables.servers import dagster_dev, free_port, list_runs
 from tests.contract_oracle import expected_state, landing_files
 
-RUNS = """{ runsOrError { ... on Runs { results { runId jobName status tags { key value } } } } }"""
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _runs(url: str) -> list[dict]:
-    runs = graphql(url, RUNS)["runsOrError"]["results"]
-    for run in runs:
-        run["tags"] = {t["key"]: t["value"] for t in run["tags"]}
-    return runs
 
 
 def test_failed_run_is_recovered_by_the_daemon(layout):
@@ -43,15 +30,15 @@ def test_failed_run_is_recovered_by_the_daemon(layout):
     fault_dir = layout.home / "faults"
     faults.arm(fault_dir, faults.INGEST_AFTER_BRONZE_COMMIT, "raise")
 
-    with dagster_dev(layout, port=_free_port(), extra_env={faults.FAULTS_ENV: str(fault_dir)}) as url:
+    with dagster_dev(layout, port=free_port(), extra_env={faults.FAULTS_ENV: str(fault_dir)}) as url:
         deadline = time.monotonic() + 480
         recovered = None
         while time.monotonic() < deadline and recovered is None:
             time.sleep(5)
-            runs = _runs(url)
+            runs = list_runs(url)
             recovered = next((r for r in runs if RECOVERY_OF_TAG in r["tags"] and r["status"] == "SUCCESS"), None)
             assert not [r for r in runs if r["tags"].get(RECOVERY_OF_TAG) and r["status"] == "FAILURE"], runs
-        assert recovered, f"no successful recovery run within the deadline: {_runs(url)}"
+        assert recovered, f"no successful recovery run within the deadline: {list_runs(url)}"
 
         failed = [r for r in runs if r["status"] == "FAILURE"]
         assert [r["runId"] for r in failed] == [recovered["tags"][RECOVERY_OF_TAG]]  # the sensor's run failed...
