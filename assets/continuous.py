@@ -147,7 +147,7 @@ class ContinuousReport:
             self.versions[key] = now
             figures = queries.get(query, {})
             metadata = {"table_version": now, "table_version_before": before if before is not None else -1,
-                        "micro_batches": figures.get("batches", 0), "rows_read": figures.get("rows", 0),
+                        "micro_batches": figures.get("batches", 0), "query_input_rows": figures.get("rows", 0),
                         "mode": "continuous"}
             if figures.get("watermark"):
                 metadata["watermark"] = dg.MetadataValue.timestamp(

@@ -21,10 +21,12 @@ from pyspark.sql import functions as F
 
 from assets.automation import landing_files_sensor, recover_failed_stream
 from assets.keys import CONTINUOUS_JOB, RECOVERY_ATTEMPT_TAG, RECOVERY_OF_TAG, RECOVERY_REASON_TAG, STREAM_TAG
+from pipelines.continuous import refuse_over_connect
 from pipelines.errors import ConfigurationError
 from pipelines.generate import generate
 from pipelines.layout import StorageLayout
 from pipelines.session import delta_jars, require_java
+from pipelines.streaming import Continuous
 from pipelines.streams import STREAMS, stream_spec
 from resources import SparkSessionResource, StatePolicyResource, StorageResource
 from statetables.definitions import defs
@@ -207,6 +209,10 @@ def test_bad_configuration_fails_fast_with_the_fix(tmp_path, monkeypatch):
         StorageLayout.under(tmp_path, tables="../elsewhere")
     with pytest.raises(ConfigurationError, match="make jars"):
         delta_jars(tmp_path / "no-jars")
+    with pytest.raises(ConfigurationError, match="continuous run cannot use Spark Connect.*Fix: run the continuous"):
+        refuse_over_connect("sc://127.0.0.1:15002")
+    with pytest.raises(ConfigurationError, match="trigger interval 0s.*Fix"):
+        Continuous(trigger_interval_s=0)
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.delenv("JAVA_HOME", raising=False)
     with pytest.raises(ConfigurationError, match="Java was not found"):
