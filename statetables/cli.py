@@ -218,10 +218,19 @@ def _cluster(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     """`dagster dev` on 127.0.0.1, and the continuous job launched in it; Ctrl-C cancels the job (the current
     micro-batches commit first), then stops Dagster."""
+    import signal
     import time
 
     from assets.keys import CONTINUOUS_JOB
     from statetables.servers import dagster_dev, launch_run, run_status, terminate_run
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    # Ctrl-C, and `kill` (SIGTERM) too, cancel the run cleanly; a shell that starts this in the background
+    # leaves SIGINT ignored, so the handlers are set here rather than inherited.
+    signal.signal(signal.SIGINT, interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
 
     layout = StorageLayout.under()
     config = {"trigger_seconds": args.trigger_seconds, "report_every_seconds": args.report_every_seconds}
