@@ -37,6 +37,16 @@ def graphql(url: str, query: str, variables: dict | None = None) -> dict:
 _RUNS = """{ runsOrError { ... on Runs { results { runId jobName status tags { key value } } } } }"""
 
 
+def _require_free_port(port: int, what: str) -> None:
+    """Refuse a port something already listens on: a server answering there would be taken for ours."""
+    import socket
+
+    with socket.socket() as sock:
+        if sock.connect_ex(("127.0.0.1", port)) == 0:
+            raise RuntimeError(f"127.0.0.1:{port} is already in use, so {what} cannot listen there. Fix: stop what "
+                               f"listens on it (an earlier `make serve` or `make dev`?) or choose another port.")
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now (for a server a test or bench starts)."""
     import socket
@@ -91,6 +101,7 @@ def run_status(url: str, run_id: str) -> str:
 def dagster_dev(layout: StorageLayout, *, port: int, extra_env: dict[str, str] | None = None,
                 log: Path | None = None, ready_timeout_s: float = 180) -> Iterator[str]:
     """`dagster dev` (webserver, daemon, code server) in its own process group; stopped on exit."""
+    _require_free_port(port, "dagster dev")
     saved = os.environ.get("DAGSTER_HOME")
     os.environ.pop("DAGSTER_HOME", None)
     dagster_home = prepare_instance(layout)
@@ -198,6 +209,7 @@ def spark_connect_server(*, port: int, log: Path, jars_dir: str | None = None, c
                          ready_timeout_s: float = 120) -> Iterator[str]:
     """A Spark Connect server with Delta on 127.0.0.1:`port`, in its own process group; yields its
     `sc://` URL and stops it on exit."""
+    _require_free_port(port, "the Spark Connect server")
     log.parent.mkdir(parents=True, exist_ok=True)
     out = open(log, "ab")
     proc = subprocess.Popen(connect_server_command(port, jars_dir=jars_dir, conf=conf), cwd=REPO_ROOT,
@@ -215,6 +227,7 @@ def spark_standalone(*, port: int, log_dir: Path, worker_cores: int = 2, worker_
                      ready_timeout_s: float = 120) -> Iterator[str]:
     """A standalone master on 127.0.0.1:`port` and one worker registered with it (web UIs off); yields
     the `spark://` URL and stops both on exit."""
+    _require_free_port(port, "the standalone master")
     log_dir.mkdir(parents=True, exist_ok=True)
     spark_class = str(spark_home() / "bin" / "spark-class")
     env = {**_engine_env(), "SPARK_MASTER_OPTS": "-Dspark.ui.enabled=false", "SPARK_NO_DAEMONIZE": "1",
