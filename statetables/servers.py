@@ -132,14 +132,7 @@ def dagster_dev(layout: StorageLayout, *, port: int, extra_env: dict[str, str] |
                 time.sleep(1)
         yield url
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        except ProcessLookupError:
-            pass
+        _stop(proc)
         out.close()
 
 
