@@ -30,7 +30,7 @@ from assets.sessions import SessionsConfig
 from assets.windows import WindowsConfig
 from pipelines import table_checks
 from pipelines.bronze import ingest_stream
-from pipelines.changelog import changelog_name, publish_changes
+from pipelines.changelog import changelog_name, publish_changes, publish_query
 from pipelines.continuous import ContinuousStep, create_tables, refuse_over_connect, run_steps_continuously
 from pipelines.layout import StorageLayout
 from pipelines.sessions import ACTIVITY, SESSIONS_QUERY, SessionSettings, update_sessions
@@ -99,7 +99,7 @@ def continuous_steps(spark, layout: StorageLayout, config: ContinuousConfig,
                 lock_timeout_s=ingest.lock_timeout_s, continuous=c)),
             ContinuousStep(spec.state_query, lambda c, spec=spec, ttl=ttl: update_state_table(
                 spark, layout, spec, ttl=ttl, continuous=c)),
-            ContinuousStep(f"{changelog_name(spec.state_table)}_publish", lambda c, spec=spec: publish_changes(
+            ContinuousStep(publish_query(spec.state_table), lambda c, spec=spec: publish_changes(
                 spark, layout, spec.state_table, continuous=c)),
         ]
     if config.event_time_steps:
@@ -129,8 +129,7 @@ class ContinuousReport:
             self.tables[bronze_key(spec)] = (spec.bronze_table, spec.ingest_query)
             self.tables[quarantine_key(spec)] = (spec.quarantine_table, spec.ingest_query)
             self.tables[state_key(spec)] = (spec.state_table.name, spec.state_query)
-            self.tables[changelog_key(spec)] = (changelog_name(spec.state_table),
-                                                f"{changelog_name(spec.state_table)}_publish")
+            self.tables[changelog_key(spec)] = (changelog_name(spec.state_table), publish_query(spec.state_table))
         if event_time_steps:
             for name, query in ((HOURLY, WINDOWS_QUERY), (TOP, WINDOWS_QUERY), (LATE, WINDOWS_QUERY),
                                 (ACTIVITY, SESSIONS_QUERY)):

@@ -32,6 +32,11 @@ def changelog_name(table: StateTableSpec) -> str:
     return f"{table.name}_changelog"
 
 
+def publish_query(table: StateTableSpec) -> str:
+    """The streaming query (and checkpoint) that appends the table's changes to its changelog."""
+    return f"{changelog_name(table)}_publish"
+
+
 def append_changes(changes: DataFrame, batch_id: int, *, changelog_path: str, key: str) -> None:
     """foreachBatch body: add the batch's change rows not already in the changelog.
 
@@ -56,7 +61,7 @@ def publish_changes(spark: SparkSession, layout: StorageLayout, table: StateTabl
     started = time.monotonic()
     name = changelog_name(table)
     path = layout.table(name)
-    query = f"{name}_publish"
+    query = publish_query(table)
     with writer_lock(layout.locks, query, lock_timeout_s):
         schema = state_schema(table).add("_change_type", StringType()).add("_commit_version", LongType()) \
             .add("_commit_timestamp", TimestampType())
