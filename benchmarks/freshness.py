@@ -134,11 +134,11 @@ def rates(layout: StorageLayout, steps: list[int], seconds: float) -> list[dict]
 def run_mode(home: Path, mode: str, *, files: int, every_s: float, rate_steps: list[int], rate_seconds: float) -> dict:
     """One mode under a fresh `dagster dev` over `home` (which already holds a little history)."""
     from assets.keys import CONTINUOUS_JOB
-    from statetables.servers import dagster_dev, launch_run, run_status, terminate_run
+    from statetables.servers import dagster_dev, free_port, launch_run, run_status, terminate_run
 
     layout = StorageLayout.under(home)
     result: dict = {}
-    with dagster_dev(layout, port=13700 + os.getpid() % 200, log=home / "logs" / f"dagster-{mode}.log") as url:
+    with dagster_dev(layout, port=free_port(), log=home / "logs" / f"dagster-{mode}.log") as url:
         run_id = None
         if mode == "continuous":
             run_id = launch_run(url, CONTINUOUS_JOB, {"ops": {"keep_streams_running": {"config": {}}}})
