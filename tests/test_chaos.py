@@ -6,8 +6,12 @@ covers both streams, every fault point, random instants and damaged checkpoints.
 
 from __future__ import annotations
 
+import pytest
+
 from pipelines import faults
 from tests.chaos import run_chaos
+
+pytestmark = pytest.mark.whole_process
 
 
 def test_kill_9_at_named_points_then_one_clean_run_counts_every_event_once(tmp_path):

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import dagster as dg
+import pytest
 from deltalake import DeltaTable as IndependentDeltaTable
 
 from assets.keys import CONTINUOUS_JOB, RECOVERY_ATTEMPT_TAG, RECOVERY_OF_TAG, RECOVERY_REASON_TAG
@@ -25,6 +26,8 @@ from pipelines.generate import generate
 from pipelines.streams import STREAMS
 from statetables.servers import dagster_dev, free_port, launch_run, list_runs, run_status, terminate_run
 from tests.contract_oracle import expected_state, landing_files
+
+pytestmark = pytest.mark.whole_process
 
 CONFIG = {"ops": {"keep_streams_running": {"config": {
     "trigger_seconds": 1.0, "report_every_seconds": 5.0, "event_time_steps": False}}}}

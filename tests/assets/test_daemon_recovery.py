@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 from deltalake import DeltaTable as IndependentDeltaTable
 
 from assets.keys import RECOVERY_ATTEMPT_TAG, RECOVERY_OF_TAG, RECOVERY_REASON_TAG
@@ -18,6 +19,8 @@ from pipelines.generate import generate
 from pipelines.streams import PAYMENTS
 from statetables.servers import dagster_dev, free_port, list_runs
 from tests.contract_oracle import expected_state, landing_files
+
+pytestmark = pytest.mark.whole_process
 
 
 
