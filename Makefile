@@ -7,7 +7,7 @@ JARS := .jars/.resolved
 CLASS_ARCHIVE := .jars/statetables.jsa
 export STATETABLES_HOME ?= $(CURDIR)/data
 
-.PHONY: install jars class-archive demo run dev serve connect-server cluster test test-whole bench bench-quick bench-event-time bench-engines bench-freshness bench-full chaos clean
+.PHONY: install jars class-archive demo run dev serve connect-server cluster test test-long bench bench-quick bench-event-time bench-engines bench-freshness bench-full chaos clean
 
 install: $(INSTALLED)
 $(INSTALLED): setup.py
@@ -58,14 +58,14 @@ cluster: install jars
 
 # Two workers, each with its own SparkSession: a single test keeps ~65% of the 2 cores busy (much of a
 # small run is waiting on commits and query starts), two keep both busy; 23.7 -> 18.4 min measured.
-# The fast loop: every test but those that start and kill whole processes (marker whole_process).
+# The fast loop, under 10 minutes: every test but those marked `long` (tests/conftest.py).
 test: install jars class-archive
-	$(BIN)/pytest -q -n 2 --dist worksteal --durations=15 -m "not whole_process" tests
+	$(BIN)/pytest -q -n 2 --dist worksteal --durations=15 -m "not long" tests
 
-# Whole processes, as an operator meets them: kill -9 of `statetables run` at named fault points, recovery by
-# the real Dagster daemon, the continuous job under dagster dev. ~9 minutes; .ci/run runs it after `make test`.
-test-whole: install jars class-archive
-	$(BIN)/pytest -q -n 2 --dist worksteal --durations=5 -m whole_process tests
+# The rest, ~10 minutes: kill -9 chaos, recovery by the real daemon, the continuous job under dagster dev, lost,
+# damaged or set-back checkpoints, a savepoint restore. .ci/run runs it after `make test`.
+test-long: install jars class-archive
+	$(BIN)/pytest -q -n 2 --dist worksteal --durations=10 -m long tests
 
 # Side by side with the alternatives on the same files; writes docs/bench/ (see docs/performance.md).
 bench: install jars class-archive

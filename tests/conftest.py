@@ -11,16 +11,19 @@ from pipelines.layout import StorageLayout
 from pipelines.session import build_spark_session
 
 
-# The longest tests start whole processes (kill -9 runs, dagster dev + daemon). Each starts a share of
+# The longest tests start whole processes (kill -9 runs, dagster dev + daemon, Spark servers). Each starts a share of
 # the list: pytest-xdist's worksteal hands every worker one contiguous share, so each worker begins with
 # one of them, and neither runs alone at the end while the other worker sits idle.
-LONG_FIRST = ("tests/test_chaos.py", "tests/assets/test_daemon_recovery.py", "tests/test_engines.py")
+LONG_FIRST = ("tests/test_chaos.py", "tests/assets/test_daemon_recovery.py", "tests/assets/test_continuous.py",
+              "tests/test_engines.py")
 
 
 def pytest_configure(config):
     config.addinivalue_line(
-        "markers", "whole_process: starts and kills whole processes (dagster dev and its daemon, `statetables run` "
-                   "killed with SIGKILL); minutes each, so `make test-whole` runs them, and .ci/run after `make test`")
+        "markers", "long: minutes each, and the second scenario of a feature the fast loop already covers: whole "
+                   "processes killed and recovered (kill -9, the real daemon, the continuous job) and checkpoints lost, "
+                   "damaged or set back. `make test` leaves them out to stay under 10 minutes; `make test-long` runs "
+                   "them, and .ci/run runs both")
 
 
 def pytest_collection_modifyitems(items):

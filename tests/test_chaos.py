@@ -11,7 +11,7 @@ import pytest
 from pipelines import faults
 from tests.chaos import run_chaos
 
-pytestmark = pytest.mark.whole_process
+pytestmark = pytest.mark.long
 
 
 def test_kill_9_at_named_points_then_one_clean_run_counts_every_event_once(tmp_path):

@@ -1,11 +1,14 @@
-"""The same pipeline on three Spark engines gives the same tables.
+"""Every asset of both streams end to end under Dagster, and the same pipeline on three Spark engines gives the
+same tables.
 
-Covers: `statetables run` (every asset of both streams: ingest, quarantine, all-time MERGE, windows
-and sessions with transformWithState, changelogs, the blocking checks) on the embedded JVM, over a
-Spark Connect server carrying Delta, and on a standalone master + worker; every Delta table of each
-run, read back with the independent `deltalake` reader, must equal the embedded engine's.
-The servers are the project's own (statetables/servers.py), on 127.0.0.1, started once per module.
+Covers: the job `advance_all` (ingest, quarantine, all-time MERGE, windows and sessions with transformWithState,
+changelogs, the 13 blocking checks) executed by Dagster in process on the test session's embedded JVM, with the
+metadata it reports; then the same landing files through `statetables run` over a Spark Connect server carrying
+Delta (every asset of both streams) and on a standalone master + worker (`advance_payments`: ingest, MERGE,
+changelog, sessions); every Delta table of each run, read back with the independent `deltalake` reader, must
+equal the embedded run's. The servers are the project's own (statetables/servers.py), on 127.0.0.1.
 
+One test function, so that pytest-xdist runs it on one worker and the embedded run is made once.
 Not covered here: continuous mode on these engines, and clusters of several hosts (docs/deploy.md).
 """
 
@@ -18,12 +21,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import dagster as dg
 import pytest
 from deltalake import DeltaTable as IndependentDeltaTable
 
 from pipelines.generate import generate
 from pipelines.layout import HOME_ENV, StorageLayout
 from pipelines.streams import STREAMS
+from statetables.definitions import defs
 from statetables.servers import spark_connect_server, spark_standalone
 
 STATETABLES = str(Path(sys.executable).parent / "statetables")
@@ -70,11 +75,28 @@ def table_rows(layout: StorageLayout) -> dict[str, list[tuple]]:
     return tables
 
 
-@pytest.fixture(scope="module")
-def embedded_tables(landing_files, tmp_path_factory) -> dict[str, list[tuple]]:
-    tables = table_rows(run_pipeline(landing_files, tmp_path_factory.mktemp("embedded")))
-    assert len(tables["payments_per_customer"]) > 100 and tables["payments_quarantine"] and tables["customer_activity"]
-    return tables
+def run_embedded(landing: Path, home: Path) -> StorageLayout:
+    """`advance_all` executed by Dagster in this process, on the test session's SparkSession (what `statetables
+    run` does in its own process); asserts what Dagster reports of it."""
+    shutil.copytree(landing, home / "landing", copy_function=shutil.copy2)
+    with pytest.MonkeyPatch.context() as patch, dg.DagsterInstance.ephemeral() as instance:
+        patch.setenv(HOME_ENV, str(home))
+        result = defs.resolve_job_def("advance_all").execute_in_process(instance=instance)
+    assert result.success
+    checks = [e.event_specific_data for e in result.all_events if e.event_type_value == "ASSET_CHECK_EVALUATION"]
+    assert len(checks) == 13 and all(c.passed for c in checks), [(c.check_name, c.metadata) for c in checks
+                                                                 if not c.passed]
+    windows = result.asset_materializations_for_node("movie_ticket_sales_windows")
+    hourly = next(m.metadata for m in windows if m.asset_key.path == ["tickets_per_title_hourly"])
+    assert hourly["windows_closed_this_run"].value > 0 and hourly["watermark"].value.startswith("2026-")
+    activity = result.asset_materializations_for_node("customer_activity")[0].metadata
+    assert activity["sessions_closed_this_run"].value > 0 and activity["operator_state_rows"].value > 0
+    bronze = result.asset_materializations_for_node("movie_ticket_sales_ingest")[0].metadata
+    assert bronze["lines_read"].value == 1500
+    state = result.asset_materializations_for_node("movie_tickets_sold")[0].metadata
+    assert state["events_counted"].value == bronze["rows_accepted"].value
+    assert "| title |" in state["top_rows"].value
+    return StorageLayout.under(home)
 
 
 def assert_same_tables(tables: dict, expected: dict) -> None:
@@ -83,15 +105,21 @@ def assert_same_tables(tables: dict, expected: dict) -> None:
     assert not differing, f"tables that differ from the embedded engine's (rows, expected rows): {differing}"
 
 
-def test_spark_connect_gives_the_embedded_engines_tables(landing_files, embedded_tables, tmp_path_factory):
+def test_every_asset_under_dagster_then_connect_and_standalone_give_the_same_tables(spark, landing_files,
+                                                                                  tmp_path_factory):
+    embedded = table_rows(run_embedded(landing_files, tmp_path_factory.mktemp("embedded")))
+    assert len(embedded["payments_per_customer"]) > 100 and embedded["payments_quarantine"]
+    assert embedded["customer_activity"] and embedded["tickets_per_title_hourly"]
+
     home = tmp_path_factory.mktemp("connect")
     with spark_connect_server(port=free_port(), log=home.parent / "connect-server.log") as url:
-        layout = run_pipeline(landing_files, home, "--remote", url)
-    assert_same_tables(table_rows(layout), embedded_tables)
+        connect = table_rows(run_pipeline(landing_files, home, "--remote", url))
+    assert_same_tables(connect, embedded)
 
-
-def test_standalone_cluster_gives_the_embedded_engines_tables(landing_files, embedded_tables, tmp_path_factory):
     home = tmp_path_factory.mktemp("standalone")
     with spark_standalone(port=free_port(), log_dir=home.parent / "standalone-logs", worker_memory="3g") as url:
-        layout = run_pipeline(landing_files, home, "--master", url)
-    assert_same_tables(table_rows(layout), embedded_tables)
+        standalone = table_rows(run_pipeline(landing_files, home, "--master", url, "--job", "advance_payments"))
+    payments = {"payments_bronze", "payments_quarantine", "payments_files", "payments_per_customer",
+                "payments_per_customer_changelog", "customer_activity"}
+    assert payments <= set(standalone) and not {n for n in standalone if n.startswith("movie")}
+    assert_same_tables(standalone, {name: embedded[name] for name in standalone})

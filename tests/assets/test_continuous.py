@@ -27,7 +27,7 @@ from pipelines.streams import STREAMS
 from statetables.servers import dagster_dev, free_port, launch_run, list_runs, run_status, terminate_run
 from tests.contract_oracle import expected_state, landing_files
 
-pytestmark = pytest.mark.whole_process
+pytestmark = pytest.mark.long
 
 CONFIG = {"ops": {"keep_streams_running": {"config": {
     "trigger_seconds": 1.0, "report_every_seconds": 5.0, "event_time_steps": False}}}}

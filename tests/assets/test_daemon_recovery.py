@@ -20,7 +20,7 @@ from pipelines.streams import PAYMENTS
 from statetables.servers import dagster_dev, free_port, list_runs
 from tests.contract_oracle import expected_state, landing_files
 
-pytestmark = pytest.mark.whole_process
+pytestmark = pytest.mark.long
 
 
 

@@ -1,5 +1,6 @@
-"""The Dagster code location: loads and validates, runs end to end with real Spark + Delta, blocking
-checks fail the run, sensors request the right runs, bad configuration fails fast.
+"""The Dagster code location: loads and validates, runs with real Spark + Delta (every asset of both streams
+end to end: tests/test_engines.py), blocking checks fail the run, sensors request the right runs, bad
+configuration fails fast.
 
 Uses a real (ephemeral) Dagster instance and the session's SparkSession. Not covered here: the
 daemon and webserver launching runs (the failure sensor is evaluated through Dagster's sensor
@@ -27,7 +28,7 @@ from pipelines.generate import generate
 from pipelines.layout import StorageLayout
 from pipelines.session import delta_jars, require_java
 from pipelines.streaming import Continuous
-from pipelines.streams import STREAMS, stream_spec
+from pipelines.streams import PAYMENTS, stream_spec
 from resources import SparkSessionResource, StatePolicyResource, StorageResource
 from statetables.definitions import defs
 
@@ -40,7 +41,7 @@ def storage_root(layout, monkeypatch):
     monkeypatch.setenv("STATETABLES_HOME", str(layout.home))
 
 
-def _job(name: str = "advance_all"):
+def _job(name: str):
     return defs.resolve_job_def(name)
 
 
@@ -50,26 +51,11 @@ def test_definitions_validate_with_the_dagster_cli():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_all_assets_materialize_with_checks_passing(spark, layout):
-    for spec in STREAMS.values():
-        generate(spec, layout.landing(spec.name), events=1500, seed=3, events_per_file=500)
+def test_a_grown_landing_file_warns_and_a_ttl_set_in_run_config_expires_keys(spark, layout):
+    """Every asset of both streams under Dagster: tests/test_engines.py."""
+    generate(PAYMENTS, layout.landing("payments"), events=600, seed=3, events_per_file=300)
     with dg.DagsterInstance.ephemeral() as instance:
-        result = _job().execute_in_process(instance=instance)
-        assert result.success
-        checks = [e.event_specific_data for e in result.all_events if e.event_type_value == "ASSET_CHECK_EVALUATION"]
-        assert len(checks) == 13 and all(c.passed for c in checks), [(c.check_name, c.metadata) for c in checks
-                                                                     if not c.passed]
-        windows = result.asset_materializations_for_node("movie_ticket_sales_windows")
-        hourly = next(m.metadata for m in windows if m.asset_key.path == ["tickets_per_title_hourly"])
-        assert hourly["windows_closed_this_run"].value > 0 and hourly["watermark"].value.startswith("2026-")
-        activity = result.asset_materializations_for_node("customer_activity")[0].metadata
-        assert activity["sessions_closed_this_run"].value > 0 and activity["operator_state_rows"].value > 0
-        bronze = result.asset_materializations_for_node("movie_ticket_sales_ingest")[0].metadata
-        assert bronze["lines_read"].value == 1500
-        state = result.asset_materializations_for_node("movie_tickets_sold")[0].metadata
-        assert state["events_counted"].value == bronze["rows_accepted"].value
-        assert "| title |" in state["top_rows"].value
-
+        assert _job("advance_payments").execute_in_process(instance=instance).success
         # A landing file appended to after ingestion: its new line is ingested, and the change is
         # reported as a warning naming the file, without failing the run.
         grown = sorted(layout.landing("payments").glob("*.jsonl"))[0]
@@ -96,7 +82,7 @@ def test_a_failing_blocking_check_fails_the_run(spark, layout):
     for name in ("payments", "movie_ticket_sales"):
         generate(stream_spec(name), layout.landing(name), events=300, seed=4)
     with dg.DagsterInstance.ephemeral() as instance:
-        assert _job().execute_in_process(instance=instance).success
+        assert _job("advance_all").execute_in_process(instance=instance).success
         # corrupt the state table behind the pipeline's back: one customer counted twice
         table = DeltaTable.forPath(spark, str(layout.table("payments_per_customer")))
         key = table.toDF().first()["customer_id"]

@@ -73,6 +73,7 @@ def test_changelog_alone_rebuilds_the_table_at_every_version(spark, layout):
         assert _rows(spark, target) == _rows(spark, state_path, version), version
 
 
+@pytest.mark.long
 def test_savepoint_restore_rolls_back_and_resumes_exactly(spark, layout):
     for spec in STREAMS.values():
         _deliver(layout, spec, seed=1)

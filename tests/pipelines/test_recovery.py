@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
 from delta.tables import DeltaTable
 from deltalake import DeltaTable as IndependentDeltaTable
 
@@ -47,6 +48,7 @@ def _assert_exact(layout, spec):
         expected.quarantined
 
 
+@pytest.mark.long
 def test_all_checkpoints_deleted_between_runs_counts_nothing_twice(spark, layout):
     spec = PAYMENTS
     _two_runs(spark, layout, spec)
@@ -86,6 +88,7 @@ def test_corrupt_checkpoint_files_are_detected(spark, layout):
         assert verify_checkpoint(spark, copy, tables).problem, name
 
 
+@pytest.mark.long
 def test_corrupt_checkpoints_are_set_aside_and_state_rebuilt_exactly(spark, layout):
     spec = PAYMENTS
     _two_runs(spark, layout, spec)
@@ -102,6 +105,7 @@ def test_corrupt_checkpoints_are_set_aside_and_state_rebuilt_exactly(spark, layo
     _assert_exact(layout, spec)
 
 
+@pytest.mark.long
 def test_state_table_restored_behind_its_checkpoint_is_rebuilt(spark, layout):
     """Delta RESTORE keeps txn ids (delta-io/delta#1813): replaying under the old app id would skip batches."""
     spec = MOVIE_TICKET_SALES
@@ -116,6 +120,7 @@ def test_state_table_restored_behind_its_checkpoint_is_rebuilt(spark, layout):
     _assert_exact(layout, spec)
 
 
+@pytest.mark.long
 def test_checkpoint_older_than_the_table_is_not_trusted(spark, layout):
     """A checkpoint put back from an old backup would skip batches the table already holds."""
     spec = MOVIE_TICKET_SALES

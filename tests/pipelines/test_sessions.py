@@ -147,6 +147,7 @@ def test_sessions_late_payments_and_ttl_equal_the_recomputation(spark, layout, l
     assert all_time["bob"] == 5
 
 
+@pytest.mark.long
 def test_lost_sessions_checkpoint_is_rebuilt_from_the_tables_not_reset(spark, layout, monkeypatch):
     """Generated payments of 20 customers (late ones included) in four deliveries. The second run dies
     after writing late_events, before its closing commit; then the sessions query's checkpoint, with its

@@ -134,6 +134,7 @@ def test_out_of_order_late_and_closed_windows_equal_the_recomputation(spark, lay
     assert all_time["Alien"] == 2 and all_time["Dune"] == 5
 
 
+@pytest.mark.long
 def test_lost_checkpoint_is_rebuilt_from_the_tables_not_reset(spark, layout, monkeypatch):
     """Generated sales (late ones included) in four deliveries. The second run dies after writing
     late_events and top_titles_hourly, before its closing commit; then the windows query's checkpoint,
