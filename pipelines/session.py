@@ -39,7 +39,6 @@ SESSION_CONFS = {
     "spark.sql.streaming.stateStore.providerClass":
         "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider",
 }
-CODEGEN_CACHE = "spark.sql.codegen.cache.maxEntries"
 # Sized for a 2-core, 24 GiB machine; any key can be overridden through `SparkSettings.conf`.
 LOCAL_DEFAULTS = {
     "spark.sql.extensions": "io.delta.sql.DeltaSparkSessionExtension",
@@ -47,10 +46,10 @@ LOCAL_DEFAULTS = {
     # One partition per core: a small micro-batch then costs one task per stage instead of two waves.
     "spark.sql.shuffle.partitions": "2",
     "spark.default.parallelism": "2",
-    # Spark keeps 100 compiled classes by default; an ingest batch alone generates ~180 distinct ones, so
-    # every batch compiled them all again (Janino + JIT: ~a third of the driver's Java CPU, profiled).
+    # Spark keeps 100 compiled classes by default; one ingest batch generates ~124 distinct ones, so every
+    # batch compiled all of them again (~178 compiles: a third of the JVM's Java samples, profiled).
     # Read once, when the JVM starts.
-    CODEGEN_CACHE: "2000",
+    "spark.sql.codegen.cache.maxEntries": "2000",
     # Delta reconstructs table state with 50 partitions by default: far too many for 2 cores.
     "spark.databricks.delta.snapshotPartitions": "2",
     "spark.ui.enabled": "false",

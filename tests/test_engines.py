@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -29,17 +28,11 @@ from pipelines.generate import generate
 from pipelines.layout import HOME_ENV, StorageLayout
 from pipelines.streams import STREAMS
 from statetables.definitions import defs
-from statetables.servers import spark_connect_server, spark_standalone
+from statetables.servers import free_port, spark_connect_server, spark_standalone
 
 STATETABLES = str(Path(sys.executable).parent / "statetables")
 # Columns that record when or in which run something was written, not what: they differ by nature.
 WHEN_WRITTEN = {"updated_at", "ingested_at", "_commit_timestamp", "scanned_at", "ingest_batch_id"}
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
