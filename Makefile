@@ -5,9 +5,10 @@ BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 JARS := .jars/.resolved
 CLASS_ARCHIVE := .jars/statetables.jsa
+BROWSER := $(VENV)/.browser
 export STATETABLES_HOME ?= $(CURDIR)/data
 
-.PHONY: install jars class-archive demo run dev serve connect-server cluster test test-long bench bench-quick bench-event-time bench-engines bench-freshness bench-full chaos clean
+.PHONY: install jars class-archive browser ui-screenshots demo run dev serve connect-server cluster test test-long bench bench-quick bench-event-time bench-engines bench-freshness bench-full chaos clean
 
 install: $(INSTALLED)
 $(INSTALLED): setup.py
@@ -34,6 +35,16 @@ $(JARS): build/delta-jars.pom.xml
 class-archive: $(CLASS_ARCHIVE)
 $(CLASS_ARCHIVE): $(JARS) $(INSTALLED)
 	$(BIN)/python -m statetables.class_archive
+
+# A headless Chromium for the browser test (tests/assets/test_ui.py), once: Debian's package where there is apt and
+# root, otherwise the build Playwright downloads into its own cache.
+browser: $(BROWSER)
+$(BROWSER): $(INSTALLED)
+	@if command -v chromium >/dev/null; then echo "browser: $$(command -v chromium)"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  apt-get install -y -q chromium || { apt-get update -q && apt-get install -y -q chromium; }; \
+	else $(BIN)/playwright install chromium; fi
+	@touch $@
 
 demo: install jars class-archive
 	$(BIN)/statetables generate --stream all --events 20000 --malformed 0.005 --duplicates 0.01 --late 0.02 --seed 1
@@ -62,10 +73,14 @@ cluster: install jars
 test: install jars class-archive
 	$(BIN)/pytest -q -n 2 --dist worksteal --durations=15 -m "not long" tests
 
-# The rest, ~10 minutes: kill -9 chaos, recovery by the real daemon, the continuous job under dagster dev, lost,
-# damaged or set-back checkpoints, a savepoint restore. .ci/run runs it after `make test`.
-test-long: install jars class-archive
+# The rest: kill -9 chaos, the UI in headless Chromium with recovery by the real daemon, the continuous job under
+# dagster dev, lost, damaged or set-back checkpoints, a savepoint restore. .ci/run runs it after `make test`.
+test-long: install jars class-archive browser
 	$(BIN)/pytest -q -n 2 --dist worksteal --durations=10 -m long tests
+
+# The browser test's screenshots of each step, into docs/ui/ (the README shows one).
+ui-screenshots: install jars class-archive browser
+	STATETABLES_UI_SHOTS=$(CURDIR)/docs/ui $(BIN)/pytest -q -p no:cacheprovider tests/assets/test_ui.py
 
 # Side by side with the alternatives on the same files; writes docs/bench/ (see docs/performance.md).
 bench: install jars class-archive

@@ -25,7 +25,8 @@ from pydantic import Field
 from assets.keys import (
     CONTINUOUS_JOB, CONTINUOUS_TAG, bronze_key, changelog_key, quarantine_key, state_key,
 )
-from assets.streams import IngestConfig, event_time_metadata
+from assets.metadata import event_time_metadata
+from assets.streams import IngestConfig
 from assets.sessions import SessionsConfig
 from assets.windows import WindowsConfig
 from pipelines import table_checks
@@ -198,7 +199,7 @@ class ContinuousReport:
 def keep_streams_running(context: dg.OpExecutionContext, config: ContinuousConfig, spark: SparkSessionResource,
                          storage: StorageResource, state_policy: StatePolicyResource):
     refuse_over_connect(spark.remote)
-    session, layout = spark.session(), storage.layout()
+    session, layout = spark.spark_session, storage.layout()
     create_tables(session, layout)
     progress = QueryProgress()
     continuous = Continuous(trigger_interval_s=config.trigger_seconds, on_progress=progress.add)

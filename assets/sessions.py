@@ -15,7 +15,7 @@ from pydantic import Field
 from pyspark.sql import functions as F
 
 from assets.keys import KINDS, bronze_key, pool
-from assets.streams import markdown_table, recovery_metadata
+from assets.metadata import RUNBOOK_LINE, RUNBOOK_METADATA, frame_table, recovery_metadata
 from pipelines import table_checks
 from pipelines.sessions import (
     ACTIVITY, DEFAULT_STATE_TTL, DEFAULT_WATERMARK_DELAY, LAST_PAYMENTS, SESSION_GAP, SessionSettings, last_progress,
@@ -40,7 +40,7 @@ class SessionsConfig(dg.Config):
 
 
 @dg.asset(
-    name=ACTIVITY, deps=[bronze_key(SPEC)], group_name=SPEC.name, kinds=KINDS, pool=pool(SPEC),
+    name=ACTIVITY, deps=[bronze_key(SPEC)], group_name=SPEC.name, kinds=KINDS, pool=pool(SPEC), metadata=RUNBOOK_METADATA,
     description=(
         f"One row per closed activity session of a customer: payments less than "
         f"{int(SESSION_GAP.total_seconds() // 60)} minutes apart. `session_start` / `session_end` are its first and "
@@ -49,7 +49,7 @@ class SessionsConfig(dg.Config):
         "state TTL) and `day_amount`, the customer's spend on session_end's UTC day so far. A session is written "
         "once the watermark (newest payment minus the delay) is 30 minutes past its last payment, and is final. "
         "Read from payments_bronze as a stream; open sessions live in Spark's RocksDB state store "
-        "(transformWithState). Late payments go to late_events and still count in payments_per_customer."),
+        "(transformWithState). Late payments go to late_events and still count in payments_per_customer." + RUNBOOK_LINE),
     check_specs=[dg.AssetCheckSpec("sessions_reconcile_with_bronze", asset=ACTIVITY, blocking=True, description=(
         "Spark's own session_window over bronze (at the version the sessions query has read), minus late_events, "
         "cut by the same 30-minute gap: every session the watermark has closed is a row with the same end, count "
@@ -57,7 +57,7 @@ class SessionsConfig(dg.Config):
 )
 def customer_activity(context: dg.AssetExecutionContext, config: SessionsConfig, spark: SparkSessionResource,
                       storage: StorageResource):
-    session, layout = spark.session(), storage.layout()
+    session, layout = spark.spark_session, storage.layout()
     settings = SessionSettings(watermark_delay=dt.timedelta(minutes=config.watermark_delay_minutes),
                                state_ttl=dt.timedelta(days=config.state_ttl_days))
     result = update_sessions(session, layout, settings, lock_timeout_s=config.lock_timeout_s)
@@ -73,12 +73,12 @@ def customer_activity(context: dg.AssetExecutionContext, config: SessionsConfig,
         "sessions_closed_this_run": sum(b.get("sessions_closed", 0) for b in batches),
         "late_payments_this_run": sum(b.get("late_events", 0) for b in batches),
         "operator_state_rows": state.get("rows", -1), "operator_state_memory_bytes": state.get("memory_bytes", -1),
-        "newest_sessions": markdown_table(activity.orderBy(F.desc("session_end"), "customer_id")),
+        "newest_sessions": frame_table(activity.orderBy(F.desc("session_end"), "customer_id")),
         "duration_s": round(result.duration_s, 2), "table_version": result.versions[ACTIVITY].after,
-        **recovery_metadata(result)})
+        **recovery_metadata(context, result)})
     mismatched, figures = table_checks.sessions_mismatches(session, layout)
     bad = mismatched.count()
     yield dg.AssetCheckResult(
         check_name="sessions_reconcile_with_bronze", asset_key=dg.AssetKey(ACTIVITY),
         passed=bad == 0 and figures["late_not_in_bronze"] == 0,
-        metadata={**figures, "mismatched_sessions": bad, "sample": markdown_table(mismatched, rows_known=bad)})
+        metadata={**figures, "mismatched_sessions": bad, "sample": frame_table(mismatched, rows_known=bad)})

@@ -5,7 +5,7 @@ call one pipeline function, and describe what happened in metadata.
 """
 
 
-from datetime import datetime, timedelta, timezone
+from datetime import timedelta
 from decimal import Decimal
 
 import dagster as dg
@@ -13,6 +13,7 @@ from pydantic import Field
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
+from assets.metadata import RUNBOOK_LINE, RUNBOOK_METADATA, event_time_metadata, frame_table, records_table, recovery_metadata
 from assets.keys import DEEP_CHECK, KINDS, STATE_FRESHNESS, bronze_key, changelog_key, ingest_op_name, pool, quarantine_key, state_key
 from pipelines.bronze import DEFAULT_MAX_FILES_PER_TRIGGER, ingest_stream
 from pipelines.changelog import publish_changes
@@ -23,9 +24,6 @@ from pipelines.table_checks import quarantine_reasons, state_totals
 from pipelines.streaming import StreamRunResult, commits_since, table_version
 from pipelines.streams import StreamSpec
 from resources import SparkSessionResource, StatePolicyResource, StorageResource
-
-TOP_ROWS = 10
-
 
 class IngestConfig(dg.Config):
     dedup_horizon_days: float = Field(default=7.0, description="How far apart in event time a re-delivery is still recognised.")
@@ -40,35 +38,22 @@ class StateConfig(dg.Config):
     lock_timeout_s: float = Field(default=60.0, description="How long to wait for the state table's writer lock.")
 
 
-def markdown_table(frame: DataFrame, limit: int = TOP_ROWS, *, rows_known: int | None = None) -> dg.MetadataValue:
-    """Up to `limit` rows of `frame` as a table. A frame known to be empty (`rows_known=0`) costs no Spark
-    job: a passing check or a run without quarantined lines reads nothing more."""
-    if rows_known == 0:
-        return dg.MetadataValue.md("(no rows)")
-    rows = frame.limit(limit).collect()
-    header = "| " + " | ".join(frame.columns) + " |\n|" + "---|" * len(frame.columns) + "\n"
-    body = "".join("| " + " | ".join("" if v is None else str(v) for v in row) + " |\n" for row in rows)
-    return dg.MetadataValue.md(header + body)
-
-
-def event_time_metadata(value: datetime | None) -> dg.MetadataValue:
-    """An event time as Dagster shows a timestamp (Spark returns it naive, in the session's UTC)."""
-    if value is None:
-        return dg.MetadataValue.text("no event yet")
-    return dg.MetadataValue.timestamp(value.replace(tzinfo=timezone.utc))
-
-
 def _versions(result: StreamRunResult, name: str) -> dict:
     v = result.versions[name]
     return {"table_version_before": v.before if v.before is not None else -1, "table_version": v.after}
 
 
-def recovery_metadata(result: StreamRunResult) -> dict:
-    """Why the checkpoint was not trusted and what was done instead, shown on the run in the UI."""
-    if not result.recovery:
-        return {}
-    return {"checkpoint_recovery": dg.MetadataValue.md(
-        "\n".join(f"- **{k}**: {v}" for k, v in result.recovery.items() if v))}
+def ingest_figures_of_this_run(context: dg.AssetExecutionContext, spec: StreamSpec) -> dict:
+    """What this run's ingest step reported (lines read, accepted, quarantined, duplicates), when it ran in this
+    run: shown on the state table too, so its page answers "what did the last run do" on its own."""
+    figures = {}
+    for key, names in ((bronze_key(spec), ("lines_read", "rows_accepted", "duplicates_recognised")),
+                       (quarantine_key(spec), ("rows_quarantined",))):
+        event = context.instance.get_latest_materialization_event(key)
+        if event is not None and event.run_id == context.run.run_id:
+            metadata = event.asset_materialization.metadata
+            figures.update({name: metadata[name] for name in names if name in metadata})
+    return figures
 
 
 def build_stream_assets(spec: StreamSpec) -> list:
@@ -79,14 +64,14 @@ def build_stream_assets(spec: StreamSpec) -> list:
     @dg.multi_asset(
         name=ingest_op_name(spec),
         specs=[
-            dg.AssetSpec(bronze, group_name=spec.name, kinds=KINDS, description=(
+            dg.AssetSpec(bronze, group_name=spec.name, kinds=KINDS, metadata=RUNBOOK_METADATA, description=(
                 f"Accepted `{spec.name}` events, one row per distinct `{spec.id_field}`, typed per the contract "
                 f"(DECIMAL(18,2) `{spec.value_field}`, UTC `{spec.event_time_field}`), with source file and line. "
-                f"Fed by JSON-lines files in landing/{spec.name}/ through a streaming file source.")),
-            dg.AssetSpec(quarantine, group_name=spec.name, kinds=KINDS, description=(
+                f"Fed by JSON-lines files in landing/{spec.name}/ through a streaming file source." + RUNBOOK_LINE)),
+            dg.AssetSpec(quarantine, group_name=spec.name, kinds=KINDS, metadata=RUNBOOK_METADATA, description=(
                 f"Every `{spec.name}` line that was not accepted: the raw line and bytes as received, file, line "
                 f"number, a machine-readable `reason` (+ `reason_field`, `detail`). Conflicting re-uses of an "
-                f"accepted `{spec.id_field}` land here as `conflicting_duplicate`. Nothing is dropped.")),
+                f"accepted `{spec.id_field}` land here as `conflicting_duplicate`. Nothing is dropped." + RUNBOOK_LINE)),
         ],
         check_specs=[
             dg.AssetCheckSpec("quarantine_rate", asset=quarantine, description=(
@@ -101,7 +86,7 @@ def build_stream_assets(spec: StreamSpec) -> list:
     )
     def ingest(context: dg.AssetExecutionContext, config: IngestConfig, spark: SparkSessionResource,
                storage: StorageResource):
-        session = spark.session()
+        session = spark.spark_session
         result = ingest_stream(session, storage.layout(), spec,
                                max_files_per_trigger=config.max_files_per_trigger,
                                dedup_horizon=timedelta(days=config.dedup_horizon_days),
@@ -115,12 +100,11 @@ def build_stream_assets(spec: StreamSpec) -> list:
                   "files_read": counts["files"], "lines_read": counts["lines"],
                   "duration_s": round(result.duration_s, 2),
                   "source": dg.MetadataValue.path(str(storage.layout().landing(spec.name))),
-                  **recovery_metadata(result)}
+                  **recovery_metadata(context, result)}
         changed = [{"file": c["file"], "change": c["change"], "version": c["version"]} for c in result.changed_files]
-        changed_md = dg.MetadataValue.md(
-            "| file | change | version |\n|---|---|---|\n"
-            + "".join(f"| {c['file']} | {c['change']} | {c['version']} |\n" for c in changed)
-            + "".join(f"| {f} | vanished before it was read | |\n" for f in vanished))
+        changed_md = records_table(
+            changed + [{"file": f, "change": "vanished before it was read"} for f in vanished],
+            {"file": "string", "change": "string", "version": "int"})
         yield dg.MaterializeResult(asset_key=bronze, metadata={
             **common, "rows_accepted": counts["accepted"], "duplicates_recognised": counts["duplicates"],
             "lines_already_ingested": counts["already_ingested"], "files_changed_after_ingestion": len(changed),
@@ -129,7 +113,7 @@ def build_stream_assets(spec: StreamSpec) -> list:
         reasons = quarantine_reasons(session, storage.layout(), spec, versions.before, versions.after)
         yield dg.MaterializeResult(asset_key=quarantine, metadata={
             **common, "rows_quarantined": counts["quarantined"], "rows_unprocessable": counts["unprocessable"],
-            "reasons": markdown_table(reasons, 20, rows_known=0 if counts["quarantined"] == 0 else None),
+            "reasons": frame_table(reasons, 20, rows_known=0 if counts["quarantined"] == 0 else None),
             **_versions(result, "quarantine")})
         yield dg.AssetCheckResult(
             check_name="landing_files_written_once", asset_key=bronze, passed=not changed and not vanished,
@@ -150,17 +134,18 @@ def build_stream_assets(spec: StreamSpec) -> list:
         kinds=KINDS,
         pool=pool(spec),
         freshness_policy=STATE_FRESHNESS,
+        metadata=RUNBOOK_METADATA,
         description=(
             f"State table: one row per `{table.key}` with `{table.count_column}` (distinct accepted events), "
             f"`{table.sum_column}` (exact DECIMAL sum of `{spec.value_field}`), first/last `{spec.event_time_field}` "
             f"and `updated_at`. Kept by idempotent MERGE upserts of micro-batch aggregates read from "
             f"{spec.bronze_table} as a stream; Change Data Feed on, so it is also a changelog stream. "
             f"Optional TTL (resource `state_policy`, `ttl_days`): keys with no event for that many days of event "
-            f"time are deleted, and show in the changelog as deletes."),
+            f"time are deleted, and show in the changelog as deletes." + RUNBOOK_LINE),
     )
     def state_table(context: dg.AssetExecutionContext, config: StateConfig, spark: SparkSessionResource,
                     storage: StorageResource, state_policy: StatePolicyResource) -> dg.MaterializeResult:
-        session = spark.session()
+        session = spark.spark_session
         layout = storage.layout()
         ttl = state_policy.ttl(table.name)
         result = update_state_table(session, layout, spec, lock_timeout_s=config.lock_timeout_s, ttl=ttl)
@@ -172,8 +157,13 @@ def build_stream_assets(spec: StreamSpec) -> list:
         current = session.read.format("delta").load(str(layout.table(table.name)))
         totals = state_totals(session, layout, spec)
         return dg.MaterializeResult(metadata={
+            **recovery_metadata(context, result),  # first: why this run recovered, when it did
+            **ingest_figures_of_this_run(context, spec),
             "micro_batches": result.micro_batches,
             "bronze_rows_read": result.rows_read,
+            # A first run builds the table from bronze in one batch, outside any micro-batch (-1: it did not).
+            "first_build_through_bronze_version": (result.built_through_source_version
+                                                          if result.built_through_source_version is not None else -1),
             "keys_in_batches": metric("numSourceRows"),
             "rows_inserted": metric("numTargetRowsInserted"),
             "rows_updated": metric("numTargetRowsUpdated"),
@@ -184,8 +174,7 @@ def build_stream_assets(spec: StreamSpec) -> list:
             f"{table.sum_column}": str(totals["total"]),
             "bronze_table_version": table_version(session, layout.table(spec.bronze_table)),
             "duration_s": round(result.duration_s, 2),
-            **recovery_metadata(result),
-            "top_rows": markdown_table(current.orderBy(F.desc(table.count_column), table.key).drop("updated_at")),
+            "top_rows": frame_table(current.orderBy(F.desc(table.count_column), table.key).drop("updated_at")),
             **_versions(result, table.name),
         })
 
@@ -195,15 +184,16 @@ def build_stream_assets(spec: StreamSpec) -> list:
         group_name=spec.name,
         kinds=KINDS,
         pool=pool(spec),
+        metadata=RUNBOOK_METADATA,
         description=(
             f"The change stream of {table.name}: every row its Change Data Feed reports (`_change_type` insert, "
             f"update_preimage, update_postimage, delete; `_commit_version`, `_commit_timestamp`), as a Delta "
             f"table other jobs read as a table or a stream. `statetables restore-changelog` rebuilds "
-            f"{table.name} as of any version from this table alone."),
+            f"{table.name} as of any version from this table alone." + RUNBOOK_LINE),
     )
     def changelog(context: dg.AssetExecutionContext, config: StateConfig, spark: SparkSessionResource,
                   storage: StorageResource) -> dg.MaterializeResult:
-        session = spark.session()
+        session = spark.spark_session
         layout = storage.layout()
         result = publish_changes(session, layout, table, lock_timeout_s=config.lock_timeout_s)
         name = changelog_key(spec).path[-1]
@@ -237,7 +227,7 @@ def build_state_checks(spec: StreamSpec) -> list[dg.AssetChecksDefinition]:
         f"running totals, so bronze's history is not read). The per-key comparison with all of bronze is the "
         f"deep check `{DEEP_CHECK}`."))
     def totals_match_bronze(spark: SparkSessionResource, storage: StorageResource) -> dg.AssetCheckResult:
-        session, layout = spark.session(), storage.layout()
+        session, layout = spark.spark_session, storage.layout()
         figures = table_checks.totals_match_bronze(session, layout, spec)
         if figures["passed"] is None:  # the checkpoint does not say which bronze version it covers
             return _reconciliation(session, layout, spec)
@@ -249,23 +239,23 @@ def build_state_checks(spec: StreamSpec) -> list[dg.AssetChecksDefinition]:
         f"{spec.bronze_table} (`COUNT({spec.value_field})`, `SUM({spec.value_field})` GROUP BY `{table.key}`), "
         f"and the sum of counts equals the number of distinct accepted events."))
     def reconciles_with_bronze(spark: SparkSessionResource, storage: StorageResource) -> dg.AssetCheckResult:
-        return _reconciliation(spark.session(), storage.layout(), spec)
+        return _reconciliation(spark.spark_session, storage.layout(), spec)
 
     @dg.asset_check(asset=state, name="unique_keys", blocking=True,
                     description=f"Exactly one row per `{table.key}`, and no NULL key.")
     def unique_keys(spark: SparkSessionResource, storage: StorageResource) -> dg.AssetCheckResult:
-        duplicated = table_checks.duplicated_or_null_keys(spark.session(), storage.layout(), spec)
+        duplicated = table_checks.duplicated_or_null_keys(spark.spark_session, storage.layout(), spec)
         bad = duplicated.count()
         return dg.AssetCheckResult(passed=bad == 0, metadata={"duplicated_or_null_keys": bad,
-                                                              "sample": markdown_table(duplicated, rows_known=bad)})
+                                                              "sample": frame_table(duplicated, rows_known=bad)})
 
     @dg.asset_check(asset=state, name="nothing_negative", blocking=True,
                     description=f"`{table.count_column}` > 0 and `{table.sum_column}` >= 0 on every row.")
     def nothing_negative(spark: SparkSessionResource, storage: StorageResource) -> dg.AssetCheckResult:
-        negative = table_checks.negative_rows(spark.session(), storage.layout(), spec)
+        negative = table_checks.negative_rows(spark.spark_session, storage.layout(), spec)
         bad = negative.count()
         return dg.AssetCheckResult(passed=bad == 0, metadata={"bad_rows": bad,
-                                                              "sample": markdown_table(negative, rows_known=bad)})
+                                                              "sample": frame_table(negative, rows_known=bad)})
 
     return [totals_match_bronze, reconciles_with_bronze, unique_keys, nothing_negative]
 
@@ -276,4 +266,4 @@ def _reconciliation(session: SparkSession, layout, spec: StreamSpec) -> dg.Asset
     return dg.AssetCheckResult(
         passed=bad == 0 and totals["sum_of_counts"] == totals["distinct_accepted_events"]
         and totals["bronze_sum"] == totals["state_sum"] and totals["expiries_match_change_feed"],
-        metadata={"mismatched_keys": bad, **totals, "sample_mismatches": markdown_table(mismatched, rows_known=bad)})
+        metadata={"mismatched_keys": bad, **totals, "sample_mismatches": frame_table(mismatched, rows_known=bad)})

@@ -14,7 +14,7 @@ from pydantic import Field
 from pyspark.sql import functions as F
 
 from assets.keys import KINDS, bronze_key, pool
-from assets.streams import markdown_table, recovery_metadata
+from assets.metadata import RUNBOOK_LINE, RUNBOOK_METADATA, frame_table, recovery_metadata
 from pipelines import table_checks
 from pipelines.streams import MOVIE_TICKET_SALES
 from pipelines.windows import DEFAULT_WATERMARK_DELAY, HOURLY, LATE, TOP, TOP_N, last_progress, update_windows
@@ -36,18 +36,18 @@ def _iso(ms: int | None) -> str:
 @dg.multi_asset(
     name="movie_ticket_sales_windows",
     specs=[
-        dg.AssetSpec(HOURLY_KEY, deps=[bronze_key(SPEC)], group_name=SPEC.name, kinds=KINDS, description=(
+        dg.AssetSpec(HOURLY_KEY, deps=[bronze_key(SPEC)], group_name=SPEC.name, kinds=KINDS, metadata=RUNBOOK_METADATA, description=(
             "Tickets per title per one-hour tumbling window of `sale_ts` (`window_start`, `window_end`, "
             "`tickets_sold`, `total_ticket_value`). A window's row is written once the watermark (newest sale seen "
             "minus the configured delay, default 10 min) passes its end, and never changes after. Read from "
-            "movie_ticket_sales_bronze as a stream; open windows live in Spark's RocksDB state store.")),
-        dg.AssetSpec(TOP_KEY, deps=[HOURLY_KEY], group_name=SPEC.name, kinds=KINDS, description=(
+            "movie_ticket_sales_bronze as a stream; open windows live in Spark's RocksDB state store." + RUNBOOK_LINE)),
+        dg.AssetSpec(TOP_KEY, deps=[HOURLY_KEY], group_name=SPEC.name, kinds=KINDS, metadata=RUNBOOK_METADATA, description=(
             f"The {TOP_N} titles with most tickets for every closed hour (`rank` 1..{TOP_N}); ties broken by tickets, "
-            "then value, then title. Written in the same micro-batch as the hour's windows.")),
-        dg.AssetSpec(LATE_KEY, deps=[bronze_key(SPEC)], group_name=SPEC.name, kinds=KINDS, description=(
+            "then value, then title. Written in the same micro-batch as the hour's windows." + RUNBOOK_LINE)),
+        dg.AssetSpec(LATE_KEY, deps=[bronze_key(SPEC)], group_name=SPEC.name, kinds=KINDS, metadata=RUNBOOK_METADATA, description=(
             "Every sale that arrived at or behind the windows' watermark: `event_id`, its event time, the "
             "watermark it missed, `late_by_ms`, source file and line. It is in no window, and still counted in "
-            "movie_tickets_sold. Nothing is dropped silently.")),
+            "movie_tickets_sold. Nothing is dropped silently." + RUNBOOK_LINE)),
     ],
     check_specs=[
         dg.AssetCheckSpec("windows_reconcile_with_bronze", asset=HOURLY_KEY, blocking=True, description=(
@@ -62,7 +62,7 @@ def _iso(ms: int | None) -> str:
 )
 def movie_ticket_sales_windows(context: dg.AssetExecutionContext, config: WindowsConfig,
                                spark: SparkSessionResource, storage: StorageResource):
-    session, layout = spark.session(), storage.layout()
+    session, layout = spark.spark_session, storage.layout()
     result = update_windows(session, layout, watermark_delay=dt.timedelta(minutes=config.watermark_delay_minutes),
                             lock_timeout_s=config.lock_timeout_s)
     batches = [c["user"] for c in result.commits[HOURLY] if "watermark_ms" in c["user"]]
@@ -71,19 +71,19 @@ def movie_ticket_sales_windows(context: dg.AssetExecutionContext, config: Window
     common = {"micro_batches": result.micro_batches, "bronze_rows_read": result.rows_read,
               "watermark": _iso(progress.watermark_ms if progress else None),
               "bronze_version_read": progress.bronze_version if progress else -1,
-              "duration_s": round(result.duration_s, 2), **recovery_metadata(result)}
+              "duration_s": round(result.duration_s, 2), **recovery_metadata(context, result)}
     closed = sum(b.get("windows_closed", 0) for b in batches)
     late = sum(b.get("late_events", 0) for b in batches)
     hourly = session.read.format("delta").load(str(layout.table(HOURLY)))
     yield dg.MaterializeResult(asset_key=HOURLY_KEY, metadata={
         **common, "windows_closed_this_run": closed,
         "operator_state_rows": state.get("rows", -1), "operator_state_memory_bytes": state.get("memory_bytes", -1),
-        "newest_windows": markdown_table(hourly.orderBy(F.desc("window_start"), F.desc("tickets_sold"), "title")),
+        "newest_windows": frame_table(hourly.orderBy(F.desc("window_start"), F.desc("tickets_sold"), "title")),
         "table_version": result.versions[HOURLY].after})
     top = session.read.format("delta").load(str(layout.table(TOP)))
     yield dg.MaterializeResult(asset_key=TOP_KEY, metadata={
         **common, "hours_ranked_this_run": len({b["batch_id"] for b in batches if b.get("windows_closed")}),
-        "newest_hour": markdown_table(top.orderBy(F.desc("window_start"), "rank"), TOP_N),
+        "newest_hour": frame_table(top.orderBy(F.desc("window_start"), "rank"), TOP_N),
         "table_version": result.versions[TOP].after})
     yield dg.MaterializeResult(asset_key=LATE_KEY, metadata={
         **common, "late_events_this_run": late, "table_version": result.versions[LATE].after})
@@ -94,8 +94,8 @@ def movie_ticket_sales_windows(context: dg.AssetExecutionContext, config: Window
         check_name="windows_reconcile_with_bronze", asset_key=HOURLY_KEY,
         passed=bad == 0 and figures["sales"] == figures["late_events"] + figures["in_closed_windows"]
         and figures["late_not_in_bronze"] == 0,
-        metadata={**figures, "mismatched_windows": bad, "sample": markdown_table(mismatched, rows_known=bad)})
+        metadata={**figures, "mismatched_windows": bad, "sample": frame_table(mismatched, rows_known=bad)})
     wrong = table_checks.top_titles_mismatches(session, layout)
     wrong_rows = wrong.count()
     yield dg.AssetCheckResult(check_name="top_titles_match_windows", asset_key=TOP_KEY, passed=wrong_rows == 0,
-                              metadata={"rows_differing": wrong_rows, "sample": markdown_table(wrong, rows_known=wrong_rows)})
+                              metadata={"rows_differing": wrong_rows, "sample": frame_table(wrong, rows_known=wrong_rows)})

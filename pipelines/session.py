@@ -103,22 +103,19 @@ def require_java() -> None:
     )
 
 
-def build_spark_session(settings: SparkSettings | None = None) -> SparkSession:
-    """Return the process's SparkSession with Delta, creating it (and its JVM) once.
-
-    >>> spark = build_spark_session(SparkSettings(master="local[2]"))
-    """
+def session_confs(settings: SparkSettings | None = None) -> dict[str, str]:
+    """Every conf the session is built with, `spark.master` or `spark.remote` included: what
+    `SparkSession.builder.config(key, value)` takes, one key at a time. Checks Java and the Delta jars first
+    (not needed over Connect: the server holds them)."""
     settings = settings or SparkSettings()
     if settings.remote:
         # Spark Connect: the server holds Delta's jars and extensions; no local JVM is started.
-        builder = SparkSession.builder.remote(settings.remote)
-        for key, value in {**SESSION_CONFS, **settings.conf}.items():
-            builder = builder.config(key, value)
-        return builder.getOrCreate()
+        return {"spark.remote": settings.remote, **SESSION_CONFS, **settings.conf}
 
     require_java()
     jars = delta_jars(settings.jars_dir)
-    conf = {**SESSION_CONFS, **LOCAL_DEFAULTS, "spark.jars": ",".join(str(j) for j in jars)}
+    conf = {"spark.master": settings.master, "spark.app.name": settings.app_name,
+            **SESSION_CONFS, **LOCAL_DEFAULTS, "spark.jars": ",".join(str(j) for j in jars)}
     if settings.master.startswith(("local", "spark://127.0.0.1:", "spark://localhost:")):
         # The engine is on this host only: keep the driver on loopback.
         conf.update({"spark.driver.host": "127.0.0.1", "spark.driver.bindAddress": "127.0.0.1"})
@@ -130,10 +127,18 @@ def build_spark_session(settings: SparkSettings | None = None) -> SparkSession:
     archive = class_archive_options(settings.jars_dir)
     # The throughput collector: short pauses do not matter to batches, and G1's concurrent work competes
     # for the 2 cores (8% less wall time on small runs, measured).
-    java_options = f"{archive} {PARALLEL_GC}" if archive else PARALLEL_GC
-    conf["spark.driver.extraJavaOptions"] = java_options
+    conf["spark.driver.extraJavaOptions"] = f"{archive} {PARALLEL_GC}" if archive else PARALLEL_GC
     conf.update(settings.conf)
-    builder = SparkSession.builder.master(settings.master).appName(settings.app_name)
-    for key, value in conf.items():
+    return conf
+
+
+def build_spark_session(settings: SparkSettings | None = None) -> SparkSession:
+    """Return the process's SparkSession with Delta, creating it (and its JVM) once. The Dagster resource
+    (resources/spark.py) builds the same session from `session_confs` through dagster-pyspark.
+
+    >>> spark = build_spark_session(SparkSettings(master="local[2]"))
+    """
+    builder = SparkSession.builder
+    for key, value in session_confs(settings).items():
         builder = builder.config(key, value)
     return builder.getOrCreate()

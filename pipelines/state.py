@@ -193,11 +193,11 @@ def update_state_table(spark: SparkSession, layout: StorageLayout, spec: StreamS
         bronze_id = table_id(spark, bronze_path)
         verdict, moved = checkpoint_for_run(spark, checkpoint, layout.set_aside_checkpoints, [table_path],
                                             source_table_id=bronze_id)
-        origin, recovery = verdict.origin, None
+        origin, recovery, built_through = verdict.origin, None, None
         if origin is None:
             reason = verdict.problem or "no checkpoint yet"
             app_id = new_app_id(spec.state_query)
-            bronze_version = rebuild_state_table(spark, layout, spec, app_id, ttl)
+            bronze_version = built_through = rebuild_state_table(spark, layout, spec, app_id, ttl)
             origin = start_checkpoint(checkpoint, spec.state_query, reason, app_id=app_id,
                                       source_start_version=bronze_version + 1, source_table_id=bronze_id)
             if verdict.problem or moved:
@@ -226,4 +226,5 @@ def update_state_table(spark: SparkSession, layout: StorageLayout, spec: StreamS
             versions={table.name: TableVersions(before, table_version(spark, table_path))},
             commits={table.name: commits_since(spark, table_path, before)},
             recovery=recovery,
+            built_through_source_version=built_through,
         )

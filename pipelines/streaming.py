@@ -61,6 +61,9 @@ class StreamRunResult:
     operator_state: dict | None = None
     # Landing files appended to or rewritten after they were ingested: {"file", "change", "version"}.
     changed_files: list[dict] = field(default_factory=list)
+    # Set when the table was built in one batch from its source, up to this source version, before the query
+    # (a first run, or a checkpoint not trusted): those rows came in no micro-batch.
+    built_through_source_version: int | None = None
 
 
 @contextmanager

@@ -41,6 +41,12 @@ run_monitoring:
   poll_interval_seconds: 30
 telemetry:
   enabled: false
+# The state tables' freshness policies (assets/keys.py) are only evaluated, and shown as fresh or stale, with this.
+freshness:
+  enabled: true
+# No sign-up dialog over the UI on a fresh instance.
+nux:
+  enabled: false
 """
 
 

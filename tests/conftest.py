@@ -14,7 +14,7 @@ from pipelines.session import build_spark_session
 # The longest tests start whole processes (kill -9 runs, dagster dev + daemon, Spark servers). Each starts
 # a share of the list: pytest-xdist's worksteal hands every worker one contiguous share, so each worker
 # begins with one of them, and neither runs alone at the end while the other worker sits idle.
-LONG_FIRST = ("tests/test_chaos.py", "tests/assets/test_daemon_recovery.py", "tests/assets/test_continuous.py",
+LONG_FIRST = ("tests/test_chaos.py", "tests/assets/test_ui.py", "tests/assets/test_continuous.py",
               "tests/test_engines.py")
 
 
