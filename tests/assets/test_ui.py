@@ -33,6 +33,7 @@ import shutil
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 from deltalake import DeltaTable as IndependentDeltaTable
 import pytest
@@ -42,6 +43,7 @@ from assets.keys import RECOVERY_OF_TAG
 from pipelines import faults
 from pipelines.generate import generate
 from pipelines.streams import PAYMENTS, STREAMS
+from statetables.definitions import defs
 from statetables.servers import dagster_dev, free_port, list_runs
 from tests.contract_oracle import expected_state, landing_files
 
@@ -56,7 +58,7 @@ LOCATION = "statetables.definitions:defs"
 
 
 @contextmanager
-def chromium() -> Page:
+def chromium() -> Iterator[Page]:
     """Debian's chromium where `make browser` installed it, else the browser Playwright downloaded there."""
     executable = shutil.which("chromium")
     with sync_playwright() as playwright:
@@ -70,7 +72,6 @@ def chromium() -> Page:
 
 
 def _all_asset_names() -> list[str]:
-    from statetables.definitions import defs
     return sorted(key.to_user_string() for key in defs.resolve_asset_graph().get_all_asset_keys())
 
 
