@@ -147,7 +147,9 @@ def _run(args: argparse.Namespace) -> int:
     for event in result.all_events:
         if event.event_type_value == "ASSET_MATERIALIZATION":
             mat = event.step_materialization_data.materialization
-            shown = {k: v.value for k, v in mat.metadata.items() if not isinstance(v.value, str) or len(v.value) < 80}
+            # Figures only: tables (top rows, reasons) are for the UI.
+            shown = {k: v.value for k, v in mat.metadata.items()
+                     if isinstance(v.value, (int, float)) or (isinstance(v.value, str) and len(v.value) < 80)}
             print(f"  materialized {mat.asset_key.to_user_string()}: {shown}")
         elif event.event_type_value == "ASSET_CHECK_EVALUATION":
             check = event.event_specific_data
