@@ -40,7 +40,8 @@ class SessionsConfig(dg.Config):
 
 
 @dg.asset(
-    name=ACTIVITY, deps=[bronze_key(SPEC)], group_name=SPEC.name, kinds=KINDS, pool=pool(SPEC), metadata=RUNBOOK_METADATA,
+    name=ACTIVITY, deps=[bronze_key(SPEC)], group_name=SPEC.name, kinds=KINDS, pool=pool(SPEC),
+    metadata=RUNBOOK_METADATA,
     description=(
         f"One row per closed activity session of a customer: payments less than "
         f"{int(SESSION_GAP.total_seconds() // 60)} minutes apart. `session_start` / `session_end` are its first and "
@@ -49,7 +50,8 @@ class SessionsConfig(dg.Config):
         "state TTL) and `day_amount`, the customer's spend on session_end's UTC day so far. A session is written "
         "once the watermark (newest payment minus the delay) is 30 minutes past its last payment, and is final. "
         "Read from payments_bronze as a stream; open sessions live in Spark's RocksDB state store "
-        "(transformWithState). Late payments go to late_events and still count in payments_per_customer." + RUNBOOK_LINE),
+        "(transformWithState). Late payments go to late_events and still count in payments_per_customer."
+        + RUNBOOK_LINE),
     check_specs=[dg.AssetCheckSpec("sessions_reconcile_with_bronze", asset=ACTIVITY, blocking=True, description=(
         "Spark's own session_window over bronze (at the version the sessions query has read), minus late_events, "
         "cut by the same 30-minute gap: every session the watermark has closed is a row with the same end, count "

@@ -10,10 +10,12 @@ from decimal import Decimal
 
 import dagster as dg
 from pydantic import Field
-from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
-from assets.metadata import RUNBOOK_LINE, RUNBOOK_METADATA, event_time_metadata, frame_table, records_table, recovery_metadata
+from assets.metadata import (
+    RUNBOOK_LINE, RUNBOOK_METADATA, event_time_metadata, frame_table, records_table, recovery_metadata,
+)
 from assets.keys import DEEP_CHECK, KINDS, STATE_FRESHNESS, bronze_key, changelog_key, ingest_op_name, pool, quarantine_key, state_key
 from pipelines.bronze import DEFAULT_MAX_FILES_PER_TRIGGER, ingest_stream
 from pipelines.changelog import publish_changes
@@ -102,13 +104,13 @@ def build_stream_assets(spec: StreamSpec) -> list:
                   "source": dg.MetadataValue.path(str(storage.layout().landing(spec.name))),
                   **recovery_metadata(context, result)}
         changed = [{"file": c["file"], "change": c["change"], "version": c["version"]} for c in result.changed_files]
-        changed_md = records_table(
+        changed_table = records_table(
             changed + [{"file": f, "change": "vanished before it was read"} for f in vanished],
             {"file": "string", "change": "string", "version": "int"})
         yield dg.MaterializeResult(asset_key=bronze, metadata={
             **common, "rows_accepted": counts["accepted"], "duplicates_recognised": counts["duplicates"],
             "lines_already_ingested": counts["already_ingested"], "files_changed_after_ingestion": len(changed),
-            "files_vanished": len(vanished), "changed_files": changed_md, **_versions(result, "bronze")})
+            "files_vanished": len(vanished), "changed_files": changed_table, **_versions(result, "bronze")})
         versions = result.versions["quarantine"]
         reasons = quarantine_reasons(session, storage.layout(), spec, versions.before, versions.after)
         yield dg.MaterializeResult(asset_key=quarantine, metadata={
@@ -119,7 +121,7 @@ def build_stream_assets(spec: StreamSpec) -> list:
             check_name="landing_files_written_once", asset_key=bronze, passed=not changed and not vanished,
             severity=dg.AssetCheckSeverity.WARN,
             metadata={"files_changed_after_ingestion": len(changed), "files_vanished": len(vanished),
-                      "files": changed_md})
+                      "files": changed_table})
         rate = counts["quarantined"] / counts["lines"] if counts["lines"] else 0.0
         yield dg.AssetCheckResult(
             check_name="quarantine_rate", asset_key=quarantine, passed=rate <= config.quarantine_warn_rate,

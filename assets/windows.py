@@ -36,15 +36,18 @@ def _iso(ms: int | None) -> str:
 @dg.multi_asset(
     name="movie_ticket_sales_windows",
     specs=[
-        dg.AssetSpec(HOURLY_KEY, deps=[bronze_key(SPEC)], group_name=SPEC.name, kinds=KINDS, metadata=RUNBOOK_METADATA, description=(
+        dg.AssetSpec(HOURLY_KEY, deps=[bronze_key(SPEC)], group_name=SPEC.name, kinds=KINDS,
+                     metadata=RUNBOOK_METADATA, description=(
             "Tickets per title per one-hour tumbling window of `sale_ts` (`window_start`, `window_end`, "
             "`tickets_sold`, `total_ticket_value`). A window's row is written once the watermark (newest sale seen "
             "minus the configured delay, default 10 min) passes its end, and never changes after. Read from "
             "movie_ticket_sales_bronze as a stream; open windows live in Spark's RocksDB state store." + RUNBOOK_LINE)),
-        dg.AssetSpec(TOP_KEY, deps=[HOURLY_KEY], group_name=SPEC.name, kinds=KINDS, metadata=RUNBOOK_METADATA, description=(
+        dg.AssetSpec(TOP_KEY, deps=[HOURLY_KEY], group_name=SPEC.name, kinds=KINDS,
+                     metadata=RUNBOOK_METADATA, description=(
             f"The {TOP_N} titles with most tickets for every closed hour (`rank` 1..{TOP_N}); ties broken by tickets, "
             "then value, then title. Written in the same micro-batch as the hour's windows." + RUNBOOK_LINE)),
-        dg.AssetSpec(LATE_KEY, deps=[bronze_key(SPEC)], group_name=SPEC.name, kinds=KINDS, metadata=RUNBOOK_METADATA, description=(
+        dg.AssetSpec(LATE_KEY, deps=[bronze_key(SPEC)], group_name=SPEC.name, kinds=KINDS,
+                     metadata=RUNBOOK_METADATA, description=(
             "Every sale that arrived at or behind the windows' watermark: `event_id`, its event time, the "
             "watermark it missed, `late_by_ms`, source file and line. It is in no window, and still counted in "
             "movie_tickets_sold. Nothing is dropped silently." + RUNBOOK_LINE)),
