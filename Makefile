@@ -70,12 +70,12 @@ cluster: install jars
 # Two workers, each with its own SparkSession: a single test keeps ~65% of the 2 cores busy (much of a
 # small run is waiting on commits and query starts), two keep both busy; 23.7 -> 18.4 min measured.
 # The fast loop, under 10 minutes: every test but those marked `long` (tests/conftest.py).
-test: install jars class-archive
+test: install jars class-archive browser
 	$(BIN)/pytest -q -n 2 --dist worksteal --durations=15 -m "not long" tests
 
-# The rest: kill -9 chaos, the UI in headless Chromium with recovery by the real daemon, the continuous job under
-# dagster dev, lost, damaged or set-back checkpoints, a savepoint restore. .ci/run runs it after `make test`.
-test-long: install jars class-archive browser
+# The rest: kill -9 chaos, the continuous job under dagster dev, the same tables over Spark Connect and on a
+# standalone cluster, lost, damaged or set-back checkpoints, a savepoint restore. .ci/run runs it after `make test`.
+test-long: install jars class-archive
 	$(BIN)/pytest -q -n 2 --dist worksteal --durations=10 -m long tests
 
 # The browser test's screenshots of each step, into docs/ui/ (the README shows one).
