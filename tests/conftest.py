@@ -20,8 +20,8 @@ LONG_FIRST = ("tests/test_chaos.py", "tests/assets/test_ui.py", "tests/assets/te
 
 def pytest_configure(config):
     config.addinivalue_line(
-        "markers", "long: minutes each, and the second scenario of a feature the fast loop already covers: whole "
-                   "processes killed and recovered (kill -9, the real daemon, the continuous job) and checkpoints lost, "
+        "markers", "long: minutes each: whole processes killed and recovered (kill -9, the continuous job), the same "
+                   "tables over Spark Connect and on a standalone cluster (server JVMs of their own), checkpoints lost, "
                    "damaged or set back. `make test` leaves them out to stay under 10 minutes; `make test-long` runs "
                    "them, and .ci/run runs both")
 
