@@ -9,7 +9,7 @@ standalone master + worker (`advance_payments`: ingest, MERGE, changelog, sessio
 every step of the pipeline runs on each engine, at half the cost of both streams on both. Every Delta table of
 each run, read back with the independent `deltalake` reader, must equal the embedded run's. The servers are the project's own (statetables/servers.py), on 127.0.0.1.
 
-The embedded run is made once per test session (a session fixture) and is the fast loop's end-to-end Dagster test;
+The embedded run is made once (a module fixture) and is the fast loop's end-to-end Dagster test;
 the Connect and standalone comparisons, each starting server JVMs of their own, are in the long tier (`make
 test-long`, which .ci/run runs after `make test`): they gave their room in the 10-minute fast loop to the browser
 test (tests/assets/test_ui.py), which issue 11 puts there.

@@ -110,8 +110,8 @@ def test_an_operator_sees_every_asset_what_a_run_did_and_why_a_recovery_ran(layo
         toast.click()
         return run_id
 
-    with dagster_dev(layout, port=free_port(), extra_env={faults.FAULTS_ENV: str(fault_dir), **FRESHNESS_INTERVAL_ENV}) as url, \
-            chromium() as page:
+    dagster_env = {faults.FAULTS_ENV: str(fault_dir), **FRESHNESS_INTERVAL_ENV}
+    with dagster_dev(layout, port=free_port(), extra_env=dagster_env) as url, chromium() as page:
         # 1. The asset graph, grouped by stream (a tall window: the graph draws only the nodes in view).
         page.set_viewport_size({"width": 1600, "height": 1500})
         page.goto(f"{url}/asset-groups")
