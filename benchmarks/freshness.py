@@ -134,7 +134,7 @@ def rates(layout: StorageLayout, steps: list[int], seconds: float) -> list[dict]
 def run_mode(home: Path, mode: str, *, files: int, every_s: float, rate_steps: list[int], rate_seconds: float) -> dict:
     """One mode under a fresh `dagster dev` over `home` (which already holds a little history)."""
     from assets.keys import CONTINUOUS_JOB
-    from statetables.servers import dagster_dev, free_port, launch_run, run_status, terminate_run
+    from statetables.servers import dagster_dev, free_port, launch_run, terminate_run, wait_for_run_end
 
     layout = StorageLayout.under(home)
     result: dict = {}
@@ -150,8 +150,5 @@ def run_mode(home: Path, mode: str, *, files: int, every_s: float, rate_steps: l
             result["rates"] = rates(layout, rate_steps, rate_seconds)
         if run_id:
             terminate_run(url, run_id)
-            deadline = time.monotonic() + 300
-            while run_status(url, run_id) not in ("CANCELED", "FAILURE", "SUCCESS") and time.monotonic() < deadline:
-                time.sleep(2)
-            result["run_status"] = run_status(url, run_id)
+            result["run_status"] = wait_for_run_end(url, run_id, timeout_s=300)
     return result

@@ -230,7 +230,7 @@ def _serve(args: argparse.Namespace) -> int:
     import time
 
     from assets.keys import CONTINUOUS_JOB
-    from statetables.servers import dagster_dev, launch_run, run_status, terminate_run
+    from statetables.servers import dagster_dev, launch_run, terminate_run, wait_for_run_end
 
     def interrupt(signum, frame):
         raise KeyboardInterrupt
@@ -254,12 +254,7 @@ def _serve(args: argparse.Namespace) -> int:
             pass
         print(f"cancelling {run_id} ...", flush=True)
         terminate_run(url, run_id)
-        deadline = time.monotonic() + 300
-        while (status := run_status(url, run_id)) not in ("CANCELED", "FAILURE", "SUCCESS"):
-            if time.monotonic() > deadline:
-                break
-            time.sleep(2)
-        print(f"run {run_id}: {status}")
+        print(f"run {run_id}: {wait_for_run_end(url, run_id, timeout_s=300)}")
     return 0
 
 

@@ -97,6 +97,17 @@ def run_status(url: str, run_id: str) -> str:
     return graphql(url, _RUN, {"runId": run_id})["runOrError"]["status"]
 
 
+RUN_ENDED = ("CANCELED", "FAILURE", "SUCCESS")
+
+
+def wait_for_run_end(url: str, run_id: str, timeout_s: float) -> str:
+    """Poll the run's status every 2 s until it has ended or `timeout_s` passed; returns the last status seen."""
+    deadline = time.monotonic() + timeout_s
+    while (status := run_status(url, run_id)) not in RUN_ENDED and time.monotonic() < deadline:
+        time.sleep(2)
+    return status
+
+
 @contextmanager
 def dagster_dev(layout: StorageLayout, *, port: int, extra_env: dict[str, str] | None = None,
                 log: Path | None = None, ready_timeout_s: float = 180) -> Iterator[str]:

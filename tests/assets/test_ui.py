@@ -41,7 +41,7 @@ from pipelines import faults
 from pipelines.generate import generate
 from pipelines.streams import PAYMENTS, STREAMS
 from statetables.definitions import defs
-from statetables.servers import dagster_dev, free_port, graphql, list_runs, run_status
+from statetables.servers import RUN_ENDED, dagster_dev, free_port, graphql, list_runs, wait_for_run_end
 from tests.contract_oracle import expected_state, landing_files
 
 SHOTS_ENV = "STATETABLES_UI_SHOTS"
@@ -87,7 +87,7 @@ def open_finished_run(page: Page, url: str, run_id: str) -> None:
     """Wait for a run to end with the browser on a blank page, then open the run's page. A running run's page
     redraws its timeline many times a second: watching it cost Chromium a third of this test's CPU."""
     page.goto("about:blank")
-    wait_for(lambda: run_status(url, run_id) in ("SUCCESS", "FAILURE", "CANCELED"), f"run {run_id} to end")
+    assert wait_for_run_end(url, run_id, RUN_TIMEOUT_MS / 1000) in RUN_ENDED, f"run {run_id} did not end"
     page.goto(f"{url}/runs/{run_id}")
 
 
