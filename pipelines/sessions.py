@@ -1,7 +1,7 @@
 """Payments in per-customer activity sessions: `customer_activity`, one row per closed session.
 
-A session is a customer's payments with less than 30 minutes between one and the next (Spark's
-`session_window` rule). It closes once the watermark (newest payment seen minus the delay) is 30
+A session is a customer's payments with less than 30 minutes between one and the next: exactly 30
+minutes apart is two sessions (not Spark's `session_window`, which merges at exactly the gap). It closes once the watermark (newest payment seen minus the delay) is 30
 minutes past its last payment: no payment still to come can join it. Its row says when it started and
 ended, how many payments and how much, the last five payment ids, when the customer's previous session
 ended, and how much the customer spent that day.

@@ -14,7 +14,7 @@ import datetime as dt
 import json
 from decimal import Decimal
 
-from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 
 from pipelines.bronze import accepted_totals
@@ -143,6 +143,13 @@ def quarantine_reasons(spark: SparkSession, layout: StorageLayout, spec: StreamS
     return written.groupBy("reason", "reason_field").count().orderBy(F.desc("count"))
 
 
+def _late_figures(late: DataFrame) -> tuple[int, int]:
+    """(late events, those not at or behind the watermark they were said to miss). The operators' rule: an
+    event exactly at the watermark is late, so only an event time after it is wrong."""
+    row = late.agg(F.count("*"), F.count(F.when(F.col("event_time") > F.col("watermark"), 1))).first()
+    return row[0], row[1]
+
+
 def windows_mismatches(spark: SparkSession, layout: StorageLayout,
                        since_version: int | None = None) -> tuple[DataFrame, dict]:
     """The hours that closed after `tickets_per_title_hourly` version `since_version` (every hour when
@@ -165,7 +172,8 @@ def windows_mismatches(spark: SparkSession, layout: StorageLayout,
                   .where(F.col("_change_type") == "insert"))
     hours = sorted(r[0] for r in closed.select("window_start").distinct().collect())
     figures = {"hours_checked": len(hours), "sales": 0, "late_events": 0, "in_closed_windows": 0,
-               "late_not_in_bronze": 0, "bronze_version": progress.bronze_version if progress else -1}
+               "late_not_in_bronze": 0, "late_not_behind_watermark": 0,
+               "bronze_version": progress.bronze_version if progress else -1}
     empty = spark.createDataFrame([], "title string, window_start timestamp, expected_tickets long, tickets_sold long")
     if not hours or progress is None:
         return empty, figures
@@ -186,9 +194,10 @@ def windows_mismatches(spark: SparkSession, layout: StorageLayout,
                   .where(~F.col("expected_tickets").eqNullSafe(F.col("tickets_sold"))
                          | ~F.col("expected_value").eqNullSafe(F.col("total_ticket_value"))))
     late_in_bronze = late.join(sales.select(F.col(spec.id_field).alias("event_id")), "event_id", "left_semi").count()
+    late_count, not_behind = _late_figures(late)
     figures.update({"sales": sales.count(), "late_events": late_in_bronze,
                     "in_closed_windows": actual.agg(F.sum("tickets_sold")).first()[0] or 0,
-                    "late_not_in_bronze": late.count() - late_in_bronze})
+                    "late_not_in_bronze": late_count - late_in_bronze, "late_not_behind_watermark": not_behind})
     return mismatched, figures
 
 
@@ -201,13 +210,33 @@ def top_titles_mismatches(spark: SparkSession, layout: StorageLayout) -> DataFra
             .unionByName(recomputed.exceptAll(stored).withColumn("side", F.lit("missing from top_titles_hourly"))))
 
 
+def recomputed_sessions(payments: DataFrame, gap: dt.timedelta) -> DataFrame:
+    """The contract's sessions of `payments`, recomputed with window functions: per customer, in event-time
+    order, a payment *less than* `gap` after the previous one joins its session; `gap` or more starts a new
+    one. Not Spark's `session_window`: that merges a session with the next when the next starts exactly at
+    its last payment + gap, so at an exact 30-minute gap it disagreed with the contract (issue 26).
+    Ties in event time are ordered by id, which changes no session: equal times are 0 apart."""
+    spec = PAYMENTS
+    at = F.unix_micros(spec.event_time_field)
+    in_order = Window.partitionBy("customer_id").orderBy(spec.event_time_field, spec.id_field)
+    starts = F.when(F.lag(at).over(in_order).isNull()
+                    | (at - F.lag(at).over(in_order) >= gap // dt.timedelta(microseconds=1)), 1).otherwise(0)
+    numbered = (payments.withColumn("_starts", starts)
+                .withColumn("_session", F.sum("_starts").over(in_order.rowsBetween(Window.unboundedPreceding, 0))))
+    return numbered.groupBy("customer_id", "_session").agg(
+        F.min(spec.event_time_field).alias("session_start"), F.max(spec.event_time_field).alias("expected_end"),
+        F.count("*").alias("expected_payments"),
+        F.sum(spec.value_field).cast(TOTAL_TYPE).alias("expected_amount")).drop("_session")
+
+
 def sessions_mismatches(spark: SparkSession, layout: StorageLayout) -> tuple[DataFrame, dict]:
-    """customer_activity against Spark's own `session_window` over bronze, at the bronze version and
-    watermark the sessions query has reached: the payments that are not in late_events, cut into
-    sessions by the same gap; each session the watermark has closed must be a row with the same end,
-    count and amount, and each row such a session. A second implementation of the rule, so a fault in
-    the operator (or a corrupted row) shows. Previous session and day totals depend on the TTL's
-    processing time and are not recomputed. One pass over bronze."""
+    """customer_activity against the sessions recomputed from bronze (`recomputed_sessions`), at the
+    bronze version and watermark the sessions query has reached: the payments that are not in
+    late_events, cut by the contract's gap rule; each session the watermark has closed (a gap past its
+    last payment, the operator's rule) must be a row with the same end, count and amount, and each row
+    such a session. A second implementation of the rule with the same edges, so a fault in the operator
+    (or a corrupted row) shows. Previous session and day totals depend on the TTL and are not
+    recomputed. One pass over bronze."""
     spec = PAYMENTS
     progress = sessions_progress(spark, layout)
     activity = spark.read.format("delta").load(str(layout.table(ACTIVITY))).select(
@@ -219,24 +248,17 @@ def sessions_mismatches(spark: SparkSession, layout: StorageLayout) -> tuple[Dat
         payments = (spark.read.format("delta").option("versionAsOf", progress.bronze_version)
                     .load(str(layout.table(spec.bronze_table))))
     on_time = payments.join(late.select(F.col("event_id").alias(spec.id_field)), spec.id_field, "left_anti")
-    window = F.session_window(spec.event_time_field, f"{int(SESSION_GAP.total_seconds())} seconds")
-    recomputed = (on_time.groupBy("customer_id", window.alias("w"))
-                  .agg(F.min(spec.event_time_field).alias("session_start"),
-                       F.max(spec.event_time_field).alias("expected_end"),
-                       F.count("*").alias("expected_payments"),
-                       F.sum(spec.value_field).cast(TOTAL_TYPE).alias("expected_amount"))
-                  .drop("w")
-                  # Closed: the watermark is a gap past the last payment. Not a filter on `w.end`: on Spark
-                  # 4.1 that cut sessions short here (it seems applied before the sessions are merged).
-                  .where(F.unix_micros("expected_end") + SESSION_GAP // dt.timedelta(microseconds=1)
-                         <= (progress.watermark_ms if progress else 0) * 1000))
+    recomputed = recomputed_sessions(on_time, SESSION_GAP).where(
+        F.unix_micros("expected_end") + SESSION_GAP // dt.timedelta(microseconds=1)
+        <= (progress.watermark_ms if progress else 0) * 1000)
     mismatched = (recomputed.join(activity, ["customer_id", "session_start"], "full_outer")
                   .where(~F.col("expected_end").eqNullSafe(F.col("session_end"))
                          | ~F.col("expected_payments").eqNullSafe(F.col("payment_count"))
                          | ~F.col("expected_amount").eqNullSafe(F.col("total_amount"))))
     totals = activity.agg(F.count("*"), F.sum("payment_count")).first()
     late_in_bronze = late.join(payments.select(F.col(spec.id_field).alias("event_id")), "event_id", "left_semi").count()
+    late_count, not_behind = _late_figures(late)
     figures = {"sessions_checked": totals[0], "payments_in_sessions": totals[1] or 0, "late_events": late_in_bronze,
-               "late_not_in_bronze": late.count() - late_in_bronze,
+               "late_not_in_bronze": late_count - late_in_bronze, "late_not_behind_watermark": not_behind,
                "bronze_version": progress.bronze_version if progress else -1}
     return mismatched, figures
