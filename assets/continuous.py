@@ -39,7 +39,8 @@ from pipelines.state import update_state_table
 from pipelines.streaming import Continuous, commits_since, table_version
 from pipelines.streams import STREAMS, StreamSpec
 from pipelines.windows import HOURLY, LATE, TOP, WINDOWS_QUERY, update_windows
-from resources import SparkSessionResource, StatePolicyResource, StorageResource
+from resources import CheckPolicyResource, SparkSessionResource, StatePolicyResource, StorageResource
+from resources.check_policy import WARN_ONLY_NOTE
 
 
 class ContinuousConfig(dg.Config):
@@ -123,8 +124,9 @@ class ContinuousReport:
     version moved, and the state tables' per-run checks (pinned to the table's newest batch, so a MERGE
     committing meanwhile cannot make them fail)."""
 
-    def __init__(self, spark, layout: StorageLayout, progress: QueryProgress, event_time_steps: bool):
-        self.spark, self.layout, self.progress = spark, layout, progress
+    def __init__(self, spark, layout: StorageLayout, progress: QueryProgress, event_time_steps: bool,
+                 check_policy: CheckPolicyResource):
+        self.spark, self.layout, self.progress, self.check_policy = spark, layout, progress, check_policy
         self.tables: dict[dg.AssetKey, tuple[str, str]] = {}  # asset → (table folder, query writing it)
         for spec in STREAMS.values():
             self.tables[bronze_key(spec)] = (spec.bronze_table, spec.ingest_query)
@@ -185,10 +187,13 @@ class ContinuousReport:
                                                             for k, v in totals.items()}))
         evaluations = []
         for name, ok, metadata in results:
-            if not ok:
+            severity = self.check_policy.severity(key.to_user_string(), name)
+            if not ok and severity == dg.AssetCheckSeverity.ERROR:
                 self.failed_checks.append(f"{key.to_user_string()}:{name}")
+            elif not ok:
+                metadata = {**metadata, "blocking": WARN_ONLY_NOTE}
             evaluations.append(dg.AssetCheckEvaluation(asset_key=key, check_name=name, passed=ok, metadata=metadata,
-                                                       severity=dg.AssetCheckSeverity.ERROR, blocking=True))
+                                                       severity=severity, blocking=True))
         return evaluations
 
 
@@ -197,14 +202,15 @@ class ContinuousReport:
     "reports each table to Dagster every `report_every_seconds`. Cancel the run to stop: each query finishes "
     "its current micro-batch first."))
 def keep_streams_running(context: dg.OpExecutionContext, config: ContinuousConfig, spark: SparkSessionResource,
-                         storage: StorageResource, state_policy: StatePolicyResource):
+                         storage: StorageResource, state_policy: StatePolicyResource,
+                         check_policy: CheckPolicyResource):
     refuse_over_connect(spark.remote)
     session, layout = spark.spark_session, storage.layout()
     create_tables(session, layout)
     progress = QueryProgress()
     continuous = Continuous(trigger_interval_s=config.trigger_seconds, on_progress=progress.add)
     steps = continuous_steps(session, layout, config, state_policy)
-    report = ContinuousReport(session, layout, progress, config.event_time_steps)
+    report = ContinuousReport(session, layout, progress, config.event_time_steps, check_policy)
     context.log.info(f"{len(steps)} queries running: {', '.join(s.name for s in steps)}")
     with closing(run_steps_continuously(steps, continuous, tick_s=config.report_every_seconds)) as ticks:
         for _ in ticks:

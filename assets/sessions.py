@@ -22,7 +22,7 @@ from pipelines.sessions import (
     update_sessions,
 )
 from pipelines.streams import PAYMENTS
-from resources import SparkSessionResource, StorageResource
+from resources import CheckPolicyResource, SparkSessionResource, StorageResource
 
 SPEC = PAYMENTS
 
@@ -54,11 +54,13 @@ class SessionsConfig(dg.Config):
         + RUNBOOK_LINE),
     check_specs=[dg.AssetCheckSpec("sessions_reconcile_with_bronze", asset=ACTIVITY, blocking=True, description=(
         "Bronze (at the version the sessions query has read) minus late_events, cut into sessions by window "
-        "functions with the contract's rule (less than 30 minutes apart is one session; exactly 30 is two): every session the watermark has closed is a row with the same end, count "
-        "and amount, and every row is such a session. Reads all of payments_bronze once."))],
+        "functions with the contract's rule (less than 30 minutes apart is one session; exactly 30 is two): "
+        "every session the watermark has closed is a row with the same end, count and amount, and every row is "
+        "such a session; every late payment is at or behind the watermark it missed. Reads all of "
+        "payments_bronze once."))],
 )
 def customer_activity(context: dg.AssetExecutionContext, config: SessionsConfig, spark: SparkSessionResource,
-                      storage: StorageResource):
+                      storage: StorageResource, check_policy: CheckPolicyResource):
     session, layout = spark.spark_session, storage.layout()
     settings = SessionSettings(watermark_delay=dt.timedelta(minutes=config.watermark_delay_minutes),
                                state_ttl=dt.timedelta(days=config.state_ttl_days))
@@ -80,7 +82,7 @@ def customer_activity(context: dg.AssetExecutionContext, config: SessionsConfig,
         **recovery_metadata(context, result)})
     mismatched, figures = table_checks.sessions_mismatches(session, layout)
     bad = mismatched.count()
-    yield dg.AssetCheckResult(
-        check_name="sessions_reconcile_with_bronze", asset_key=dg.AssetKey(ACTIVITY),
+    yield check_policy.result(
+        dg.AssetKey(ACTIVITY), "sessions_reconcile_with_bronze",
         passed=bad == 0 and figures["late_not_in_bronze"] == figures["late_not_behind_watermark"] == 0,
         metadata={**figures, "mismatched_sessions": bad, "sample": frame_table(mismatched, rows_known=bad)})

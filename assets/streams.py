@@ -25,7 +25,7 @@ from pipelines.state import update_state_table
 from pipelines.table_checks import quarantine_reasons, state_totals
 from pipelines.streaming import StreamRunResult, commits_since, table_version
 from pipelines.streams import StreamSpec
-from resources import SparkSessionResource, StatePolicyResource, StorageResource
+from resources import CheckPolicyResource, SparkSessionResource, StatePolicyResource, StorageResource
 
 class IngestConfig(dg.Config):
     dedup_horizon_days: float = Field(default=7.0, description="How far apart in event time a re-delivery is still recognised.")
@@ -228,44 +228,50 @@ def build_state_checks(spec: StreamSpec) -> list[dg.AssetChecksDefinition]:
         f"events in {spec.bronze_table} at the bronze version the state table covers (bronze commits carry "
         f"running totals, so bronze's history is not read). The per-key comparison with all of bronze is the "
         f"deep check `{DEEP_CHECK}`."))
-    def totals_match_bronze(spark: SparkSessionResource, storage: StorageResource) -> dg.AssetCheckResult:
+    def totals_match_bronze(spark: SparkSessionResource, storage: StorageResource,
+                            check_policy: CheckPolicyResource) -> dg.AssetCheckResult:
         session, layout = spark.spark_session, storage.layout()
         figures = table_checks.totals_match_bronze(session, layout, spec)
         if figures["passed"] is None:  # the checkpoint does not say which bronze version it covers
-            return _reconciliation(session, layout, spec)
-        return dg.AssetCheckResult(passed=figures.pop("passed"),
+            return _reconciliation(session, layout, spec, check_policy, "totals_match_bronze")
+        return check_policy.result(state, "totals_match_bronze", passed=figures.pop("passed"), name_asset=False,
                                    metadata={k: str(v) if isinstance(v, Decimal) else v for k, v in figures.items()})
 
     @dg.asset_check(asset=state, name=DEEP_CHECK, blocking=True, description=(
         f"Deep check, nightly and on demand: every `{table.key}`'s count and sum equal the seed query over all of "
         f"{spec.bronze_table} (`COUNT({spec.value_field})`, `SUM({spec.value_field})` GROUP BY `{table.key}`), "
         f"and the sum of counts equals the number of distinct accepted events."))
-    def reconciles_with_bronze(spark: SparkSessionResource, storage: StorageResource) -> dg.AssetCheckResult:
-        return _reconciliation(spark.spark_session, storage.layout(), spec)
+    def reconciles_with_bronze(spark: SparkSessionResource, storage: StorageResource,
+                               check_policy: CheckPolicyResource) -> dg.AssetCheckResult:
+        return _reconciliation(spark.spark_session, storage.layout(), spec, check_policy, DEEP_CHECK)
 
     @dg.asset_check(asset=state, name="unique_keys", blocking=True,
                     description=f"Exactly one row per `{table.key}`, and no NULL key.")
-    def unique_keys(spark: SparkSessionResource, storage: StorageResource) -> dg.AssetCheckResult:
+    def unique_keys(spark: SparkSessionResource, storage: StorageResource,
+                    check_policy: CheckPolicyResource) -> dg.AssetCheckResult:
         duplicated = table_checks.duplicated_or_null_keys(spark.spark_session, storage.layout(), spec)
         bad = duplicated.count()
-        return dg.AssetCheckResult(passed=bad == 0, metadata={"duplicated_or_null_keys": bad,
-                                                              "sample": frame_table(duplicated, rows_known=bad)})
+        return check_policy.result(state, "unique_keys", passed=bad == 0, name_asset=False, metadata={
+            "duplicated_or_null_keys": bad, "sample": frame_table(duplicated, rows_known=bad)})
 
     @dg.asset_check(asset=state, name="nothing_negative", blocking=True,
                     description=f"`{table.count_column}` > 0 and `{table.sum_column}` >= 0 on every row.")
-    def nothing_negative(spark: SparkSessionResource, storage: StorageResource) -> dg.AssetCheckResult:
+    def nothing_negative(spark: SparkSessionResource, storage: StorageResource,
+                         check_policy: CheckPolicyResource) -> dg.AssetCheckResult:
         negative = table_checks.negative_rows(spark.spark_session, storage.layout(), spec)
         bad = negative.count()
-        return dg.AssetCheckResult(passed=bad == 0, metadata={"bad_rows": bad,
-                                                              "sample": frame_table(negative, rows_known=bad)})
+        return check_policy.result(state, "nothing_negative", passed=bad == 0, name_asset=False, metadata={
+            "bad_rows": bad, "sample": frame_table(negative, rows_known=bad)})
 
     return [totals_match_bronze, reconciles_with_bronze, unique_keys, nothing_negative]
 
 
-def _reconciliation(session: SparkSession, layout, spec: StreamSpec) -> dg.AssetCheckResult:
+def _reconciliation(session: SparkSession, layout, spec: StreamSpec, check_policy: CheckPolicyResource,
+                    check: str) -> dg.AssetCheckResult:
     mismatched, totals = table_checks.mismatches_with_bronze(session, layout, spec)
     bad = mismatched.count()
-    return dg.AssetCheckResult(
+    return check_policy.result(
+        state_key(spec), check, name_asset=False,
         passed=bad == 0 and totals["sum_of_counts"] == totals["distinct_accepted_events"]
         and totals["bronze_sum"] == totals["state_sum"] and totals["expiries_match_change_feed"],
         metadata={"mismatched_keys": bad, **totals, "sample_mismatches": frame_table(mismatched, rows_known=bad)})

@@ -18,7 +18,7 @@ from assets.metadata import RUNBOOK_LINE, RUNBOOK_METADATA, frame_table, recover
 from pipelines import table_checks
 from pipelines.streams import MOVIE_TICKET_SALES
 from pipelines.windows import DEFAULT_WATERMARK_DELAY, HOURLY, LATE, TOP, TOP_N, last_progress, update_windows
-from resources import SparkSessionResource, StorageResource
+from resources import CheckPolicyResource, SparkSessionResource, StorageResource
 
 SPEC = MOVIE_TICKET_SALES
 HOURLY_KEY, TOP_KEY, LATE_KEY = dg.AssetKey(HOURLY), dg.AssetKey(TOP), dg.AssetKey(LATE)
@@ -64,7 +64,8 @@ def _iso(ms: int | None) -> str:
     pool=pool(SPEC),
 )
 def movie_ticket_sales_windows(context: dg.AssetExecutionContext, config: WindowsConfig,
-                               spark: SparkSessionResource, storage: StorageResource):
+                               spark: SparkSessionResource, storage: StorageResource,
+                               check_policy: CheckPolicyResource):
     session, layout = spark.spark_session, storage.layout()
     result = update_windows(session, layout, watermark_delay=dt.timedelta(minutes=config.watermark_delay_minutes),
                             lock_timeout_s=config.lock_timeout_s)
@@ -93,12 +94,12 @@ def movie_ticket_sales_windows(context: dg.AssetExecutionContext, config: Window
 
     mismatched, figures = table_checks.windows_mismatches(session, layout, result.versions[HOURLY].before)
     bad = mismatched.count() if figures["hours_checked"] else 0
-    yield dg.AssetCheckResult(
-        check_name="windows_reconcile_with_bronze", asset_key=HOURLY_KEY,
+    yield check_policy.result(
+        HOURLY_KEY, "windows_reconcile_with_bronze",
         passed=bad == 0 and figures["sales"] == figures["late_events"] + figures["in_closed_windows"]
         and figures["late_not_in_bronze"] == figures["late_not_behind_watermark"] == 0,
         metadata={**figures, "mismatched_windows": bad, "sample": frame_table(mismatched, rows_known=bad)})
     wrong = table_checks.top_titles_mismatches(session, layout)
     wrong_rows = wrong.count()
-    yield dg.AssetCheckResult(check_name="top_titles_match_windows", asset_key=TOP_KEY, passed=wrong_rows == 0,
+    yield check_policy.result(TOP_KEY, "top_titles_match_windows", passed=wrong_rows == 0,
                               metadata={"rows_differing": wrong_rows, "sample": frame_table(wrong, rows_known=wrong_rows)})

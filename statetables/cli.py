@@ -2,7 +2,7 @@
 print the state tables, prepare the Dagster instance.
 
     statetables generate --stream payments --events 100000 --malformed 0.005 --duplicates 0.01 --late 0.02 --seed 1
-    statetables run [--job advance_all] [--show] [--remote sc://127.0.0.1:15002 | --master spark://127.0.0.1:7077]
+    statetables run [--job advance_all] [--show] [--warn-only-check ASSET:CHECK] [--remote sc://127.0.0.1:15002 | --master spark://127.0.0.1:7077]
     statetables connect-server [--port 15002]     # Spark Connect with Delta on 127.0.0.1, until Ctrl-C
     statetables cluster [--port 7077]             # a standalone master + worker on 127.0.0.1, until Ctrl-C
     statetables savepoint create|list|restore [NAME]
@@ -137,6 +137,11 @@ def _run(args: argparse.Namespace) -> int:
     run_config: dict = {"loggers": {"console": {"config": {"log_level": args.log_level}}}, "resources": {}}
     if ttl:
         run_config["resources"]["state_policy"] = {"config": {"ttl_days": ttl}}
+    if args.warn_only_check:
+        from resources import CheckPolicyResource
+
+        CheckPolicyResource(warn_only=args.warn_only_check).severity("", "")  # an unknown name fails here, not mid-run
+        run_config["resources"]["check_policy"] = {"config": {"warn_only": args.warn_only_check}}
     engine = {k: v for k, v in (("remote", args.remote), ("master", args.master)) if v}
     if engine:
         run_config["resources"]["spark"] = {"config": engine}
@@ -284,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--log-level", default="INFO", help="Dagster console log level (DEBUG shows every event)")
     run.add_argument("--ttl-days", action="append", metavar="TABLE=DAYS",
                      help="expire a state table's keys idle this many days of event time (resource state_policy)")
+    run.add_argument("--warn-only-check", action="append", metavar="ASSET:CHECK",
+                     help="for this run, a failure of this blocking check warns instead of stopping the run "
+                          "(resource check_policy; docs/recovery.md says when)")
     run.add_argument("--remote", metavar="sc://HOST:PORT", help="run on a Spark Connect server (`statetables connect-server`)")
     run.add_argument("--master", metavar="URL", help="spark.master: local[N] (default local[2]) or spark://HOST:PORT (`statetables cluster`)")
     run.set_defaults(func=_run)

@@ -11,7 +11,7 @@ from assets.sessions import customer_activity
 from assets.streams import build_stream_assets
 from assets.windows import movie_ticket_sales_windows
 from pipelines.streams import STREAMS
-from resources import SparkSessionResource, StatePolicyResource, StorageResource
+from resources import CheckPolicyResource, SparkSessionResource, StatePolicyResource, StorageResource
 
 defs = dg.Definitions(
     assets=[*(a for spec in STREAMS.values() for a in build_stream_assets(spec)), movie_ticket_sales_windows,
@@ -19,7 +19,8 @@ defs = dg.Definitions(
     jobs=[advance_all, reconcile_state_tables, *stream_jobs.values(), run_continuously],
     schedules=[every_five_minutes, nightly_reconciliation],
     sensors=[landing_files_sensor, recover_failed_stream],
-    resources={"spark": SparkSessionResource(), "storage": StorageResource(), "state_policy": StatePolicyResource()},
+    resources={"spark": SparkSessionResource(), "storage": StorageResource(), "state_policy": StatePolicyResource(),
+               "check_policy": CheckPolicyResource()},
     # One process, one SparkSession, one JVM per run.
     executor=dg.in_process_executor,
 )

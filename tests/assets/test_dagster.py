@@ -21,7 +21,7 @@ from delta.tables import DeltaTable
 from pyspark.sql import functions as F
 
 from assets.automation import landing_files_sensor, recover_failed_stream
-from assets.keys import CONTINUOUS_JOB, RECOVERY_ATTEMPT_TAG, RECOVERY_OF_TAG, RECOVERY_REASON_TAG, STREAM_TAG
+from assets.keys import CONTINUOUS_JOB, blocking_check_names, RECOVERY_ATTEMPT_TAG, RECOVERY_OF_TAG, RECOVERY_REASON_TAG, STREAM_TAG
 from pipelines.continuous import refuse_over_connect
 from pipelines.errors import ConfigurationError
 from pipelines.generate import generate
@@ -29,7 +29,7 @@ from pipelines.layout import StorageLayout
 from pipelines.session import delta_jars, require_java
 from pipelines.streaming import Continuous
 from pipelines.streams import PAYMENTS, stream_spec
-from resources import SparkSessionResource, StatePolicyResource, StorageResource
+from resources import CheckPolicyResource, SparkSessionResource, StatePolicyResource, StorageResource
 from statetables.definitions import defs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -116,6 +116,10 @@ def test_a_failing_blocking_check_fails_the_run(spark, layout):
         key = table.toDF().first()["customer_id"]
         table.update(F.col("customer_id") == key, {"payment_count": F.col("payment_count") + 1})
         result = _job("advance_payments").execute_in_process(instance=instance, raise_on_error=False)
+        # the operator's switch for a check they have shown wrong (docs/recovery.md): for one run it warns
+        warn_only = {"resources": {"check_policy": {"config": {
+            "warn_only": ["payments_per_customer:totals_match_bronze"]}}}}
+        warned = _job("advance_payments").execute_in_process(instance=instance, run_config=warn_only)
         # the deep check (nightly job) compares every key with all of bronze and names the key
         deep = _job("reconcile_state_tables").execute_in_process(instance=instance, raise_on_error=False)
     assert not result.success
@@ -124,11 +128,26 @@ def test_a_failing_blocking_check_fails_the_run(spark, layout):
     # the per-run check: totals against bronze's running totals, without reading bronze
     assert [c.check_name for c in failed] == ["totals_match_bronze"]
     assert failed[0].metadata["events_counted"].value == failed[0].metadata["bronze_events"].value + 1
+    assert failed[0].severity == dg.AssetCheckSeverity.ERROR
+    assert warned.success
+    warning = [e.event_specific_data for e in warned.all_events if e.event_type_value == "ASSET_CHECK_EVALUATION"
+               and not e.event_specific_data.passed]
+    assert [(c.check_name, c.severity) for c in warning] == [("totals_match_bronze", dg.AssetCheckSeverity.WARN)]
+    assert "check_policy.warn_only" in warning[0].metadata["blocking"].value
     assert not deep.success
     deep_failed = [e.event_specific_data for e in deep.all_events
                    if e.event_type_value == "ASSET_CHECK_EVALUATION" and not e.event_specific_data.passed]
     assert [c.check_name for c in deep_failed] == ["reconciles_with_bronze"]
     assert deep_failed[0].metadata["mismatched_keys"].value == 1
+
+
+def test_check_policy_knows_every_blocking_check():
+    graph = defs.resolve_asset_graph()
+    assert blocking_check_names() == sorted(f"{key.asset_key.to_user_string()}:{key.name}"
+                                            for key in graph.asset_check_keys if graph.get_check_spec(key).blocking)
+    with pytest.raises(ConfigurationError, match="warn_only names no blocking check: activity:sessions.*Fix: use "
+                                                 "ASSET:CHECK, one of customer_activity:sessions_reconcile_with_bronze"):
+        CheckPolicyResource(warn_only=["activity:sessions"]).severity("customer_activity", "unique_keys")
 
 
 def test_landing_sensor_requests_one_run_per_stream_with_new_files(layout, landing):
