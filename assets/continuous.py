@@ -38,7 +38,7 @@ from pipelines.sessions import ACTIVITY, SESSIONS_QUERY, SessionSettings, update
 from pipelines.state import update_state_table
 from pipelines.streaming import Continuous, commits_since, table_version
 from pipelines.streams import STREAMS, StreamSpec
-from pipelines.windows import HOURLY, LATE, TOP, WINDOWS_QUERY, update_windows
+from pipelines.windows import HOURLY, LATE, OPEN_HOURS, TOP, WINDOWS_QUERY, update_windows
 from resources import CheckPolicyResource, SparkSessionResource, StatePolicyResource, StorageResource
 from resources.check_policy import WARN_ONLY_NOTE
 
@@ -135,7 +135,7 @@ class ContinuousReport:
             self.tables[changelog_key(spec)] = (changelog_name(spec.state_table), publish_query(spec.state_table))
         if event_time_steps:
             for name, query in ((HOURLY, WINDOWS_QUERY), (TOP, WINDOWS_QUERY), (LATE, WINDOWS_QUERY),
-                                (ACTIVITY, SESSIONS_QUERY)):
+                                (OPEN_HOURS, WINDOWS_QUERY), (ACTIVITY, SESSIONS_QUERY)):
                 self.tables[dg.AssetKey(name)] = (name, query)
         self.versions = {key: table_version(spark, layout.table(name)) for key, (name, _) in self.tables.items()}
         self.failed_checks: list[str] = []

@@ -76,7 +76,7 @@ def customer_activity(context: dg.AssetExecutionContext, config: SessionsConfig,
         "bronze_version_read": progress.bronze_version if progress else -1,
         "sessions_closed_this_run": sum(b.get("sessions_closed", 0) for b in batches),
         "late_payments_this_run": sum(b.get("late_events", 0) for b in batches),
-        "operator_state_rows": state.get("rows", -1), "operator_state_memory_bytes": state.get("memory_bytes", -1),
+        "operator_state_rows": state.get("rows", -1), "operator_state_bytes": state.get("bytes", -1),
         "newest_sessions": frame_table(activity.orderBy(F.desc("session_end"), "customer_id")),
         "duration_s": round(result.duration_s, 2), "table_version": result.versions[ACTIVITY].after,
         **recovery_metadata(context, result)})

@@ -17,11 +17,13 @@ from assets.keys import KINDS, bronze_key, pool
 from assets.metadata import RUNBOOK_LINE, RUNBOOK_METADATA, frame_table, recovery_metadata
 from pipelines import table_checks
 from pipelines.streams import MOVIE_TICKET_SALES
-from pipelines.windows import DEFAULT_WATERMARK_DELAY, HOURLY, LATE, TOP, TOP_N, last_progress, update_windows
+from pipelines.windows import (
+    DEFAULT_WATERMARK_DELAY, HOURLY, LATE, OPEN_HOURS, TOP, TOP_N, last_progress, update_windows,
+)
 from resources import CheckPolicyResource, SparkSessionResource, StorageResource
 
 SPEC = MOVIE_TICKET_SALES
-HOURLY_KEY, TOP_KEY, LATE_KEY = dg.AssetKey(HOURLY), dg.AssetKey(TOP), dg.AssetKey(LATE)
+HOURLY_KEY, TOP_KEY, LATE_KEY, OPEN_KEY = dg.AssetKey(HOURLY), dg.AssetKey(TOP), dg.AssetKey(LATE), dg.AssetKey(OPEN_HOURS)
 
 class WindowsConfig(dg.Config):
     watermark_delay_minutes: float = Field(
@@ -41,7 +43,14 @@ def _iso(ms: int | None) -> str:
             "Tickets per title per one-hour tumbling window of `sale_ts` (`window_start`, `window_end`, "
             "`tickets_sold`, `total_ticket_value`). A window's row is written once the watermark (newest sale seen "
             "minus the configured delay, default 10 min) passes its end, and never changes after. Read from "
-            "movie_ticket_sales_bronze as a stream; open windows live in Spark's RocksDB state store." + RUNBOOK_LINE)),
+            "movie_ticket_sales_bronze as a stream; the hours still counting are rows of tickets_per_title_open_hours." +
+            RUNBOOK_LINE)),
+        dg.AssetSpec(OPEN_KEY, deps=[bronze_key(SPEC)], group_name=SPEC.name, kinds=KINDS,
+                     metadata=RUNBOOK_METADATA, description=(
+            "The windows' operator state: one row per (title, hour) still counting, with its tickets and value so "
+            "far. Replaced by every micro-batch from the version the previous one left; an hour leaves it for "
+            "tickets_per_title_hourly once the watermark passes its end. Query it for the hour in progress." +
+            RUNBOOK_LINE)),
         dg.AssetSpec(TOP_KEY, deps=[HOURLY_KEY], group_name=SPEC.name, kinds=KINDS,
                      metadata=RUNBOOK_METADATA, description=(
             f"The {TOP_N} titles with most tickets for every closed hour (`rank` 1..{TOP_N}); ties broken by tickets, "
@@ -81,7 +90,6 @@ def movie_ticket_sales_windows(context: dg.AssetExecutionContext, config: Window
     hourly = session.read.format("delta").load(str(layout.table(HOURLY)))
     yield dg.MaterializeResult(asset_key=HOURLY_KEY, metadata={
         **common, "windows_closed_this_run": closed,
-        "operator_state_rows": state.get("rows", -1), "operator_state_memory_bytes": state.get("memory_bytes", -1),
         "newest_windows": frame_table(hourly.orderBy(F.desc("window_start"), F.desc("tickets_sold"), "title")),
         "table_version": result.versions[HOURLY].after})
     top = session.read.format("delta").load(str(layout.table(TOP)))
@@ -89,6 +97,11 @@ def movie_ticket_sales_windows(context: dg.AssetExecutionContext, config: Window
         **common, "hours_ranked_this_run": len({b["batch_id"] for b in batches if b.get("windows_closed")}),
         "newest_hour": frame_table(top.orderBy(F.desc("window_start"), "rank"), TOP_N),
         "table_version": result.versions[TOP].after})
+    counting = session.read.format("delta").load(str(layout.table(OPEN_HOURS)))
+    yield dg.MaterializeResult(asset_key=OPEN_KEY, metadata={
+        **common, "open_hours": state.get("rows", -1), "bytes": state.get("bytes", -1),
+        "hours_counting": frame_table(counting.orderBy(F.desc("window_start"), F.desc("tickets_sold"), "title")),
+        "table_version": result.versions[OPEN_HOURS].after})
     yield dg.MaterializeResult(asset_key=LATE_KEY, metadata={
         **common, "late_events_this_run": late, "table_version": result.versions[LATE].after})
 

@@ -168,7 +168,7 @@ def paths(args) -> dict:
         out[name] = {"bronze_rows": rows, "ingest_s": round(ingest_s, 2), "all_time_s": round(all_time_s, 2),
                      "event_time_s": round(event_time_s, 2), "event_time_micro_batches": result.micro_batches,
                      "all_time_events_per_s": round(rows / all_time_s), "event_time_events_per_s": round(rows / event_time_s),
-                     "operator_state_rows": state.get("rows"), "operator_state_memory_bytes": state.get("memory_bytes")}
+                     "operator_state_rows": state.get("rows"), "operator_state_bytes": state.get("bytes")}
     return {"work_s": sum(v["all_time_s"] + v["event_time_s"] for v in out.values()), **out}
 
 

@@ -257,7 +257,7 @@ def event_time_ratios(results: dict, size: int) -> dict:
         out[f"{stream}@{size}: event-time step / all-time step, same bronze"] = g["event_time_s"] / g["all_time_s"]
         out[f"{stream}@{size}: event-time step, events/s"] = g["event_time_events_per_s"]
         out[f"{stream}@{size}: all-time step, events/s"] = g["all_time_events_per_s"]
-        out[f"{stream}@{size}: event-time operator state, MB"] = (g.get("operator_state_memory_bytes") or 0) / 2**20
+        out[f"{stream}@{size}: event-time operator state, MB"] = (g.get("operator_state_bytes") or 0) / 2**20
     return out
 
 

@@ -97,6 +97,11 @@ class Progress:
 
     watermark_ms: int
     bronze_version: int  # every bronze version up to this one was read
+    # The version of the query's operator-state table this batch left (None: state kept elsewhere, or a
+    # commit of an earlier statetables), and which batch of which app id committed.
+    state_version: int | None = None
+    app_id: str | None = None
+    batch_id: int | None = None
 
 
 def last_progress(spark: SparkSession, path: Path, tables: str) -> Progress | None:
@@ -109,7 +114,10 @@ def last_progress(spark: SparkSession, path: Path, tables: str) -> Progress | No
                     f"{path.name} version {commit['version']}: its batch ended inside a bronze version, so the "
                     f"query cannot restart exactly after it. Fix: restore {tables} to an earlier savepoint "
                     f"(docs/recovery.md), then run again.")
-            return Progress(int(user["watermark_ms"]), int(user["bronze_version"]))
+            state = user.get("state_version")
+            return Progress(int(user["watermark_ms"]), int(user["bronze_version"]),
+                            int(state) if state is not None else None, user.get("app_id"),
+                            int(user["batch_id"]) if user.get("batch_id") is not None else None)
     return None
 
 
@@ -118,5 +126,5 @@ def operator_state(reports: list) -> dict | None:
     for report in reversed(reports):
         if report.stateOperators:
             state = report.stateOperators[0]
-            return {"rows": state.numRowsTotal, "memory_bytes": state.memoryUsedBytes}
+            return {"rows": state.numRowsTotal, "bytes": state.memoryUsedBytes}
     return None

@@ -33,12 +33,17 @@ STATE_AFTER_MERGE_COMMIT = "state.after_merge_commit"  # MERGE committed, checkp
 STATE_BATCH_END = "state.batch_end"
 STATE_AFTER_REBUILD = "state.after_rebuild"  # rebuild committed, new checkpoint not yet written
 INGEST_POISON = "ingest.poison_line"
-# late_events and top_titles_hourly written, the batch's closing tickets_per_title_hourly commit not yet
+# Between the commits of a windows batch: late_events, top_titles_hourly, the open hours, then the closing
+# tickets_per_title_hourly commit.
+WINDOWS_AFTER_LATE_COMMIT = "windows.after_late_commit"
+WINDOWS_AFTER_TOP_COMMIT = "windows.after_top_commit"
+WINDOWS_AFTER_OPEN_HOURS_COMMIT = "windows.after_open_hours_commit"
 WINDOWS_BEFORE_CLOSING_COMMIT = "windows.before_closing_commit"
 # late_events written, the batch's closing customer_activity commit not yet
 SESSIONS_BEFORE_CLOSING_COMMIT = "sessions.before_closing_commit"
 POINTS = (INGEST_AFTER_QUARANTINE_COMMIT, INGEST_AFTER_BRONZE_COMMIT, INGEST_BATCH_END, STATE_MERGE_START,
           STATE_AFTER_MERGE_COMMIT, STATE_BATCH_END, STATE_AFTER_REBUILD, INGEST_POISON,
+          WINDOWS_AFTER_LATE_COMMIT, WINDOWS_AFTER_TOP_COMMIT, WINDOWS_AFTER_OPEN_HOURS_COMMIT,
           WINDOWS_BEFORE_CLOSING_COMMIT, SESSIONS_BEFORE_CLOSING_COMMIT)
 
 

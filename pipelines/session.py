@@ -35,7 +35,7 @@ PARALLEL_GC = "-XX:+UseParallelGC"
 SESSION_CONFS = {
     "spark.sql.session.timeZone": "UTC",
     "spark.sql.parquet.outputTimestampType": "TIMESTAMP_MICROS",
-    # transformWithState (pipelines/windows.py) needs RocksDB; recorded in each checkpoint at its start.
+    # transformWithState (pipelines/sessions.py) needs RocksDB; recorded in each checkpoint at its start.
     "spark.sql.streaming.stateStore.providerClass":
         "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider",
 }

@@ -63,7 +63,10 @@ NAMED_KILLS = [
     (faults.INGEST_AFTER_QUARANTINE_COMMIT, {}),  # between the two appends of an ingest batch
     (faults.INGEST_BATCH_END, {"delay": 0.05}),
     (faults.STATE_AFTER_REBUILD, {}),  # a rebuild committed, its fresh checkpoint not yet written
-    (faults.WINDOWS_BEFORE_CLOSING_COMMIT, {}),  # late_events and top_titles_hourly written, windows not
+    (faults.WINDOWS_AFTER_LATE_COMMIT, {}),  # late_events written, nothing else of the windows batch
+    (faults.WINDOWS_AFTER_TOP_COMMIT, {}),  # late_events and top_titles_hourly written
+    (faults.WINDOWS_AFTER_OPEN_HOURS_COMMIT, {}),  # ... and the open hours; the closing commit not
+    (faults.WINDOWS_BEFORE_CLOSING_COMMIT, {"delay": 0.3}),  # inside the closing commit
     (faults.SESSIONS_BEFORE_CLOSING_COMMIT, {}),  # late payments written, customer_activity not
 ]
 

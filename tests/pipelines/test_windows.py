@@ -59,7 +59,8 @@ class Deliveries:
         self.oracle, self.batches, self.seen = Oracle(SPEC.name), [], set()
         self.unfinished: set[str] = set()  # sales of a batch that failed: they come again in the next one
 
-    def run(self, *, lose_checkpoint: bool = False, fail_before_closing: bool = False):
+    def run(self, *, lose_checkpoint: bool = False, fail_before_closing: bool = False, fail_at: str | None = None):
+        fail_at = fail_at or (faults.WINDOWS_BEFORE_CLOSING_COMMIT if fail_before_closing else None)
         before = set(self.oracle.expected.events) - self.unfinished
         for path in sorted(set(landing_files(self.layout.landing(SPEC.name))) - self.seen,
                            key=lambda p: (p.stat().st_mtime_ns, str(p))):
@@ -69,8 +70,8 @@ class Deliveries:
         ingest_stream(self.spark, self.layout, SPEC)
         if lose_checkpoint:
             shutil.rmtree(self.layout.checkpoint(WINDOWS_QUERY))
-        if fail_before_closing:
-            faults.arm(self.layout.home / "faults", faults.WINDOWS_BEFORE_CLOSING_COMMIT, "raise")
+        if fail_at:
+            faults.arm(self.layout.home / "faults", fail_at, "raise")
             with pytest.raises(Exception, match="fault injected"):
                 update_windows(self.spark, self.layout)
             self.unfinished = {e["event_id"] for e in batch}
@@ -134,11 +135,33 @@ def test_out_of_order_late_and_closed_windows_equal_the_recomputation(spark, lay
     assert all_time["Alien"] == 2 and all_time["Dune"] == 5
 
 
+def test_a_batch_replayed_after_a_crash_between_any_two_commits_writes_what_it_would_have(spark, layout, monkeypatch):
+    """A windows batch commits late_events, top_titles_hourly, the open hours, then tickets_per_title_hourly.
+    Each delivery's run dies at the next of those points; the run after it replays the batch from the state
+    the previous batch left. The outputs must equal the recomputation of runs that never failed."""
+    monkeypatch.setenv(faults.FAULTS_ENV, str(layout.home / "faults"))
+    runs = Deliveries(spark, layout)
+    points = [faults.WINDOWS_AFTER_LATE_COMMIT, faults.WINDOWS_AFTER_TOP_COMMIT,
+              faults.WINDOWS_AFTER_OPEN_HOURS_COMMIT, faults.WINDOWS_BEFORE_CLOSING_COMMIT]
+    start = datetime(2026, 10, 20, tzinfo=UTC)
+    for n, point in enumerate([*points, None]):
+        generate(SPEC, layout.landing(SPEC.name), events=150, malformed=0.02, duplicates=0.03, late=0.15,
+                 seed=80 + n, events_per_file=150, start=start + timedelta(hours=2 * n), max_step_s=60)
+        if point:
+            runs.run(fail_at=point)
+        runs.run()  # the replay of the failed batch (or the last delivery)
+    windows, late, top = _outputs(layout)
+    expected = runs.expected()
+    assert len(expected.windows) > 20 and len(expected.late) > 5  # the scenario exercises both
+    assert (windows, late, top) == (expected.windows, expected.late, expected.top)
+    assert table_checks.windows_mismatches(spark, layout)[0].count() == 0
+
+
 @pytest.mark.long
 def test_lost_checkpoint_is_rebuilt_from_the_tables_not_reset(spark, layout, monkeypatch):
     """Generated sales (late ones included) in four deliveries. The second run dies after writing
-    late_events and top_titles_hourly, before its closing commit; then the windows query's checkpoint,
-    with its RocksDB operator state, is deleted. The outputs must equal the recomputation of a run that
+    late_events and top_titles_hourly, before its closing commit; then the windows query's checkpoint is
+    deleted. The outputs must equal the recomputation of a run that
     never failed (the second and third deliveries arriving as one batch)."""
     monkeypatch.setenv(faults.FAULTS_ENV, str(layout.home / "faults"))
     runs = Deliveries(spark, layout)
