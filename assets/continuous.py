@@ -34,7 +34,7 @@ from pipelines.bronze import ingest_stream
 from pipelines.changelog import changelog_name, publish_changes, publish_query
 from pipelines.continuous import ContinuousStep, create_tables, refuse_over_connect, run_steps_continuously
 from pipelines.layout import StorageLayout
-from pipelines.sessions import ACTIVITY, SESSIONS_QUERY, SessionSettings, update_sessions
+from pipelines.sessions import ACTIVITY, LAST_SESSIONS, OPEN_SESSIONS, SESSIONS_QUERY, SessionSettings, update_sessions
 from pipelines.state import update_state_table
 from pipelines.streaming import Continuous, commits_since, table_version
 from pipelines.streams import STREAMS, StreamSpec
@@ -135,7 +135,8 @@ class ContinuousReport:
             self.tables[changelog_key(spec)] = (changelog_name(spec.state_table), publish_query(spec.state_table))
         if event_time_steps:
             for name, query in ((HOURLY, WINDOWS_QUERY), (TOP, WINDOWS_QUERY), (LATE, WINDOWS_QUERY),
-                                (OPEN_HOURS, WINDOWS_QUERY), (ACTIVITY, SESSIONS_QUERY)):
+                                (OPEN_HOURS, WINDOWS_QUERY), (ACTIVITY, SESSIONS_QUERY),
+                                (OPEN_SESSIONS, SESSIONS_QUERY), (LAST_SESSIONS, SESSIONS_QUERY)):
                 self.tables[dg.AssetKey(name)] = (name, query)
         self.versions = {key: table_version(spark, layout.table(name)) for key, (name, _) in self.tables.items()}
         self.failed_checks: list[str] = []

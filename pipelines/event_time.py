@@ -56,6 +56,26 @@ def append_batch(frame: DataFrame, path: Path | str, app_id: str | None, batch_i
     writer.save(str(path))
 
 
+def read_state(spark: SparkSession, path: Path, version: int) -> DataFrame:
+    """An operator-state table as a batch left it: the version its closing commit recorded, by time travel, so a
+    replayed batch never reads what it had half written itself."""
+    return spark.read.format("delta").option("versionAsOf", version).load(str(path))
+
+
+def write_state(frame: DataFrame, path: Path, app_id: str, batch_id: int) -> int:
+    """Replace an operator-state table once per (app id, batch); returns the version holding this batch's state.
+    Each state table has one writer (its query), so after a replay that Delta skips, that version is the newest.
+    Replaced whole: the state holds what is still open (hours, sessions) or active, not history."""
+    (frame.write.format("delta").mode("overwrite").option("txnAppId", app_id).option("txnVersion", batch_id)
+     .save(str(path)))
+    return table_version(frame.sparkSession, path)
+
+
+def table_bytes(spark: SparkSession, path: Path) -> int:
+    """The size of a table's current files (DESCRIBE DETAIL)."""
+    return int(delta_sql.detail(spark, path)["sizeInBytes"] or 0)
+
+
 def late_rows(emitted: DataFrame, stream: str) -> DataFrame:
     """Operator rows of kind "late" as rows of late_events."""
     return emitted.where(F.col("kind") == "late").select(
@@ -97,9 +117,9 @@ class Progress:
 
     watermark_ms: int
     bronze_version: int  # every bronze version up to this one was read
-    # The version of the query's operator-state table this batch left (None: state kept elsewhere, or a
-    # commit of an earlier statetables), and which batch of which app id committed.
-    state_version: int | None = None
+    # The versions of the query's operator-state tables this batch left, by table (None: a commit of an
+    # earlier statetables, whose state was in RocksDB), and which batch of which app id committed.
+    state_versions: dict[str, int] | None = None
     app_id: str | None = None
     batch_id: int | None = None
 
@@ -114,9 +134,9 @@ def last_progress(spark: SparkSession, path: Path, tables: str) -> Progress | No
                     f"{path.name} version {commit['version']}: its batch ended inside a bronze version, so the "
                     f"query cannot restart exactly after it. Fix: restore {tables} to an earlier savepoint "
                     f"(docs/recovery.md), then run again.")
-            state = user.get("state_version")
+            state = user.get("state_versions")
             return Progress(int(user["watermark_ms"]), int(user["bronze_version"]),
-                            int(state) if state is not None else None, user.get("app_id"),
+                            {k: int(v) for k, v in state.items()} if state else None, user.get("app_id"),
                             int(user["batch_id"]) if user.get("batch_id") is not None else None)
     return None
 

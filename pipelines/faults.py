@@ -39,12 +39,17 @@ WINDOWS_AFTER_LATE_COMMIT = "windows.after_late_commit"
 WINDOWS_AFTER_TOP_COMMIT = "windows.after_top_commit"
 WINDOWS_AFTER_OPEN_HOURS_COMMIT = "windows.after_open_hours_commit"
 WINDOWS_BEFORE_CLOSING_COMMIT = "windows.before_closing_commit"
-# late_events written, the batch's closing customer_activity commit not yet
+# Between the commits of a sessions batch: late_events, the open sessions, the last sessions, then the closing
+# customer_activity commit.
+SESSIONS_AFTER_LATE_COMMIT = "sessions.after_late_commit"
+SESSIONS_AFTER_OPEN_SESSIONS_COMMIT = "sessions.after_open_sessions_commit"
+SESSIONS_AFTER_LAST_SESSIONS_COMMIT = "sessions.after_last_sessions_commit"
 SESSIONS_BEFORE_CLOSING_COMMIT = "sessions.before_closing_commit"
 POINTS = (INGEST_AFTER_QUARANTINE_COMMIT, INGEST_AFTER_BRONZE_COMMIT, INGEST_BATCH_END, STATE_MERGE_START,
           STATE_AFTER_MERGE_COMMIT, STATE_BATCH_END, STATE_AFTER_REBUILD, INGEST_POISON,
           WINDOWS_AFTER_LATE_COMMIT, WINDOWS_AFTER_TOP_COMMIT, WINDOWS_AFTER_OPEN_HOURS_COMMIT,
-          WINDOWS_BEFORE_CLOSING_COMMIT, SESSIONS_BEFORE_CLOSING_COMMIT)
+          WINDOWS_BEFORE_CLOSING_COMMIT, SESSIONS_AFTER_LATE_COMMIT, SESSIONS_AFTER_OPEN_SESSIONS_COMMIT,
+          SESSIONS_AFTER_LAST_SESSIONS_COMMIT, SESSIONS_BEFORE_CLOSING_COMMIT)
 
 
 class InjectedFault(RuntimeError):

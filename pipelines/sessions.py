@@ -1,37 +1,37 @@
 """Payments in per-customer activity sessions: `customer_activity`, one row per closed session.
 
 A session is a customer's payments with less than 30 minutes between one and the next: exactly 30
-minutes apart is two sessions (not Spark's `session_window`, which merges at exactly the gap). It closes once the watermark (newest payment seen minus the delay) is 30
-minutes past its last payment: no payment still to come can join it. Its row says when it started and
-ended, how many payments and how much, the last five payment ids, when the customer's previous session
-ended, and how much the customer spent that day.
+minutes apart is two sessions (not Spark's `session_window`, which merges at exactly the gap). It closes
+once the watermark (newest payment of the earlier batches minus the delay) is 30 minutes past its last
+payment: no payment still to come can join it. Its row says when it started and ended, how many payments
+and how much, the last five payment ids, when the customer's previous session ended, and how much the
+customer spent that day.
 
-One streaming query reads `payments_bronze` with `transformWithState` (event-time mode, RocksDB state
-store), keyed by customer. Which state does what (`CustomerSessions`):
-- list state `open_payments`: the payments of the customer's open sessions. The payments themselves,
-  not a running count: a payment arriving out of order (within the watermark) can join two sessions
-  into one, so a session is only known once it closes;
-- an event-time timer at the last payment + 30 minutes of the open session that closes first: it
-  closes that session (and any other the watermark has passed), then is set for the next;
-- value state `last_session`: when the customer's previous session ended;
-- map state `day_amount`: the customer's spend per UTC day (a session counts on the day it ended);
-  days more than the TTL old are dropped;
-- TTL, D days of event time (default 30): a customer idle that long is forgotten, so the state holds
-  active customers only, and their next session has no previous session and a fresh day total. An
-  event-time timer at the last session's end + D clears the value and map state. Not Spark's state
-  TTL: Spark refuses it in event-time mode (STATEFUL_PROCESSOR_INCORRECT_TIME_MODE_TO_ASSIGN_TTL), and
-  the sessions need event-time timers. Event time also makes the rule exact and repeatable: a session
-  starting D or more after the previous one's end has forgotten it, whether or not the timer has fired
-  yet (`close_sessions`), so a replay or a rebuild writes the same rows.
+Operator state is two Delta tables, so any reader can query a customer's open session, and nothing depends
+on the number of partitions:
+- `customer_open_sessions` (list state): one row per open session, with its count, amount and last five
+  payments. Sessions, not payments: a payment arriving out of order within the watermark can join two open
+  sessions into one, and the rows hold what that needs (first and last payment);
+- `customer_last_sessions` (value state): per customer, the newest closed session's end and the spend on
+  its UTC day. A later session only ever closes on that day or after, so that day's total is all of the
+  "spend per day" map state a session can still need.
+The timers are a watermark rule: a session closes in the batch whose watermark is a gap past its end.
 
-Written by hand because Spark's `session_window` aggregation drops payments behind the watermark
-silently and keeps no state beyond the session; the contract forbids the first, and the previous
-session and the day's spend need the second. Late payments go to late_events (`stream` = payments)
-and still count in payments_per_customer.
+Each micro-batch of the sessions query (a Delta stream of payments_bronze) is folded by `fold_sessions`, a
+plain function from (state before, the batch's payments, the watermark) to (state after, closed sessions,
+late payments, the next watermark): window functions over the open sessions and the new payments, in the JVM.
+No Python runs per payment, customer or state call (the transformWithState operator this replaces made a
+Python<->JVM round trip per state call: 313 s per 1M payments, 51x the all-time MERGE step).
 
-Exactly once as in windows.py: late_events is written with idempotent appends, then every batch
-commits to customer_activity, even empty, with the watermark and the bronze version reached. A lost
-checkpoint is rebuilt from the tables (`_restart`), never reset to nothing.
+TTL, D days of event time (default 30): a session starting D or more after the customer's previous session
+ended has forgotten it (no previous session, a fresh day total); customers idle that long with nothing open
+leave `customer_last_sessions`. Event time makes the rule exact and repeatable: a replay writes the same rows.
+Late payments go to late_events (`stream` = payments) and still count in payments_per_customer.
+
+Exactly once as in windows.py: every write of a batch is computed from the state versions the previous
+batch's closing commit recorded, and carries the query's txn id (app id, batch id): late_events, the open
+sessions, the last sessions, then customer_activity, the closing commit with the progress. A lost
+checkpoint restarts after the last closing commit, from the tables, with nothing rebuilt.
 """
 
 from __future__ import annotations
@@ -39,22 +39,22 @@ from __future__ import annotations
 import datetime as dt
 import time
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
-from typing import Callable, Iterator
 
-from pyspark.sql import DataFrame, Row, SparkSession, Window
+from pyspark.sql import DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
-from pyspark.sql.streaming import StatefulProcessor, StatefulProcessorHandle
 from pyspark.sql.types import ArrayType, LongType, StringType, StructField, StructType, TimestampType
 
 from pipelines import event_time
 from pipelines.bronze import ensure_bronze_tables
-from pipelines.checkpoints import (
-    batch_end_version, batch_watermark_ms, checkpoint_for_run, new_app_id, start_checkpoint,
+from pipelines.checkpoints import batch_end_version, checkpoint_for_run, new_app_id, set_aside, start_checkpoint
+from pipelines.event_time import (
+    LATE, LATE_SCHEMA, Progress, append_batch, read_state, undo_late_rows, write_state,
 )
-from pipelines.event_time import LATE, LATE_SCHEMA, Progress, append_batch, late_rows, micros, undo_late_rows
-from pipelines.faults import SESSIONS_BEFORE_CLOSING_COMMIT, fault_point
+from pipelines.faults import (
+    SESSIONS_AFTER_LAST_SESSIONS_COMMIT, SESSIONS_AFTER_LATE_COMMIT, SESSIONS_AFTER_OPEN_SESSIONS_COMMIT,
+    SESSIONS_BEFORE_CLOSING_COMMIT, fault_point,
+)
 from pipelines.layout import StorageLayout
 from pipelines.state import TOTAL_TYPE
 from pipelines.streaming import (
@@ -64,12 +64,15 @@ from pipelines.streaming import (
 from pipelines.streams import PAYMENTS
 
 ACTIVITY = "customer_activity"
+OPEN_SESSIONS = "customer_open_sessions"
+LAST_SESSIONS = "customer_last_sessions"
 SESSIONS_QUERY = f"{ACTIVITY}_sessions"
 SESSION_GAP = dt.timedelta(minutes=30)
 DEFAULT_WATERMARK_DELAY = dt.timedelta(minutes=10)
 DEFAULT_STATE_TTL = dt.timedelta(days=30)
 LAST_PAYMENTS = 5
 _DAY_US = 86_400_000_000
+_US = dt.timedelta(microseconds=1)
 
 ACTIVITY_SCHEMA = StructType([
     StructField("customer_id", StringType(), nullable=False),
@@ -81,305 +84,20 @@ ACTIVITY_SCHEMA = StructType([
     StructField("previous_session_end", TimestampType()),  # null: none, or idle longer than the TTL
     StructField("day_amount", TOTAL_TYPE, nullable=False),  # spent on session_end's UTC day so far
 ])
-_SESSION_FIELDS = ("session_start_us", "session_end_us", "payment_count", "amount_cents", "last_payment_ids",
-                   "previous_session_end_us", "day_amount_cents")
-# What the operator emits: a closed session (kind "session") or a late payment (kind "late").
-_EMITTED = StructType([
-    StructField("kind", StringType()), StructField("customer_id", StringType()),
-    StructField("session_start_us", LongType()), StructField("session_end_us", LongType()),
-    StructField("payment_count", LongType()), StructField("amount_cents", LongType()),
-    StructField("last_payment_ids", ArrayType(StringType())), StructField("previous_session_end_us", LongType()),
-    StructField("day_amount_cents", LongType()),
-    StructField("event_id", StringType()), StructField("event_time", TimestampType()),
-    StructField("watermark_ms", LongType()), StructField("source_file", StringType()),
-    StructField("line_number", LongType()),
+_PAYMENT = StructType([StructField("paid_at", TimestampType()), StructField("payment_id", StringType())])
+OPEN_SESSIONS_SCHEMA = StructType([
+    StructField("customer_id", StringType(), nullable=False),
+    StructField("session_start", TimestampType(), nullable=False),
+    StructField("session_end", TimestampType(), nullable=False),
+    StructField("payment_count", LongType(), nullable=False),
+    StructField("total_amount", TOTAL_TYPE, nullable=False),
+    StructField("last_payments", ArrayType(_PAYMENT, containsNull=False), nullable=False),  # newest first
 ])
-_PAYMENT = StructType([StructField("payment_id", StringType()), StructField("paid_at_us", LongType()),
-                       StructField("amount_cents", LongType())])
-_LAST_SESSION = StructType([StructField("session_end_us", LongType())])
-_DAY = StructType([StructField("day", LongType())])
-_CENTS = StructType([StructField("cents", LongType())])
-# The initial state of a rebuilt query, one row per entry: an open payment (kind "payment"), the last
-# session's end ("last_session") or a day's spend ("day").
-_INITIAL = StructType([
-    StructField("customer_id", StringType()), StructField("kind", StringType()),
-    StructField("payment_id", StringType()), StructField("paid_at_us", LongType()), StructField("cents", LongType()),
-    StructField("day", LongType()),
+LAST_SESSIONS_SCHEMA = StructType([
+    StructField("customer_id", StringType(), nullable=False),
+    StructField("session_end", TimestampType(), nullable=False),
+    StructField("day_amount", TOTAL_TYPE, nullable=False),  # spent on session_end's UTC day
 ])
-
-Payment = tuple  # (payment_id, paid_at_us, amount_cents)
-
-
-def split_sessions(payments: list[Payment], gap_us: int) -> list[list[Payment]]:
-    """Payments in sessions, oldest first: a payment less than `gap_us` after the previous one joins it."""
-    sessions: list[list[Payment]] = []
-    for payment in sorted(payments, key=lambda p: (p[1], p[0])):
-        if sessions and payment[1] - sessions[-1][-1][1] < gap_us:
-            sessions[-1].append(payment)
-        else:
-            sessions.append([payment])
-    return sessions
-
-
-def close_sessions(customer: str, payments: list[Payment], watermark_us: int, previous_end_us: int | None,
-                   day_cents: Callable[[int], int], ttl_us: int, gap_us: int
-                   ) -> tuple[list[dict], list[Payment], int | None, dict[int, int], bool]:
-    """The sessions the watermark has closed (no payment after it can join them), as rows, oldest first;
-    the payments still open; the customer's last session end, the day totals it changed, and whether
-    the customer had been forgotten (idle for the TTL: earlier day totals no longer count).
-    Used by the operator and by a restart, so both close sessions alike."""
-    rows, still_open, days, forgot = [], [], {}, False
-    for session in split_sessions(payments, gap_us):
-        end = session[-1][1]
-        if watermark_us < end + gap_us:
-            still_open.extend(session)
-            continue
-        if previous_end_us is not None and session[0][1] - previous_end_us >= ttl_us:
-            previous_end_us, days, forgot = None, {}, True
-        cents = sum(p[2] for p in session)
-        day = end // _DAY_US
-        days[day] = days.get(day, 0 if forgot else day_cents(day)) + cents
-        rows.append({"customer_id": customer, "session_start_us": session[0][1], "session_end_us": end,
-                     "payment_count": len(session), "amount_cents": cents,
-                     "last_payment_ids": [p[0] for p in reversed(session[-LAST_PAYMENTS:])],
-                     "previous_session_end_us": previous_end_us, "day_amount_cents": days[day]})
-        previous_end_us = end
-    return rows, still_open, previous_end_us, days, forgot
-
-
-def _timer_ms(due_us: int) -> int:
-    """The timer that fires once the watermark reaches `due_us`: Spark fires a timer at t ms for a
-    watermark of t + 1 ms or more."""
-    return -(-due_us // 1000) - 1
-
-
-class CustomerSessions(StatefulProcessor):
-    """Per customer: open sessions in list state, closed by event-time timers; the last session's end
-    (value state) and the spend per day (map state), cleared by a timer once the customer has been
-    idle for the TTL. The module docstring says why each is there.
-
-    A payment is late when its event time is at or behind the watermark (Spark's own rule), or behind
-    `closed_through_ms`, the watermark a lost checkpoint had reached, until Spark's passes it."""
-
-    def __init__(self, ttl_us: int, gap_us: int, closed_through_ms: int = 0):
-        self.ttl_us, self.gap_us, self.closed_through_ms = ttl_us, gap_us, closed_through_ms
-
-    def init(self, handle: StatefulProcessorHandle) -> None:
-        self.handle = handle
-        self.open_payments = handle.getListState("open_payments", _PAYMENT)
-        self.last_session = handle.getValueState("last_session", _LAST_SESSION)
-        self.day_amount = handle.getMapState("day_amount", _DAY, _CENTS)
-
-    def _open(self) -> list[Payment]:
-        return [tuple(p) for p in self.open_payments.get()] if self.open_payments.exists() else []
-
-    def _add(self, payments: list[Payment]) -> None:
-        payments = self._open() + payments
-        self.open_payments.put(payments)
-        self._time_first_close(payments)
-
-    def _time_first_close(self, payments: list[Payment]) -> None:
-        """One timer per customer, for the open session that closes first; the next one is set when it
-        fires. Every state call is a round trip to the JVM, so a timer per session cost a firing per
-        session when a backlog closed them all at once. A timer whose session later grew finds nothing
-        to close; the grown session's own timer was set when it grew."""
-        first = split_sessions(payments, self.gap_us)[0]
-        self.handle.registerTimer(_timer_ms(first[-1][1] + self.gap_us))
-
-    def handleInputRows(self, key, rows, timerValues) -> Iterator[Row]:
-        watermark_ms = max(timerValues.getCurrentWatermarkInMs(), self.closed_through_ms)
-        arrived = []
-        for row in rows:
-            paid_us = micros(row.paid_at)
-            if paid_us <= watermark_ms * 1000:
-                yield Row(kind="late", customer_id=key[0], **dict.fromkeys(_SESSION_FIELDS), event_id=row.payment_id,
-                          event_time=row.paid_at, watermark_ms=watermark_ms, source_file=row.source_file,
-                          line_number=row.line_number)
-                continue
-            arrived.append((row.payment_id, paid_us, int(row.amount * 100)))  # DECIMAL(18,2): exact in cents
-        if arrived:
-            self._add(arrived)
-
-    def handleExpiredTimer(self, key, timerValues, expiredTimerInfo) -> Iterator[Row]:
-        watermark_us = timerValues.getCurrentWatermarkInMs() * 1000
-        last = self.last_session.get() if self.last_session.exists() else None
-
-        def day_cents(day: int) -> int:
-            found = self.day_amount.getValue((day,))
-            return found[0] if found else 0
-
-        payments = self._open()
-        rows, still_open, last_end, days, forgot = close_sessions(
-            key[0], payments, watermark_us, last[0] if last else None, day_cents, self.ttl_us, self.gap_us)
-        if not rows:
-            # A session's timer that later grew or merged, or the TTL timer: an idle customer is forgotten.
-            if not payments and last is not None and watermark_us >= last[0] + self.ttl_us:
-                self.last_session.clear()
-                self.day_amount.clear()
-            return
-        self.open_payments.clear()
-        if still_open:
-            self.open_payments.put(still_open)
-            self._time_first_close(still_open)
-        if forgot:
-            self.day_amount.clear()
-        self.last_session.update((last_end,))
-        for day, cents in days.items():
-            self.day_amount.updateValue((day,), (cents,))
-        oldest_kept = (last_end - self.ttl_us) // _DAY_US
-        for (day,) in list(self.day_amount.keys()):
-            if day < oldest_kept:
-                self.day_amount.removeKey((day,))
-        self.handle.registerTimer(_timer_ms(last_end + self.ttl_us))
-        for row in rows:
-            yield Row(kind="session", **row, **dict.fromkeys(
-                ("event_id", "event_time", "watermark_ms", "source_file", "line_number")))
-
-    def handleInitialState(self, key, initialState, timerValues) -> None:
-        if initialState.kind == "payment":
-            self._add([(initialState.payment_id, initialState.paid_at_us, initialState.cents)])
-        elif initialState.kind == "last_session":
-            self.last_session.update((initialState.paid_at_us,))
-            self.handle.registerTimer(_timer_ms(initialState.paid_at_us + self.ttl_us))
-        else:
-            self.day_amount.updateValue((initialState.day,), (initialState.cents,))
-
-    def close(self) -> None:
-        pass
-
-
-def _sessions_as_rows(sessions: DataFrame) -> DataFrame:
-    """Operator rows of kind "session" (or a restart's) as rows of customer_activity."""
-    cents = lambda name: (F.col(name).cast(TOTAL_TYPE) / 100).cast(TOTAL_TYPE)  # noqa: E731
-    return sessions.select(
-        "customer_id", F.timestamp_micros("session_start_us").alias("session_start"),
-        F.timestamp_micros("session_end_us").alias("session_end"), "payment_count",
-        cents("amount_cents").alias("total_amount"), "last_payment_ids",
-        F.timestamp_micros("previous_session_end_us").alias("previous_session_end"),
-        cents("day_amount_cents").alias("day_amount"))
-
-
-def _commit_outputs(layout: StorageLayout, sessions: DataFrame, late: DataFrame | None, *, app_id: str,
-                    batch_id: int, progress: dict) -> None:
-    """Late payments, then the closed sessions: this last commit, made on every batch, says the batch
-    is done and what it reached. An unfinished batch is replayed, or undone at a restart."""
-    path = layout.table(ACTIVITY)
-    closing_version = (table_version(sessions.sparkSession, path) or 0) + 1
-    if late is not None:
-        append_batch(late, layout.table(LATE), app_id, batch_id,
-                     {"app_id": app_id, "batch_id": batch_id, "activity_version": closing_version})
-    fault_point(SESSIONS_BEFORE_CLOSING_COMMIT)
-    append_batch(sessions, path, app_id, batch_id, progress)
-
-
-def write_sessions(emitted: DataFrame, batch_id: int, *, layout: StorageLayout, checkpoint: Path,
-                   app_id: str, closed_through_ms: int) -> None:
-    """foreachBatch body: the sessions that closed and the late payments."""
-    emitted = emitted.localCheckpoint()  # read up to three times below; the operator must run once
-    kinds = dict(emitted.groupBy("kind").count().collect())
-    late = late_rows(emitted, PAYMENTS.name) if kinds.get("late") else None
-    sessions = _sessions_as_rows(emitted.where(F.col("kind") == "session"))
-    progress = {"app_id": app_id, "batch_id": batch_id,
-                "watermark_ms": max(batch_watermark_ms(checkpoint, batch_id), closed_through_ms),
-                "bronze_version": batch_end_version(checkpoint, batch_id),
-                "sessions_closed": kinds.get("session", 0), "late_events": kinds.get("late", 0)}
-    _commit_outputs(layout, sessions, late, app_id=app_id, batch_id=batch_id, progress=progress)
-
-
-def last_progress(spark: SparkSession, layout: StorageLayout) -> Progress | None:
-    return event_time.last_progress(spark, layout.table(ACTIVITY), f"{ACTIVITY} and {LATE}")
-
-
-def _open_payments(spark: SparkSession, layout: StorageLayout, through_version: int) -> DataFrame:
-    """The payments in bronze up to `through_version` that are neither late nor in a closed session:
-    what the operator held open at that point. Sessions are maximal, so a payment of the customer
-    between a closed session's first and last payment is in it."""
-    spec = PAYMENTS
-    payments = (spark.read.format("delta").option("versionAsOf", through_version)
-                .load(str(layout.table(spec.bronze_table))))
-    late = spark.read.format("delta").load(str(layout.table(LATE))).where(F.col("stream") == spec.name)
-    closed = spark.read.format("delta").load(str(layout.table(ACTIVITY))).select(
-        F.col("customer_id").alias("c"), "session_start", "session_end")
-    in_closed = ((F.col("customer_id") == F.col("c")) & F.col(spec.event_time_field).between(
-        F.col("session_start"), F.col("session_end")))
-    return (payments.join(late.select(F.col("event_id").alias(spec.id_field)), spec.id_field, "left_anti")
-            .join(closed, in_closed, "left_anti")
-            .select("customer_id", spec.id_field, F.unix_micros(spec.event_time_field).alias("paid_at_us"),
-                    (F.col(spec.value_field) * 100).cast(LongType()).alias("cents")))
-
-
-def _kept_state(spark: SparkSession, layout: StorageLayout, ttl_us: int, watermark_ms: int,
-                customers: list[str] | None = None) -> DataFrame:
-    """The value and map state the operator holds, from customer_activity: per customer the newest
-    session's end, per (customer, day) the newest session's day total; customers idle for the TTL at
-    `watermark_ms` are left out, as the operator forgets them."""
-    sessions = spark.read.format("delta").load(str(layout.table(ACTIVITY))).where(
-        F.unix_micros("session_end") + ttl_us > watermark_ms * 1000)
-    if customers is not None:
-        sessions = sessions.where(F.col("customer_id").isin(customers))
-    newest = lambda *keys: F.row_number().over(Window.partitionBy(*keys).orderBy(F.desc("session_end")))  # noqa: E731
-    day = (F.unix_micros("session_end") / _DAY_US).cast(LongType())
-    last = (sessions.withColumn("_n", newest("customer_id")).where(F.col("_n") == 1)
-            .select("customer_id", F.lit("last_session").alias("kind"), F.lit(None).cast(StringType()).alias("payment_id"),
-                    F.unix_micros("session_end").alias("paid_at_us"), F.lit(None).cast(LongType()).alias("cents"),
-                    F.lit(None).cast(LongType()).alias("day")))
-    days = (sessions.withColumn("day", day).withColumn("_n", newest("customer_id", "day")).where(F.col("_n") == 1)
-            .select("customer_id", F.lit("day").alias("kind"), F.lit(None).cast(StringType()).alias("payment_id"),
-                    F.lit(None).cast(LongType()).alias("paid_at_us"),
-                    (F.col("day_amount") * 100).cast(LongType()).alias("cents"), "day"))
-    return last.unionByName(days)
-
-
-def _restart(spark: SparkSession, layout: StorageLayout, last: Progress | None, app_id: str, reason: str,
-             delay: dt.timedelta, ttl_us: int, gap_us: int) -> tuple[Progress, list[tuple]]:
-    """Start the sessions again after the last committed batch, exactly where they were left.
-
-    The watermark the next batch would have had is the newest payment read so far minus the delay; the
-    sessions it closes are closed now (`close_sessions`, as the operator would) and written as batch -1
-    of `app_id`. Returns that watermark and the payments still open, the operator's initial state."""
-    spec = PAYMENTS
-    last = last or Progress(watermark_ms=0, bronze_version=-1)
-    undone = undo_late_rows(spark, layout, spec.name, "activity_version", table_version(spark, layout.table(ACTIVITY)) or 0)
-    watermark, rows, still_open = last.watermark_ms, [], []
-    if last.bronze_version >= 0:
-        newest = (spark.read.format("delta").option("versionAsOf", last.bronze_version)
-                  .load(str(layout.table(spec.bronze_table))).agg(F.max(F.unix_millis(spec.event_time_field))).first()[0])
-        if newest is not None:
-            watermark = max(watermark, newest - delay // dt.timedelta(milliseconds=1))
-        # Open payments are those of active customers in the last delay + gap or so: few, so the
-        # sessions are closed here, in Python, by the same code as the operator's.
-        by_customer: dict[str, list[Payment]] = {}
-        for r in _open_payments(spark, layout, last.bronze_version).collect():
-            by_customer.setdefault(r.customer_id, []).append((r[spec.id_field], r.paid_at_us, r.cents))
-        kept: dict[str, dict] = {}
-        closing = [c for c, payments in by_customer.items()
-                   if any(watermark * 1000 >= s[-1][1] + gap_us for s in split_sessions(payments, gap_us))]
-        if closing:
-            for r in _kept_state(spark, layout, ttl_us, watermark, closing).collect():
-                entry = kept.setdefault(r.customer_id, {"last": None, "days": {}})
-                if r.kind == "last_session":
-                    entry["last"] = r.paid_at_us
-                else:
-                    entry["days"][r.day] = r.cents
-        for customer, payments in by_customer.items():
-            entry = kept.get(customer, {"last": None, "days": {}})
-            closed, open_now, *_ = close_sessions(customer, payments, watermark * 1000, entry["last"],
-                                                  lambda day, e=entry: e["days"].get(day, 0), ttl_us, gap_us)
-            rows.extend(closed)
-            still_open.extend((customer, *p) for p in open_now)
-    sessions = _sessions_as_rows(spark.createDataFrame(rows, _EMITTED)) if rows else spark.createDataFrame([], ACTIVITY_SCHEMA)
-    progress = {"app_id": app_id, "batch_id": -1, "watermark_ms": watermark, "bronze_version": last.bronze_version,
-                "sessions_closed": len(rows), "late_events": 0, "restarted_because": reason, "undone": undone}
-    # A txn id of its own: Delta commits an empty append only when it carries one, and this record must exist.
-    _commit_outputs(layout, sessions, None, app_id=f"{app_id}/restart", batch_id=0, progress=progress)
-    return Progress(watermark, last.bronze_version), still_open
-
-
-def _initial_state(spark: SparkSession, layout: StorageLayout, open_payments: list[tuple], ttl_us: int,
-                   watermark_ms: int) -> DataFrame:
-    payments = spark.createDataFrame(
-        [(c, "payment", pid, at, cents, None) for c, pid, at, cents in open_payments], _INITIAL)
-    return payments.unionByName(_kept_state(spark, layout, ttl_us, watermark_ms))
 
 
 @dataclass(frozen=True)
@@ -398,58 +116,250 @@ class SessionSettings:
                              f"(default {DEFAULT_STATE_TTL.days} days).")
 
 
+@dataclass(frozen=True)
+class SessionsFold:
+    """What one batch does to the sessions: the state after it and what it emits."""
+
+    open_sessions: DataFrame  # rows of customer_open_sessions after the batch
+    last_sessions: DataFrame  # rows of customer_last_sessions after the batch
+    closed: DataFrame  # rows of customer_activity: the sessions the new watermark has closed
+    late: DataFrame  # rows of late_events
+    watermark_ms: int  # the watermark after the batch
+
+
+def _micros(column: str):
+    return F.unix_micros(F.col(column))
+
+
+def fold_sessions(open_sessions: DataFrame, last_sessions: DataFrame, payments: DataFrame, watermark_ms: int,
+                  settings: SessionSettings) -> SessionsFold:
+    """(open and last sessions before, a batch of bronze payments, the watermark before) -> the state after and
+    the outputs. Two actions: the batch's newest payment, and the sessions after the batch (kept once).
+
+    A payment at or behind the watermark is late. The others join the customers' open sessions: per customer,
+    in event-time order, a piece (an open session, or a payment) less than the gap after the latest end before
+    it joins that session. The watermark then moves to the newest payment minus the delay (never back), and
+    every session it is a gap past closes, oldest first, each knowing the previous one's end and the day's
+    spend so far; the TTL's rule forgets both."""
+    spec = PAYMENTS
+    gap_us, ttl_us = settings.gap // _US, settings.state_ttl // _US
+    at = F.col(spec.event_time_field)
+    newest = payments.agg(F.max(F.unix_millis(at))).first()[0]
+    after = (watermark_ms if newest is None
+             else max(watermark_ms, newest - settings.watermark_delay // dt.timedelta(milliseconds=1)))
+    behind = F.unix_micros(at) <= F.lit(watermark_ms * 1000)
+    late = payments.where(behind).select(
+        F.lit(spec.name).alias("stream"), F.col(spec.id_field).alias("event_id"), at.alias("event_time"),
+        F.timestamp_millis(F.lit(watermark_ms)).alias("watermark"),
+        (F.lit(watermark_ms) - F.unix_millis(at)).alias("late_by_ms"), "source_file", "line_number")
+    arrived = payments.where(~behind).select(
+        "customer_id", at.alias("session_start"), at.alias("session_end"), F.lit(1).cast(LongType()).alias("payment_count"),
+        F.col(spec.value_field).cast(TOTAL_TYPE).alias("total_amount"),
+        F.array(F.struct(at.alias("paid_at"), F.col(spec.id_field).alias("payment_id"))).alias("last_payments"))
+    pieces = open_sessions.select(*OPEN_SESSIONS_SCHEMA.fieldNames()).unionByName(arrived)
+    in_order = Window.partitionBy("customer_id").orderBy("session_start", "session_end")
+    latest_end = F.max(_micros("session_end")).over(in_order.rowsBetween(Window.unboundedPreceding, -1))
+    starts = F.when(latest_end.isNull() | (_micros("session_start") - latest_end >= gap_us), 1).otherwise(0)
+    sessions = (pieces.withColumn("_starts", starts)
+                .withColumn("_session", F.sum("_starts").over(in_order.rowsBetween(Window.unboundedPreceding, 0)))
+                .groupBy("customer_id", "_session")
+                .agg(F.min("session_start").alias("session_start"), F.max("session_end").alias("session_end"),
+                     F.sum("payment_count").cast(LongType()).alias("payment_count"),
+                     F.sum("total_amount").cast(TOTAL_TYPE).alias("total_amount"),
+                     F.slice(F.sort_array(F.flatten(F.collect_list("last_payments")), asc=False), 1, LAST_PAYMENTS)
+                     .alias("last_payments"))
+                .drop("_session")
+                .localCheckpoint())  # the closed rows, the open ones and the kept state all read it
+    closes = _micros("session_end") + gap_us <= F.lit(after * 1000)
+    closed = _closed_rows(sessions.where(closes), last_sessions, ttl_us)
+    still_open = sessions.where(~closes)
+    # The customer's newest closed session replaces the stored one; a customer idle for the TTL with nothing
+    # open is forgotten (the rule above would forget them anyway: this only keeps the table small).
+    newest_closed = (closed.withColumn("_n", F.row_number().over(
+        Window.partitionBy("customer_id").orderBy(F.desc("session_end"))))
+        .where(F.col("_n") == 1).select("customer_id", "session_end", "day_amount"))
+    kept = (last_sessions.join(newest_closed.select("customer_id"), "customer_id", "left_anti")
+            .unionByName(newest_closed)
+            .join(still_open.select("customer_id").distinct().withColumn("_open", F.lit(True)), "customer_id", "left")
+            .where(F.col("_open").isNotNull() | (_micros("session_end") + ttl_us > F.lit(after * 1000)))
+            .select(*LAST_SESSIONS_SCHEMA.fieldNames()))
+    return SessionsFold(open_sessions=still_open, last_sessions=kept, closed=closed, late=late, watermark_ms=after)
+
+
+def _closed_rows(closing: DataFrame, last_sessions: DataFrame, ttl_us: int) -> DataFrame:
+    """Rows of customer_activity for `closing`, oldest first per customer: the previous session's end (the
+    stored one for the first), unless the session started the TTL or more after it (forgotten: null, and the
+    day's spend starts again); the spend on the session's UTC day so far, the stored day's total included
+    while nothing has been forgotten in between."""
+    by_customer = Window.partitionBy("customer_id").orderBy("session_start")
+    previous = F.coalesce(F.lag("session_end").over(by_customer), F.col("_stored_end"))
+    day = F.floor(_micros("session_end") / _DAY_US)
+    with_previous = (closing.join(last_sessions.select("customer_id", F.col("session_end").alias("_stored_end"),
+                                                       F.col("day_amount").alias("_stored_day")), "customer_id", "left")
+                     .withColumn("_previous", previous)
+                     .withColumn("_forgets", (F.col("_previous").isNotNull()
+                                              & (_micros("session_start") - F.unix_micros("_previous") >= ttl_us))
+                                 .cast(LongType()))
+                     .withColumn("_epoch", F.sum("_forgets").over(by_customer.rowsBetween(Window.unboundedPreceding, 0)))
+                     .withColumn("_day", day))
+    same_day = Window.partitionBy("customer_id", "_epoch", "_day").orderBy("session_start").rowsBetween(
+        Window.unboundedPreceding, 0)
+    stored = F.when((F.col("_epoch") == 0) & (F.floor(F.unix_micros("_stored_end") / _DAY_US) == F.col("_day")),
+                    F.col("_stored_day")).otherwise(F.lit(0))
+    return with_previous.select(
+        "customer_id", "session_start", "session_end", "payment_count", "total_amount",
+        F.transform("last_payments", lambda p: p["payment_id"]).alias("last_payment_ids"),
+        F.when(F.col("_forgets") == 1, F.lit(None)).otherwise(F.col("_previous")).cast(TimestampType())
+        .alias("previous_session_end"),
+        (F.sum("total_amount").over(same_day) + stored).cast(TOTAL_TYPE).alias("day_amount"))
+
+
+class SessionsBatches:
+    """The foreachBatch body, as WindowsBatches in windows.py: folds each micro-batch from the state versions
+    the last closing commit recorded, and commits it; a batch that already committed is skipped whole."""
+
+    def __init__(self, layout: StorageLayout, checkpoint: Path, app_id: str, settings: SessionSettings,
+                 last: Progress):
+        self.layout, self.checkpoint, self.app_id, self.settings, self.last = layout, checkpoint, app_id, settings, last
+
+    def __call__(self, batch: DataFrame, batch_id: int) -> None:
+        if self.last.app_id == self.app_id and self.last.batch_id is not None and self.last.batch_id >= batch_id:
+            return
+        spark, layout, spec = batch.sparkSession, self.layout, PAYMENTS
+        payments = batch.select("customer_id", spec.id_field, spec.event_time_field, spec.value_field, "source_file",
+                                "line_number").localCheckpoint()  # read three times below; bronze once
+        versions = self.last.state_versions
+        fold = fold_sessions(read_state(spark, layout.table(OPEN_SESSIONS), versions[OPEN_SESSIONS]),
+                             read_state(spark, layout.table(LAST_SESSIONS), versions[LAST_SESSIONS]),
+                             payments, self.last.watermark_ms, self.settings)
+        closed = fold.closed.localCheckpoint()  # written and counted; the state after reads it too
+        sessions_closed, late_count = closed.count(), fold.late.count()
+        marker = {"app_id": self.app_id, "batch_id": batch_id,
+                  "activity_version": (table_version(spark, layout.table(ACTIVITY)) or 0) + 1}
+        if late_count:
+            append_batch(fold.late, layout.table(LATE), self.app_id, batch_id, marker)
+        fault_point(SESSIONS_AFTER_LATE_COMMIT)
+        versions = {OPEN_SESSIONS: write_state(fold.open_sessions, layout.table(OPEN_SESSIONS), self.app_id, batch_id)}
+        fault_point(SESSIONS_AFTER_OPEN_SESSIONS_COMMIT)
+        versions[LAST_SESSIONS] = write_state(fold.last_sessions, layout.table(LAST_SESSIONS), self.app_id, batch_id)
+        fault_point(SESSIONS_AFTER_LAST_SESSIONS_COMMIT)
+        progress = {"app_id": self.app_id, "batch_id": batch_id, "watermark_ms": fold.watermark_ms,
+                    "bronze_version": batch_end_version(self.checkpoint, batch_id), "state_versions": versions,
+                    "sessions_closed": sessions_closed, "late_events": late_count}
+        fault_point(SESSIONS_BEFORE_CLOSING_COMMIT)
+        append_batch(closed, layout.table(ACTIVITY), self.app_id, batch_id, progress)
+        self.last = Progress(fold.watermark_ms, progress["bronze_version"], versions, self.app_id, batch_id)
+
+
+def last_progress(spark: SparkSession, layout: StorageLayout) -> Progress | None:
+    return event_time.last_progress(spark, layout.table(ACTIVITY), f"{ACTIVITY} and {LATE}")
+
+
+def _state_from_tables(spark: SparkSession, layout: StorageLayout, last: Progress,
+                       settings: SessionSettings) -> SessionsFold:
+    """Tables of an earlier statetables, which kept the sessions' state in RocksDB: the state at the last
+    committed batch, built once from bronze (payments up to its version that are neither late nor in a closed
+    session) and customer_activity (each customer's newest session), then folded with no payments at the
+    watermark the next batch would have had (the newest payment read minus the delay), as that batch would."""
+    spec = PAYMENTS
+    payments = (spark.read.format("delta").option("versionAsOf", last.bronze_version)
+                .load(str(layout.table(spec.bronze_table))))
+    late = spark.read.format("delta").load(str(layout.table(LATE))).where(F.col("stream") == spec.name)
+    activity = spark.read.format("delta").load(str(layout.table(ACTIVITY)))
+    in_closed = activity.select(F.col("customer_id").alias("c"), F.col("session_start").alias("s"),
+                                F.col("session_end").alias("e"))
+    open_payments = (payments.join(late.select(F.col("event_id").alias(spec.id_field)), spec.id_field, "left_anti")
+                     .join(in_closed, (F.col("customer_id") == F.col("c"))
+                           & F.col(spec.event_time_field).between(F.col("s"), F.col("e")), "left_anti"))
+    newest_session = (activity.withColumn("_n", F.row_number().over(
+        Window.partitionBy("customer_id").orderBy(F.desc("session_end")))).where(F.col("_n") == 1)
+        .select(*LAST_SESSIONS_SCHEMA.fieldNames()))
+    empty_open = spark.createDataFrame([], OPEN_SESSIONS_SCHEMA)
+    # The open payments as sessions (watermark 0 and no delay bound: nothing late, nothing closes) ...
+    opened = fold_sessions(empty_open, newest_session, open_payments, 0,
+                           SessionSettings(dt.timedelta(days=366_000), settings.state_ttl, settings.gap))
+    newest = payments.agg(F.max(F.unix_millis(spec.event_time_field))).first()[0] or 0
+    # ... of which those the next watermark passes close now.
+    return fold_sessions(opened.open_sessions.localCheckpoint(), newest_session, open_payments.limit(0),
+                         max(last.watermark_ms, newest - settings.watermark_delay // dt.timedelta(milliseconds=1)),
+                         settings)
+
+
+def _restart(spark: SparkSession, layout: StorageLayout, last: Progress | None, app_id: str, reason: str,
+             settings: SessionSettings) -> Progress:
+    """Start the sessions query again after the last committed batch, under a new app id, from the state
+    versions that batch recorded; the late_events rows of a batch that died before its closing commit are
+    deleted first. Recorded as batch -1 of `app_id`."""
+    last = last or Progress(watermark_ms=0, bronze_version=-1, state_versions={})
+    undone = undo_late_rows(spark, layout, PAYMENTS.name, "activity_version",
+                            table_version(spark, layout.table(ACTIVITY)) or 0)
+    restart_id = f"{app_id}/restart"  # a txn id of its own: Delta commits an empty append only when it carries one
+    closed, versions, watermark = spark.createDataFrame([], ACTIVITY_SCHEMA), last.state_versions, last.watermark_ms
+    if not versions:
+        if last.bronze_version >= 0:
+            fold = _state_from_tables(spark, layout, last, settings)
+            closed, watermark = fold.closed.localCheckpoint(), fold.watermark_ms
+            open_sessions, last_sessions = fold.open_sessions, fold.last_sessions
+        else:
+            open_sessions = spark.createDataFrame([], OPEN_SESSIONS_SCHEMA)
+            last_sessions = spark.createDataFrame([], LAST_SESSIONS_SCHEMA)
+        versions = {OPEN_SESSIONS: write_state(open_sessions, layout.table(OPEN_SESSIONS), restart_id, 0),
+                    LAST_SESSIONS: write_state(last_sessions, layout.table(LAST_SESSIONS), restart_id, 0)}
+    progress = {"app_id": app_id, "batch_id": -1, "watermark_ms": watermark, "bronze_version": last.bronze_version,
+                "state_versions": versions, "sessions_closed": closed.count(), "late_events": 0,
+                "restarted_because": reason, "undone": undone}
+    append_batch(closed, layout.table(ACTIVITY), restart_id, 0, progress)
+    return Progress(watermark, last.bronze_version, versions, app_id, -1)
+
+
+def _operator_state(spark: SparkSession, layout: StorageLayout) -> dict:
+    rows = sum(spark.read.format("delta").load(str(layout.table(name))).count() for name in (OPEN_SESSIONS, LAST_SESSIONS))
+    size = sum(int(event_time.table_bytes(spark, layout.table(name))) for name in (OPEN_SESSIONS, LAST_SESSIONS))
+    return {"rows": rows, "bytes": size}
+
+
 def update_sessions(spark: SparkSession, layout: StorageLayout, settings: SessionSettings = SessionSettings(), *,
                     lock_timeout_s: float = 60.0, continuous: Continuous | None = None) -> StreamRunResult:
     """Fold every bronze payment not yet seen into the customers' sessions; write the ones that closed.
 
     Without a trusted checkpoint (first run, lost, corrupt) the query starts again after the last
-    committed batch (`_restart`); open sessions, last sessions and day totals come back as the
-    operator's initial state.
+    committed batch (`_restart`), from the state the tables hold.
 
     >>> update_sessions(spark, StorageLayout.under("data")).micro_batches
     """
     spec = PAYMENTS
     started = time.monotonic()
-    gap_us = settings.gap // dt.timedelta(microseconds=1)
-    ttl_us = settings.state_ttl // dt.timedelta(microseconds=1)
     checkpoint = layout.checkpoint(SESSIONS_QUERY)
     path, bronze_path = layout.table(ACTIVITY), layout.table(spec.bronze_table)
+    names = (ACTIVITY, LATE, OPEN_SESSIONS, LAST_SESSIONS)
     require_writable([layout.locks, path.parent, layout.checkpoints_root])
     with writer_lock(layout.locks, SESSIONS_QUERY, lock_timeout_s), storage_errors():
         ensure_bronze_tables(spark, layout, spec)
-        for name, schema in ((ACTIVITY, ACTIVITY_SCHEMA), (LATE, LATE_SCHEMA)):
+        for name, schema in ((ACTIVITY, ACTIVITY_SCHEMA), (LATE, LATE_SCHEMA), (OPEN_SESSIONS, OPEN_SESSIONS_SCHEMA),
+                             (LAST_SESSIONS, LAST_SESSIONS_SCHEMA)):
             create_table_if_missing(spark, layout.table(name), schema)
-        before = {name: table_version(spark, layout.table(name)) for name in (ACTIVITY, LATE)}
+        before = {name: table_version(spark, layout.table(name)) for name in names}
         bronze_id = table_id(spark, bronze_path)
+        last = last_progress(spark, layout)
         verdict, moved = checkpoint_for_run(spark, checkpoint, layout.set_aside_checkpoints, [path],
-                                            source_table_id=bronze_id, stateful=True)
-        origin, recovery, still_open = verdict.origin, None, None
+                                            source_table_id=bronze_id)
+        origin, problem, recovery = verdict.origin, verdict.problem, None
+        if origin is not None and last is not None and last.state_versions is None:
+            origin, moved = None, set_aside(checkpoint, layout.set_aside_checkpoints)
+            problem = f"{checkpoint} kept the sessions' state in RocksDB (an earlier statetables)"
         if origin is None:
-            last = last_progress(spark, layout)
-            reason = verdict.problem or (f"{checkpoint} is missing, but {ACTIVITY} holds batches written from an "
-                                         f"earlier checkpoint" if last else "no checkpoint yet")
+            reason = problem or (f"{checkpoint} is missing, but {ACTIVITY} holds batches written from an "
+                                 f"earlier checkpoint" if last else "no checkpoint yet")
             app_id = new_app_id(SESSIONS_QUERY)
-            start, still_open = _restart(spark, layout, last, app_id, reason, settings.watermark_delay,
-                                         ttl_us, gap_us)
+            last = _restart(spark, layout, last, app_id, reason, settings)
             origin = start_checkpoint(checkpoint, SESSIONS_QUERY, reason, app_id=app_id,
-                                      source_start_version=start.bronze_version + 1, source_table_id=bronze_id,
-                                      closed_through_ms=start.watermark_ms)
-            if verdict.problem or moved or last:
-                closed = dt.datetime.fromtimestamp(start.watermark_ms / 1000, dt.timezone.utc)
+                                      source_start_version=last.bronze_version + 1, source_table_id=bronze_id)
+            if problem or moved or last.bronze_version >= 0:
                 recovery = {"problem": reason, "set_aside": str(moved) if moved else None,
-                            "action": f"restarted {SESSIONS_QUERY} after bronze version {start.bronze_version}: "
-                                      f"sessions closed up to {closed:%Y-%m-%d %H:%M:%S} written, open ones "
-                                      f"rebuilt from bronze and {ACTIVITY} as the operator's initial state"}
-        closed_through = origin.closed_through_ms or 0
-        initial = None
-        if not any((checkpoint / "commits").glob("[0-9]*")) and origin.source_start_version:
-            # Until its first batch commits, a restarted query takes its initial state on every start.
-            if still_open is None:  # a run after a restart that died before its first batch
-                still_open = [(r.customer_id, r[spec.id_field], r.paid_at_us, r.cents) for r in _open_payments(
-                    spark, layout, origin.source_start_version - 1).collect()]
-            initial = _initial_state(spark, layout, still_open, ttl_us, closed_through)
+                            "action": f"restarted {SESSIONS_QUERY} after bronze version {last.bronze_version} from "
+                                      f"the state in {OPEN_SESSIONS} and {LAST_SESSIONS} (versions "
+                                      f"{last.state_versions[OPEN_SESSIONS]}, {last.state_versions[LAST_SESSIONS]})"}
         batches = rows = 0
-        reports: list = []
         start_version = origin.source_start_version
         has_offsets = any((checkpoint / "offsets").glob("[0-9]*"))
         if source_ready(lambda: has_offsets or start_version is None
@@ -457,26 +367,13 @@ def update_sessions(spark: SparkSession, layout: StorageLayout, settings: Sessio
             events = spark.readStream.format("delta").option("maxFilesPerTrigger", 1_000_000)  # whole versions
             if start_version is not None:
                 events = events.option("startingVersion", start_version)
-            # As in windows.py: the watermark is Spark's, but its column is dropped before the operator,
-            # so that Spark does not drop the late payments there.
-            payments = (events.load(str(bronze_path))
-                        .withColumn("_event_time", F.col(spec.event_time_field))
-                        .withWatermark("_event_time", f"{int(settings.watermark_delay.total_seconds())} seconds")
-                        .select("customer_id", spec.id_field, spec.event_time_field, spec.value_field,
-                                "source_file", "line_number"))
-            emitted = payments.groupBy("customer_id").transformWithState(
-                CustomerSessions(ttl_us, gap_us, closed_through), _EMITTED, "Append", "EventTime",
-                initialState=initial.groupBy("customer_id") if initial is not None else None)
-            on_batch = partial(write_sessions, layout=layout, checkpoint=checkpoint, app_id=origin.app_id,
-                               closed_through_ms=closed_through)
-            batches, rows = run_query(emitted, query_name=SESSIONS_QUERY, checkpoint_dir=checkpoint,
-                                              on_batch=on_batch, progress=reports,
-                                      continuous=continuous)
+            on_batch = SessionsBatches(layout, checkpoint, origin.app_id, settings, last)
+            batches, rows = run_query(events.load(str(bronze_path)), query_name=SESSIONS_QUERY,
+                                      checkpoint_dir=checkpoint, on_batch=on_batch, continuous=continuous)
         return StreamRunResult(
             query_name=SESSIONS_QUERY, micro_batches=batches, rows_read=rows, duration_s=time.monotonic() - started,
-            versions={name: TableVersions(before[name], table_version(spark, layout.table(name)))
-                      for name in (ACTIVITY, LATE)},
+            versions={name: TableVersions(before[name], table_version(spark, layout.table(name))) for name in names},
             commits={ACTIVITY: commits_since(spark, path, before[ACTIVITY])},
             recovery=recovery,
-            operator_state=event_time.operator_state(reports),
+            operator_state=_operator_state(spark, layout),
         )

@@ -37,7 +37,7 @@ from pyspark.sql.types import LongType, StringType, StructField, StructType, Tim
 from pipelines import delta_sql, event_time
 from pipelines.bronze import ensure_bronze_tables
 from pipelines.checkpoints import batch_end_version, checkpoint_for_run, new_app_id, set_aside, start_checkpoint
-from pipelines.event_time import LATE, LATE_SCHEMA, Progress, append_batch, undo_late_rows
+from pipelines.event_time import LATE, LATE_SCHEMA, Progress, append_batch, read_state, undo_late_rows, write_state
 from pipelines.faults import (
     WINDOWS_AFTER_LATE_COMMIT, WINDOWS_AFTER_OPEN_HOURS_COMMIT, WINDOWS_AFTER_TOP_COMMIT,
     WINDOWS_BEFORE_CLOSING_COMMIT, fault_point,
@@ -126,14 +126,6 @@ def top_titles(hourly: DataFrame) -> DataFrame:
             .where(F.col("rank") <= TOP_N).select(*TOP_SCHEMA.fieldNames()))
 
 
-def _write_open_hours(open_hours: DataFrame, path: Path, app_id: str, batch_id: int) -> int:
-    """Replace the open hours, once per (app id, batch); returns the version that holds this batch's state
-    (the query is the table's one writer, so a replay that Delta skips finds it newest)."""
-    (open_hours.write.format("delta").mode("overwrite").option("txnAppId", app_id).option("txnVersion", batch_id)
-     .save(str(path)))
-    return table_version(open_hours.sparkSession, path)
-
-
 def _undo_unfinished_batch(spark: SparkSession, layout: StorageLayout) -> list[str]:
     """Undo what a batch wrote to late_events and top_titles_hourly before it died without its
     tickets_per_title_hourly commit. Only a restart (checkpoint lost) needs this: it writes the batch
@@ -161,13 +153,12 @@ class WindowsBatches:
         self.layout, self.checkpoint, self.app_id, self.delay, self.last = layout, checkpoint, app_id, delay, last
 
     def __call__(self, batch: DataFrame, batch_id: int) -> None:
-        if self.last.app_id == self.app_id and (self.last.batch_id or -1) >= batch_id:
+        if self.last.app_id == self.app_id and self.last.batch_id is not None and self.last.batch_id >= batch_id:
             return
         spark, layout, spec = batch.sparkSession, self.layout, MOVIE_TICKET_SALES
         sales = batch.select("title", spec.event_time_field, spec.value_field, spec.id_field, "source_file",
                              "line_number").localCheckpoint()  # read four times below; bronze once
-        before = (spark.read.format("delta").option("versionAsOf", self.last.state_version)
-                  .load(str(layout.table(OPEN_HOURS))))
+        before = read_state(spark, layout.table(OPEN_HOURS), self.last.state_versions[OPEN_HOURS])
         fold = fold_windows(before, sales, self.last.watermark_ms, self.delay)
         closed = fold.closed.localCheckpoint()
         windows_closed, late_count = closed.count(), fold.late.count()
@@ -180,14 +171,14 @@ class WindowsBatches:
         if windows_closed:
             append_batch(top_titles(closed), layout.table(TOP), self.app_id, batch_id, marker)
         fault_point(WINDOWS_AFTER_TOP_COMMIT)
-        state_version = _write_open_hours(fold.open_hours, layout.table(OPEN_HOURS), self.app_id, batch_id)
+        state_versions = {OPEN_HOURS: write_state(fold.open_hours, layout.table(OPEN_HOURS), self.app_id, batch_id)}
         fault_point(WINDOWS_AFTER_OPEN_HOURS_COMMIT)
         progress = {"app_id": self.app_id, "batch_id": batch_id, "watermark_ms": fold.watermark_ms,
-                    "bronze_version": batch_end_version(self.checkpoint, batch_id), "state_version": state_version,
+                    "bronze_version": batch_end_version(self.checkpoint, batch_id), "state_versions": state_versions,
                     "windows_closed": windows_closed, "late_events": late_count}
         fault_point(WINDOWS_BEFORE_CLOSING_COMMIT)
         append_batch(closed, layout.table(HOURLY), self.app_id, batch_id, progress)
-        self.last = Progress(fold.watermark_ms, progress["bronze_version"], state_version, self.app_id, batch_id)
+        self.last = Progress(fold.watermark_ms, progress["bronze_version"], state_versions, self.app_id, batch_id)
 
 
 def ensure_window_tables(spark: SparkSession, layout: StorageLayout) -> None:
@@ -201,39 +192,49 @@ def last_progress(spark: SparkSession, layout: StorageLayout) -> Progress | None
     return event_time.last_progress(spark, layout.table(HOURLY), f"{HOURLY}, {TOP} and {LATE}")
 
 
-def _open_hours_from_bronze(spark: SparkSession, layout: StorageLayout, through_version: int,
-                            watermark_ms: int) -> DataFrame:
-    """The hours still open at `watermark_ms` over the sales of bronze up to `through_version` that were not
-    late. Only for tables written by an earlier statetables, which kept open hours in RocksDB."""
+def _open_hours_from_bronze(spark: SparkSession, layout: StorageLayout, last: Progress,
+                            delay: dt.timedelta) -> WindowsFold:
+    """Tables of an earlier statetables, which kept the open hours in RocksDB: the hours open at the last
+    committed batch, built once from bronze (up to its version, minus late sales), then folded with no sales
+    at the watermark the next batch would have had (the newest sale read minus the delay), as that batch would."""
     spec = MOVIE_TICKET_SALES
-    sales = (spark.read.format("delta").option("versionAsOf", through_version)
+    empty_hours = spark.createDataFrame([], OPEN_HOURS_SCHEMA)
+    sales = (spark.read.format("delta").option("versionAsOf", last.bronze_version)
              .load(str(layout.table(spec.bronze_table))))
     late = spark.read.format("delta").load(str(layout.table(LATE))).where(F.col("stream") == spec.name)
     on_time = sales.join(late.select(F.col("event_id").alias(spec.id_field)), spec.id_field, "left_anti")
-    empty = spark.createDataFrame([], OPEN_HOURS_SCHEMA)
-    return fold_windows(empty, on_time, 0, dt.timedelta(days=365_000)).open_hours.where(
-        F.unix_millis("window_end") > F.lit(watermark_ms))
+    # Every hour of every on-time sale (watermark 0 and no delay bound: nothing late, nothing closes) ...
+    every_hour = fold_windows(empty_hours, on_time, 0, dt.timedelta(days=366_000)).open_hours
+    still_open = every_hour.where(F.unix_millis("window_end") > F.lit(last.watermark_ms))
+    newest = sales.agg(F.max(F.unix_millis(spec.event_time_field))).first()[0] or 0
+    # ... of which those the next watermark passes close now.
+    return fold_windows(still_open.localCheckpoint(), on_time.limit(0),
+                        max(last.watermark_ms, newest - delay // dt.timedelta(milliseconds=1)), delay)
 
 
-def _restart(spark: SparkSession, layout: StorageLayout, last: Progress | None, app_id: str, reason: str) -> Progress:
+def _restart(spark: SparkSession, layout: StorageLayout, last: Progress | None, app_id: str, reason: str,
+             delay: dt.timedelta) -> Progress:
     """Start the windows query again after the last committed batch, under a new app id. Its state is
     the open-hours version that batch recorded; an unfinished batch's rows are undone first. Recorded as
     batch -1 of `app_id` (a commit of tickets_per_title_hourly, so the checkpoint verdict can tell it
-    is in effect). Tables of an earlier statetables record no open-hours version: their open hours are
-    built once from bronze."""
-    last = last or Progress(watermark_ms=0, bronze_version=-1)
+    is in effect)."""
+    last = last or Progress(watermark_ms=0, bronze_version=-1, state_versions={})
     undone = _undo_unfinished_batch(spark, layout)
-    state_version = last.state_version
-    if state_version is None:
-        open_hours = (_open_hours_from_bronze(spark, layout, last.bronze_version, last.watermark_ms)
-                      if last.bronze_version >= 0 else spark.createDataFrame([], OPEN_HOURS_SCHEMA))
-        state_version = _write_open_hours(open_hours, layout.table(OPEN_HOURS), f"{app_id}/restart", 0)
-    progress = {"app_id": app_id, "batch_id": -1, "watermark_ms": last.watermark_ms,
-                "bronze_version": last.bronze_version, "state_version": state_version, "windows_closed": 0,
-                "late_events": 0, "restarted_because": reason, "undone": undone}
-    # A txn id of its own: Delta commits an empty append only when it carries one, and this record must exist.
-    append_batch(spark.createDataFrame([], HOURLY_SCHEMA), layout.table(HOURLY), f"{app_id}/restart", 0, progress)
-    return Progress(last.watermark_ms, last.bronze_version, state_version, app_id, -1)
+    restart_id = f"{app_id}/restart"  # a txn id of its own: Delta commits an empty append only when it carries one
+    closed, versions, watermark = spark.createDataFrame([], HOURLY_SCHEMA), last.state_versions, last.watermark_ms
+    if not versions:
+        fold = (_open_hours_from_bronze(spark, layout, last, delay) if last.bronze_version >= 0 else
+                WindowsFold(spark.createDataFrame([], OPEN_HOURS_SCHEMA), closed, None, watermark))
+        closed, watermark = fold.closed.localCheckpoint(), fold.watermark_ms
+        versions = {OPEN_HOURS: write_state(fold.open_hours, layout.table(OPEN_HOURS), restart_id, 0)}
+        if not closed.isEmpty():
+            append_batch(top_titles(closed), layout.table(TOP), restart_id, 0,
+                         {"hourly_version": (table_version(spark, layout.table(HOURLY)) or 0) + 1})
+    progress = {"app_id": app_id, "batch_id": -1, "watermark_ms": watermark, "bronze_version": last.bronze_version,
+                "state_versions": versions, "windows_closed": closed.count(), "late_events": 0,
+                "restarted_because": reason, "undone": undone}
+    append_batch(closed, layout.table(HOURLY), restart_id, 0, progress)
+    return Progress(watermark, last.bronze_version, versions, app_id, -1)
 
 
 def _operator_state(spark: SparkSession, layout: StorageLayout) -> dict:
@@ -269,20 +270,20 @@ def update_windows(spark: SparkSession, layout: StorageLayout, *,
         verdict, moved = checkpoint_for_run(spark, checkpoint, layout.set_aside_checkpoints, [hourly_path],
                                             source_table_id=bronze_id)
         origin, problem, recovery = verdict.origin, verdict.problem, None
-        if origin is not None and last is not None and last.state_version is None:
+        if origin is not None and last is not None and last.state_versions is None:
             origin, moved = None, set_aside(checkpoint, layout.set_aside_checkpoints)
             problem = f"{checkpoint} kept the open hours in RocksDB state (an earlier statetables)"
         if origin is None:
             reason = problem or (f"{checkpoint} is missing, but {HOURLY} holds batches written from an "
                                          f"earlier checkpoint" if last else "no checkpoint yet")
             app_id = new_app_id(WINDOWS_QUERY)
-            last = _restart(spark, layout, last, app_id, reason)
+            last = _restart(spark, layout, last, app_id, reason, watermark_delay)
             origin = start_checkpoint(checkpoint, WINDOWS_QUERY, reason, app_id=app_id,
                                       source_start_version=last.bronze_version + 1, source_table_id=bronze_id)
             if problem or moved or last.bronze_version >= 0:
                 recovery = {"problem": reason, "set_aside": str(moved) if moved else None,
                             "action": f"restarted {WINDOWS_QUERY} after bronze version {last.bronze_version} from "
-                                      f"the open hours in {OPEN_HOURS} (version {last.state_version})"}
+                                      f"the open hours in {OPEN_HOURS} (version {last.state_versions[OPEN_HOURS]})"}
         batches = rows = 0
         has_offsets = any((checkpoint / "offsets").glob("[0-9]*"))
         start_version = origin.source_start_version

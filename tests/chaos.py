@@ -67,7 +67,10 @@ NAMED_KILLS = [
     (faults.WINDOWS_AFTER_TOP_COMMIT, {}),  # late_events and top_titles_hourly written
     (faults.WINDOWS_AFTER_OPEN_HOURS_COMMIT, {}),  # ... and the open hours; the closing commit not
     (faults.WINDOWS_BEFORE_CLOSING_COMMIT, {"delay": 0.3}),  # inside the closing commit
-    (faults.SESSIONS_BEFORE_CLOSING_COMMIT, {}),  # late payments written, customer_activity not
+    (faults.SESSIONS_AFTER_LATE_COMMIT, {}),  # late payments written, nothing else of the sessions batch
+    (faults.SESSIONS_AFTER_OPEN_SESSIONS_COMMIT, {}),  # ... and the open sessions
+    (faults.SESSIONS_AFTER_LAST_SESSIONS_COMMIT, {}),  # ... and the last sessions; customer_activity not
+    (faults.SESSIONS_BEFORE_CLOSING_COMMIT, {"delay": 0.3}),  # inside the closing commit
 ]
 
 
@@ -325,7 +328,8 @@ def run_chaos(home: Path, *, kills: int, seed: int, events: int = 600, random_sh
         _deliver(layout, rng, events // 3, streams)  # every round has work, so every fault point is on the path
         note = _damage_checkpoint(layout, rng) if not named_only and rng.random() < damage_share else ""
         damaged = note.startswith(("deleted", "truncate", "garbage"))
-        if named_only or rng.random() >= random_share:
+        # Every named point once first (KILLS >= len(NAMED_KILLS) kills at each), then named or random instants.
+        if named_only or named < len(plan) or rng.random() >= random_share:
             point, options = plan[named % len(plan)]  # moves on only once this point has killed a run
             if point == faults.STATE_AFTER_REBUILD:  # a rebuild happens when a state checkpoint is gone
                 for name in streams:

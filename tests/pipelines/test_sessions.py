@@ -3,13 +3,14 @@
 
 Covers: a payment out of order within the watermark joins its session (here it joins two into one);
 payments behind it land in `late_events` and still count in payments_per_customer; the event-time
-timer closes a session 30 minutes after its last payment; the previous session and the day's spend
-come from value and map state, which TTL forgets; a lost checkpoint with its RocksDB state is rebuilt
-from the Delta tables, and the outputs equal those of a run that never lost it.
+watermark closes a session 30 minutes after its last payment; the previous session and the day's spend
+come from the keyed state table, which TTL forgets; a batch replayed after a crash between any two of its
+commits, and a lost checkpoint, give the outputs of runs that never failed.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 from datetime import datetime, timedelta, timezone
 from decimal import Decimal
@@ -23,7 +24,10 @@ from pipelines import faults, table_checks
 from pipelines.bronze import ingest_stream
 from pipelines.event_time import LATE
 from pipelines.generate import generate
-from pipelines.sessions import ACTIVITY, SESSIONS_QUERY, SessionSettings, update_sessions
+from pipelines.sessions import (
+    ACTIVITY, ACTIVITY_SCHEMA, LAST_SESSIONS, OPEN_SESSIONS, SESSIONS_QUERY, SessionSettings, update_sessions,
+)
+from pipelines.streaming import commits_since
 from pipelines.state import update_state_table
 from pipelines.streams import PAYMENTS
 from tests.contract_oracle import Oracle, expected_sessions, expected_state, file_lines, landing_files
@@ -62,7 +66,8 @@ class Deliveries:
         self.oracle, self.batches, self.seen = Oracle(SPEC.name), [], set()
         self.unfinished: set[str] = set()  # payments of a batch that failed: they come again in the next one
 
-    def run(self, *, lose_checkpoint: bool = False, fail_before_closing: bool = False):
+    def run(self, *, lose_checkpoint: bool = False, fail_before_closing: bool = False, fail_at: str | None = None):
+        fail_at = fail_at or (faults.SESSIONS_BEFORE_CLOSING_COMMIT if fail_before_closing else None)
         before = set(self.oracle.expected.events) - self.unfinished
         for path in sorted(set(landing_files(self.layout.landing(SPEC.name))) - self.seen,
                            key=lambda p: (p.stat().st_mtime_ns, str(p))):
@@ -72,8 +77,8 @@ class Deliveries:
         ingest_stream(self.spark, self.layout, SPEC)
         if lose_checkpoint:
             shutil.rmtree(self.layout.checkpoint(SESSIONS_QUERY))
-        if fail_before_closing:
-            faults.arm(self.layout.home / "faults", faults.SESSIONS_BEFORE_CLOSING_COMMIT, "raise")
+        if fail_at:
+            faults.arm(self.layout.home / "faults", fail_at, "raise")
             with pytest.raises(Exception, match="fault injected"):
                 update_sessions(self.spark, self.layout, self.settings)
             self.unfinished = {e[SPEC.id_field] for e in batch}
@@ -123,16 +128,15 @@ def test_sessions_late_payments_and_ttl_equal_the_recomputation(spark, layout, l
     assert ("zed", at("16:00")) not in sessions  # the timer has not fired: 16:00 + 30 min > 15:50
     assert set(late) == {"b5"} and late["b5"][1] == at("12:40")
     assert result.operator_state and result.operator_state["rows"] >= 1
-    # The TTL's timers: ann's, bob's and cy's state is cleared once the watermark is 40 minutes past
-    # their last session; zed's session (16:00) closes at 17:50 and his state stays. Read with Spark's
-    # state data source, from the checkpoint.
+    # The TTL: ann's, bob's and cy's keyed state is dropped once the watermark is 40 minutes past their
+    # last session; zed's session (16:00) closes at 17:50 and his state stays, since his 18:00 is still open.
+    # Read from the operator's state tables.
     landing.write(SPEC.name, "4.jsonl", [_payment("z2", "zed", "18:00")])
     runs.run()
     sessions, late = _outputs(layout)
     assert sessions == runs.expected().sessions and ("zed", at("16:00")) in sessions
-    kept = spark.read.format("statestore").option("stateVarName", "last_session").load(
-        str(layout.checkpoint(SESSIONS_QUERY)))
-    assert sorted(r["key"][0] for r in kept.collect()) == ["zed"]
+    assert sorted(r["customer_id"] for r in _rows(layout, LAST_SESSIONS)) == ["zed"]
+    assert sorted(r["customer_id"] for r in _rows(layout, OPEN_SESSIONS)) == ["zed"]  # his 18:00, still open
     # The Dagster check's query sees the tables agree with bronze, then sees a corrupted session.
     mismatched, figures = table_checks.sessions_mismatches(spark, layout)
     assert mismatched.count() == 0, mismatched.collect()
@@ -147,11 +151,35 @@ def test_sessions_late_payments_and_ttl_equal_the_recomputation(spark, layout, l
     assert all_time["bob"] == 5
 
 
+def test_a_batch_replayed_after_a_crash_between_any_two_commits_writes_what_it_would_have(spark, layout, monkeypatch):
+    """A sessions batch commits late_events, the open sessions, the last sessions, then customer_activity. Each
+    delivery's run dies at the next of those points; the run after it replays the batch from the state versions
+    the previous batch recorded. The outputs, previous sessions and day totals included, must equal the
+    recomputation of runs that never failed."""
+    monkeypatch.setenv(faults.FAULTS_ENV, str(layout.home / "faults"))
+    runs = Deliveries(spark, layout, SessionSettings(watermark_delay=DELAY, state_ttl=timedelta(hours=2)))
+    points = [faults.SESSIONS_AFTER_LATE_COMMIT, faults.SESSIONS_AFTER_OPEN_SESSIONS_COMMIT,
+              faults.SESSIONS_AFTER_LAST_SESSIONS_COMMIT, faults.SESSIONS_BEFORE_CLOSING_COMMIT]
+    start = datetime(2026, 10, 20, 22, tzinfo=UTC)  # crosses midnight: day totals start again
+    for n, point in enumerate([*points, None]):
+        generate(SPEC, layout.landing(SPEC.name), events=200, malformed=0.02, duplicates=0.03, late=0.1,
+                 seed=90 + n, events_per_file=200, start=start + timedelta(hours=2 * n), max_step_s=60,
+                 customers=15)
+        if point:
+            runs.run(fail_at=point)
+        runs.run()  # the replay of the failed batch (or the last delivery)
+    sessions, late = _outputs(layout)
+    expected = runs.expected()
+    assert len(expected.sessions) > 30 and len(expected.late) > 5  # the scenario exercises both
+    assert sum(1 for s in expected.sessions.values() if s[4] is not None) > 10  # previous sessions, TTL or not
+    assert sessions == expected.sessions and late == expected.late
+    assert table_checks.sessions_mismatches(spark, layout)[0].count() == 0
+
+
 @pytest.mark.long
 def test_lost_sessions_checkpoint_is_rebuilt_from_the_tables_not_reset(spark, layout, monkeypatch):
     """Generated payments of 20 customers (late ones included) in four deliveries. The second run dies
-    after writing late_events, before its closing commit; then the sessions query's checkpoint, with its
-    RocksDB state, is deleted. The outputs, previous sessions and day totals included, must equal the
+    after writing late_events, before its closing commit; then the sessions query's checkpoint is deleted. The outputs, previous sessions and day totals included, must equal the
     recomputation of a run that never failed."""
     monkeypatch.setenv(faults.FAULTS_ENV, str(layout.home / "faults"))
     runs = Deliveries(spark, layout)
@@ -172,3 +200,32 @@ def test_lost_sessions_checkpoint_is_rebuilt_from_the_tables_not_reset(spark, la
     assert sessions == expected.sessions
     assert late == expected.late
     assert table_checks.sessions_mismatches(spark, layout)[0].count() == 0
+
+
+@pytest.mark.long
+def test_tables_of_an_earlier_statetables_get_their_state_from_bronze(spark, layout, landing):
+    """An earlier statetables kept the sessions' state in its checkpoint's RocksDB state and recorded no state
+    versions. Such tables (the newest closing commit without `state_versions`, the state tables gone) are taken
+    over: the checkpoint is set aside, the open sessions built once from bronze and the last sessions from
+    customer_activity, and later deliveries give the outputs of runs that never changed version."""
+    runs = Deliveries(spark, layout, SessionSettings(watermark_delay=DELAY, state_ttl=timedelta(hours=3)))
+    landing.write(SPEC.name, "1.jsonl", [_payment("a1", "ann", "10:00"), _payment("a2", "ann", "10:20"),
+                                         _payment("b1", "bob", "10:05"), _payment("b2", "bob", "11:10")])
+    runs.run()  # watermark 11:00: ann's 10:00-10:20 closes; bob's 10:05 closes at 10:35; his 11:10 is open
+    last = commits_since(spark, layout.table(ACTIVITY), None)[-1]["user"]
+    legacy = {k: v for k, v in last.items() if k != "state_versions"}
+    spark.createDataFrame([], ACTIVITY_SCHEMA).write.format("delta").mode("append").option(
+        "userMetadata", json.dumps(legacy)).option("txnAppId", "legacy").option("txnVersion", 0).save(
+        str(layout.table(ACTIVITY)))
+    for name in (OPEN_SESSIONS, LAST_SESSIONS):
+        shutil.rmtree(layout.table(name))
+    landing.write(SPEC.name, "2.jsonl", [_payment("b3", "bob", "11:30"), _payment("a3", "ann", "12:40"),
+                                         _payment("z1", "zed", "14:00")])
+    result = runs.run()
+    assert result.recovery and "RocksDB" in result.recovery["problem"], result.recovery
+    sessions, late = _outputs(layout)
+    assert sessions == runs.expected().sessions and not late
+    at = lambda hh_mm: datetime.fromisoformat(f"2026-11-01T{hh_mm}:00+00:00")  # noqa: E731
+    # bob's open 11:10 came back from bronze and took 11:30; his previous session and day total from customer_activity
+    assert sessions[("bob", at("11:10"))][:2] == (at("11:30"), 2)
+    assert sessions[("bob", at("11:10"))][4:] == (at("10:05"), Decimal("30.00"))

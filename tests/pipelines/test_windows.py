@@ -9,6 +9,7 @@ and the outputs equal those of a run that never lost it. Every delivery is one m
 
 from __future__ import annotations
 
+import json
 import shutil
 from datetime import datetime, timedelta, timezone
 from decimal import Decimal
@@ -23,7 +24,10 @@ from pipelines.bronze import ingest_stream
 from pipelines.generate import generate
 from pipelines.state import update_state_table
 from pipelines.streams import MOVIE_TICKET_SALES
-from pipelines.windows import DEFAULT_WATERMARK_DELAY, HOURLY, LATE, TOP, WINDOWS_QUERY, update_windows
+from pipelines.streaming import commits_since
+from pipelines.windows import (
+    DEFAULT_WATERMARK_DELAY, HOURLY, HOURLY_SCHEMA, LATE, OPEN_HOURS, TOP, WINDOWS_QUERY, update_windows,
+)
 from tests.contract_oracle import Oracle, expected_state, expected_windows, file_lines, landing_files
 
 SPEC = MOVIE_TICKET_SALES
@@ -180,3 +184,28 @@ def test_lost_checkpoint_is_rebuilt_from_the_tables_not_reset(spark, layout, mon
     assert windows == expected.windows
     assert late == expected.late
     assert top == expected.top
+
+
+@pytest.mark.long
+def test_tables_of_an_earlier_statetables_get_their_open_hours_from_bronze(spark, layout, landing):
+    """An earlier statetables kept the open hours in its checkpoint's RocksDB state and recorded no state
+    version. Such a table (its newest closing commit without `state_versions`, the open-hours table gone) is
+    taken over: the checkpoint is set aside, the open hours built once from bronze, and later deliveries
+    give the outputs of runs that never changed version."""
+    runs = Deliveries(spark, layout)
+    landing.write(SPEC.name, "1.jsonl", [_sale("a", "Dune", "10:05"), _sale("b", "Heat", "10:50"),
+                                         _sale("c", "Dune", "11:20")])
+    runs.run()
+    last = commits_since(spark, layout.table(HOURLY), None)[-1]["user"]
+    legacy = {k: v for k, v in last.items() if k != "state_versions"}
+    spark.createDataFrame([], HOURLY_SCHEMA).write.format("delta").mode("append").option(
+        "userMetadata", json.dumps(legacy)).option("txnAppId", "legacy").option("txnVersion", 0).save(
+        str(layout.table(HOURLY)))
+    shutil.rmtree(layout.table(OPEN_HOURS))
+    landing.write(SPEC.name, "2.jsonl", [_sale("d", "Dune", "11:40"), _sale("e", "Heat", "13:30")])
+    result = runs.run()
+    assert result.recovery and "RocksDB" in result.recovery["problem"], result.recovery
+    windows, late, top = _outputs(layout)
+    expected = runs.expected()
+    assert (windows, late, top) == (expected.windows, expected.late, expected.top)
+    assert windows[("Dune", datetime(2026, 11, 1, 11, tzinfo=UTC))] == (2, Decimal("20.00"))
