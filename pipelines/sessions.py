@@ -134,7 +134,8 @@ def _micros(column: str):
 def fold_sessions(open_sessions: DataFrame, last_sessions: DataFrame, payments: DataFrame, watermark_ms: int,
                   settings: SessionSettings) -> SessionsFold:
     """(open and last sessions before, a batch of bronze payments, the watermark before) -> the state after and
-    the outputs. Two actions: the batch's newest payment, and the sessions after the batch (kept once).
+    the outputs. One pass over the batch, for the sessions after it (kept); late payments are read again when
+    written.
 
     A payment at or behind the watermark is late. The others join the customers' open sessions: per customer,
     in event-time order, a piece (an open session, or a payment) less than the gap after the latest end before
@@ -144,9 +145,6 @@ def fold_sessions(open_sessions: DataFrame, last_sessions: DataFrame, payments: 
     spec = PAYMENTS
     gap_us, ttl_us = settings.gap // _US, settings.state_ttl // _US
     at = F.col(spec.event_time_field)
-    newest = payments.agg(F.max(F.unix_millis(at))).first()[0]
-    after = (watermark_ms if newest is None
-             else max(watermark_ms, newest - settings.watermark_delay // dt.timedelta(milliseconds=1)))
     behind = F.unix_micros(at) <= F.lit(watermark_ms * 1000)
     late = payments.where(behind).select(
         F.lit(spec.name).alias("stream"), F.col(spec.id_field).alias("event_id"), at.alias("event_time"),
@@ -170,6 +168,11 @@ def fold_sessions(open_sessions: DataFrame, last_sessions: DataFrame, payments: 
                      .alias("last_payments"))
                 .drop("_session")
                 .localCheckpoint())  # the closed rows, the open ones and the kept state all read it
+    # The newest on-time payment (or open session's end, which an earlier batch's watermark has allowed for);
+    # a late payment is at or behind the watermark, so it could not move it.
+    newest = sessions.agg(F.max(F.unix_millis("session_end"))).first()[0]
+    after = (watermark_ms if newest is None
+             else max(watermark_ms, newest - settings.watermark_delay // dt.timedelta(milliseconds=1)))
     closes = _micros("session_end") + gap_us <= F.lit(after * 1000)
     closed = _closed_rows(sessions.where(closes), last_sessions, ttl_us)
     still_open = sessions.where(~closes)
@@ -227,7 +230,7 @@ class SessionsBatches:
             return
         spark, layout, spec = batch.sparkSession, self.layout, PAYMENTS
         payments = batch.select("customer_id", spec.id_field, spec.event_time_field, spec.value_field, "source_file",
-                                "line_number").localCheckpoint()  # read three times below; bronze once
+                                "line_number")
         versions = self.last.state_versions
         fold = fold_sessions(read_state(spark, layout.table(OPEN_SESSIONS), versions[OPEN_SESSIONS]),
                              read_state(spark, layout.table(LAST_SESSIONS), versions[LAST_SESSIONS]),

@@ -96,19 +96,25 @@ def fold_windows(open_hours: DataFrame, sales: DataFrame, watermark_ms: int, del
 
     A sale at or behind the watermark is late (Spark's rule for the rows its stateful operators drop); the
     others add to their (title, hour). The watermark then moves to the batch's newest sale minus the delay
-    (never back), and every hour whose end it has reached is closed. One action: the newest sale."""
+    (never back), and every hour whose end it has reached is closed. One pass over the batch for the on-time
+    sales (kept, small: per title and hour); the late ones are read again when written."""
     spec = MOVIE_TICKET_SALES
     at = F.col(spec.event_time_field)
-    newest = sales.agg(F.max(F.unix_millis(at))).first()[0]
-    after = watermark_ms if newest is None else max(watermark_ms, newest - delay // dt.timedelta(milliseconds=1))
     behind = F.unix_micros(at) <= F.lit(watermark_ms * 1000)
     late = sales.where(behind).select(
         F.lit(spec.name).alias("stream"), F.col(spec.id_field).alias("event_id"), at.alias("event_time"),
         F.timestamp_millis(F.lit(watermark_ms)).alias("watermark"),
         (F.lit(watermark_ms) - F.unix_millis(at)).alias("late_by_ms"), "source_file", "line_number")
+    # One pass over the batch, kept: what it adds per (title, hour), and its newest on-time sale. A late sale
+    # is at or behind the watermark, so it could not move it: the newest on-time sale is the newest that counts.
     on_time = (sales.where(~behind).groupBy("title", hour_of(at).alias("window_start"))
-               .agg(F.count("*").alias("tickets_sold"), F.sum(spec.value_field).alias("total_ticket_value")))
-    counted = (open_hours.select("title", "window_start", "tickets_sold", "total_ticket_value").unionByName(on_time)
+               .agg(F.count("*").alias("tickets_sold"), F.sum(spec.value_field).alias("total_ticket_value"),
+                    F.max(F.unix_millis(at)).alias("_newest"))
+               .localCheckpoint())
+    newest = on_time.agg(F.max("_newest")).first()[0]
+    after = watermark_ms if newest is None else max(watermark_ms, newest - delay // dt.timedelta(milliseconds=1))
+    counted = (open_hours.select("title", "window_start", "tickets_sold", "total_ticket_value")
+               .unionByName(on_time.drop("_newest"))
                .groupBy("title", "window_start")
                .agg(F.sum("tickets_sold").cast(LongType()).alias("tickets_sold"),
                     F.sum("total_ticket_value").cast(TOTAL_TYPE).alias("total_ticket_value"))
@@ -157,7 +163,7 @@ class WindowsBatches:
             return
         spark, layout, spec = batch.sparkSession, self.layout, MOVIE_TICKET_SALES
         sales = batch.select("title", spec.event_time_field, spec.value_field, spec.id_field, "source_file",
-                             "line_number").localCheckpoint()  # read four times below; bronze once
+                             "line_number")
         before = read_state(spark, layout.table(OPEN_HOURS), self.last.state_versions[OPEN_HOURS])
         fold = fold_windows(before, sales, self.last.watermark_ms, self.delay)
         closed = fold.closed.localCheckpoint()
