@@ -13,7 +13,7 @@ setup(
         "dagster==1.13.27",
         "dagster-webserver==1.13.27",
         "dagster-pyspark==0.29.27",
-        "pandas==2.3.3",  # transformWithState's Python workers exchange state through pandas
+        "pandas==2.3.3",  # the Spark Connect client needs it (pyspark[connect]); pinned for one resolvable stack
     ],
     extras_require={
         "test": ["pytest==9.2.0", "pytest-xdist==3.8.0", "deltalake==1.6.6", "pyarrow==22.0.0", "hypothesis==6.170.15",

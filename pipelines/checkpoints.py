@@ -193,12 +193,8 @@ def _last_batches(rows: list, app_id: str) -> tuple[int | None, int | None]:
 
 
 def verify_checkpoint(spark: SparkSession, checkpoint_dir: Path, written_tables: list[Path], *,
-                      source_table_id: str | None = None, stateful: bool = False) -> CheckpointVerdict:
-    """Trust the checkpoint, or say precisely why not. Reads only; changes nothing.
-
-    `stateful`: the query keeps operator state (transformWithState) in the checkpoint's `state/`;
-    without it a committed batch cannot be resumed.
-    """
+                      source_table_id: str | None = None) -> CheckpointVerdict:
+    """Trust the checkpoint, or say precisely why not. Reads only; changes nothing."""
     offsets, commits = _batch_files(checkpoint_dir / "offsets"), _batch_files(checkpoint_dir / "commits")
     origin = read_origin(checkpoint_dir)
     if not checkpoint_dir.exists():
@@ -228,8 +224,6 @@ def verify_checkpoint(spark: SparkSession, checkpoint_dir: Path, written_tables:
 
     last_offset = max(offsets, default=None)
     last_commit = max(commits, default=None)
-    if stateful and last_commit is not None and not (checkpoint_dir / "state" / "0").is_dir():
-        return CheckpointVerdict(None, f"{checkpoint_dir / 'state'} (the operator state) is missing")
     if last_commit is not None and (last_offset is None or last_commit > last_offset):
         return CheckpointVerdict(None, f"batch {last_commit} is committed but was never planned (offsets lost)")
     if source_table_id is not None:
@@ -266,11 +260,9 @@ def verify_checkpoint(spark: SparkSession, checkpoint_dir: Path, written_tables:
 
 
 def checkpoint_for_run(spark: SparkSession, checkpoint_dir: Path, set_aside_root: Path, written_tables: list[Path],
-                       *, source_table_id: str | None = None,
-                       stateful: bool = False) -> tuple[CheckpointVerdict, Path | None]:
+                       *, source_table_id: str | None = None) -> tuple[CheckpointVerdict, Path | None]:
     """Verify; if untrusted, move it aside. Returns the verdict and where the old checkpoint went."""
-    verdict = verify_checkpoint(spark, checkpoint_dir, written_tables, source_table_id=source_table_id,
-                                stateful=stateful)
+    verdict = verify_checkpoint(spark, checkpoint_dir, written_tables, source_table_id=source_table_id)
     moved = None
     if verdict.origin is None and checkpoint_dir.exists():
         moved = set_aside(checkpoint_dir, set_aside_root)

@@ -35,9 +35,6 @@ PARALLEL_GC = "-XX:+UseParallelGC"
 SESSION_CONFS = {
     "spark.sql.session.timeZone": "UTC",
     "spark.sql.parquet.outputTimestampType": "TIMESTAMP_MICROS",
-    # transformWithState (pipelines/sessions.py) needs RocksDB; recorded in each checkpoint at its start.
-    "spark.sql.streaming.stateStore.providerClass":
-        "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider",
 }
 # Sized for a 2-core, 24 GiB machine; any key can be overridden through `SparkSettings.conf`.
 LOCAL_DEFAULTS = {
@@ -119,8 +116,8 @@ def session_confs(settings: SparkSettings | None = None) -> dict[str, str]:
     if settings.master.startswith(("local", "spark://127.0.0.1:", "spark://localhost:")):
         # The engine is on this host only: keep the driver on loopback.
         conf.update({"spark.driver.host": "127.0.0.1", "spark.driver.bindAddress": "127.0.0.1"})
-        # Python workers (transformWithState) need this interpreter's packages (pandas, pyarrow, the
-        # project); pyspark takes their interpreter from PYSPARK_PYTHON only, else `python3` on PATH.
+        # Python workers (foreachBatch over Connect, Python UDFs) need this interpreter's packages (the
+        # project, pyarrow); pyspark takes their interpreter from PYSPARK_PYTHON only, else `python3` on PATH.
         # On a cluster of other hosts, set `spark.pyspark.python` to the workers' interpreter (docs/deploy.md).
         os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     # Applies when this call starts the driver JVM (spark-submit reads it before launching java).

@@ -243,7 +243,7 @@ def run_query(
     are added to `progress` when given (state operator figures).
 
     A Python worker that does not connect back to the JVM in time (Spark waits 10 s, not configurable;
-    seen on this 2-core machine under load, with transformWithState's workers) fails the query before
+    seen on this 2-core machine under load, with transformWithState's workers, which earlier operators used) fails the query before
     its batch commits: the query is started again from its checkpoint, which replays nothing twice."""
     reports: list = []
     for attempt in range(1, WORKER_START_RETRIES + 1):

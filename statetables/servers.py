@@ -185,7 +185,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def _engine_env() -> dict[str, str]:
-    # The engine's Python workers (foreachBatch over Connect, transformWithState) import the project
+    # The engine's Python workers (foreachBatch over Connect) import the project
     # from this interpreter's environment; on loopback only.
     return {**os.environ, "PYSPARK_PYTHON": sys.executable, "SPARK_LOCAL_IP": "127.0.0.1",
             "SPARK_HOME": str(spark_home())}

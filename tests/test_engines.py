@@ -1,10 +1,10 @@
 """Every asset of both streams end to end under Dagster, and the same pipeline on three Spark engines gives the
 same tables.
 
-Covers: the job `advance_all` (ingest, quarantine, all-time MERGE, windows and sessions with transformWithState,
+Covers: the job `advance_all` (ingest, quarantine, all-time MERGE, windows and sessions over Delta state tables,
 changelogs, the 13 blocking checks) executed by Dagster in process on the test session's embedded JVM, with the
 metadata it reports; then the same landing files through `statetables run` over a Spark Connect server carrying
-Delta (`advance_movie_ticket_sales`: ingest, MERGE, changelog, the windows with transformWithState) and on a
+Delta (`advance_movie_ticket_sales`: ingest, MERGE, changelog, the windows) and on a
 standalone master + worker (`advance_payments`: ingest, MERGE, changelog, sessions): one stream per engine, so
 every step of the pipeline runs on each engine, at half the cost of both streams on both. Every Delta table of
 each run, read back with the independent `deltalake` reader, must equal the embedded run's. The servers are the project's own (statetables/servers.py), on 127.0.0.1.

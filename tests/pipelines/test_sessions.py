@@ -151,6 +151,7 @@ def test_sessions_late_payments_and_ttl_equal_the_recomputation(spark, layout, l
     assert all_time["bob"] == 5
 
 
+@pytest.mark.long
 def test_a_batch_replayed_after_a_crash_between_any_two_commits_writes_what_it_would_have(spark, layout, monkeypatch):
     """A sessions batch commits late_events, the open sessions, the last sessions, then customer_activity. Each
     delivery's run dies at the next of those points; the run after it replays the batch from the state versions

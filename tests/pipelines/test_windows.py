@@ -139,6 +139,7 @@ def test_out_of_order_late_and_closed_windows_equal_the_recomputation(spark, lay
     assert all_time["Alien"] == 2 and all_time["Dune"] == 5
 
 
+@pytest.mark.long
 def test_a_batch_replayed_after_a_crash_between_any_two_commits_writes_what_it_would_have(spark, layout, monkeypatch):
     """A windows batch commits late_events, top_titles_hourly, the open hours, then tickets_per_title_hourly.
     Each delivery's run dies at the next of those points; the run after it replays the batch from the state
