@@ -20,6 +20,8 @@ from pyspark.sql import functions as F
 from pyspark.sql.types import LongType, StringType, StructField, StructType, TimestampType
 
 from pipelines import delta_sql
+from pipelines.checkpoints import batch_end_version
+from pipelines.faults import fault_point
 from pipelines.layout import StorageLayout
 from pipelines.streaming import commits_since, retry_on_conflict, table_version
 
@@ -139,6 +141,49 @@ def last_progress(spark: SparkSession, path: Path, tables: str) -> Progress | No
                             {k: int(v) for k, v in state.items()} if state else None, user.get("app_id"),
                             int(user["batch_id"]) if user.get("batch_id") is not None else None)
     return None
+
+
+@dataclass(frozen=True)
+class FoldedBatch:
+    """What a batch wrote before its closing commit, and what that commit carries."""
+
+    closed: DataFrame  # the rows of the closing table: what the batch closed (hours, sessions)
+    state_versions: dict[str, int]  # the operator-state tables' versions the batch left
+    watermark_ms: int  # the watermark after the batch
+    figures: dict  # counts for the commit's metadata (and Dagster's)
+
+
+class EventTimeBatches:
+    """The foreachBatch body of an event-time query (windows.py, sessions.py). Each micro-batch is folded from
+    the state versions the last closing commit recorded and written (`fold_and_write`, by the query), then
+    closed by a commit to the closing table that records the progress. Holds that progress, so a batch reads no
+    table history; a batch that already committed (Spark's commit file lost) is skipped whole."""
+
+    closing_table: str  # the table whose commit closes a batch
+    closing_marker: str  # the key under which the batch's earlier commits name its closing commit's version
+    before_closing_fault: str
+
+    def __init__(self, layout: StorageLayout, checkpoint: Path, app_id: str, last: Progress):
+        self.layout, self.checkpoint, self.app_id, self.last = layout, checkpoint, app_id, last
+
+    def fold_and_write(self, batch: DataFrame, batch_id: int, marker: dict) -> FoldedBatch:
+        raise NotImplementedError
+
+    def __call__(self, batch: DataFrame, batch_id: int) -> None:
+        if self.last.app_id == self.app_id and self.last.batch_id is not None and self.last.batch_id >= batch_id:
+            return
+        closing = self.layout.table(self.closing_table)
+        # The version this batch's closing commit will have: until it exists, its earlier writes are unfinished.
+        marker = {"app_id": self.app_id, "batch_id": batch_id,
+                  self.closing_marker: (table_version(batch.sparkSession, closing) or 0) + 1}
+        folded = self.fold_and_write(batch, batch_id, marker)
+        progress = {"app_id": self.app_id, "batch_id": batch_id, "watermark_ms": folded.watermark_ms,
+                    "bronze_version": batch_end_version(self.checkpoint, batch_id),
+                    "state_versions": folded.state_versions, **folded.figures}
+        fault_point(self.before_closing_fault)
+        append_batch(folded.closed, closing, self.app_id, batch_id, progress)
+        self.last = Progress(folded.watermark_ms, progress["bronze_version"], folded.state_versions, self.app_id,
+                             batch_id)
 
 
 def operator_state(reports: list) -> dict | None:

@@ -28,6 +28,7 @@ DELTA_JAR_PREFIX = "delta-spark_"
 # (-Xshare:auto) and starts as it would without.
 CLASS_ARCHIVE = "statetables.jsa"
 PARALLEL_GC = "-XX:+UseParallelGC"
+LOG4J_CONFIG = Path(__file__).with_name("log4j2.properties")  # Spark's logging: errors only
 
 # What every engine's session needs for the tables to mean the same thing (local, cluster, Connect).
 # Parquet INT96 timestamps (Spark's default) cannot be read by other Delta readers (`deltalake`) for
@@ -124,7 +125,8 @@ def session_confs(settings: SparkSettings | None = None) -> dict[str, str]:
     archive = class_archive_options(settings.jars_dir)
     # The throughput collector: short pauses do not matter to batches, and G1's concurrent work competes
     # for the 2 cores (8% less wall time on small runs, measured).
-    conf["spark.driver.extraJavaOptions"] = f"{archive} {PARALLEL_GC}" if archive else PARALLEL_GC
+    options = [archive, PARALLEL_GC, f"-Dlog4j2.configurationFile=file:{LOG4J_CONFIG}"]
+    conf["spark.driver.extraJavaOptions"] = " ".join(o for o in options if o)
     conf.update(settings.conf)
     return conf
 

@@ -47,9 +47,9 @@ from pyspark.sql.types import ArrayType, LongType, StringType, StructField, Stru
 
 from pipelines import event_time
 from pipelines.bronze import ensure_bronze_tables
-from pipelines.checkpoints import batch_end_version, checkpoint_for_run, new_app_id, set_aside, start_checkpoint
+from pipelines.checkpoints import checkpoint_for_run, new_app_id, set_aside, start_checkpoint
 from pipelines.event_time import (
-    LATE, LATE_SCHEMA, Progress, append_batch, read_state, undo_late_rows, write_state,
+    LATE, LATE_SCHEMA, EventTimeBatches, FoldedBatch, Progress, append_batch, read_state, undo_late_rows, write_state,
 )
 from pipelines.faults import (
     SESSIONS_AFTER_LAST_SESSIONS_COMMIT, SESSIONS_AFTER_LATE_COMMIT, SESSIONS_AFTER_OPEN_SESSIONS_COMMIT,
@@ -134,8 +134,8 @@ def _micros(column: str):
 def fold_sessions(open_sessions: DataFrame, last_sessions: DataFrame, payments: DataFrame, watermark_ms: int,
                   settings: SessionSettings) -> SessionsFold:
     """(open and last sessions before, a batch of bronze payments, the watermark before) -> the state after and
-    the outputs. One pass over the batch, for the sessions after it (kept); late payments are read again when
-    written.
+    the outputs. One pass over the batch, for the sessions after it (kept, as are the closed ones); late
+    payments are read again when written.
 
     A payment at or behind the watermark is late. The others join the customers' open sessions: per customer,
     in event-time order, a piece (an open session, or a payment) less than the gap after the latest end before
@@ -174,7 +174,7 @@ def fold_sessions(open_sessions: DataFrame, last_sessions: DataFrame, payments: 
     after = (watermark_ms if newest is None
              else max(watermark_ms, newest - settings.watermark_delay // dt.timedelta(milliseconds=1)))
     closes = _micros("session_end") + gap_us <= F.lit(after * 1000)
-    closed = _closed_rows(sessions.where(closes), last_sessions, ttl_us)
+    closed = _closed_rows(sessions.where(closes), last_sessions, ttl_us).localCheckpoint()  # written; the kept state reads it
     still_open = sessions.where(~closes)
     # The customer's newest closed session replaces the stored one; a customer idle for the TTL with nothing
     # open is forgotten (the rule above would forget them anyway: this only keeps the table small).
@@ -217,17 +217,18 @@ def _closed_rows(closing: DataFrame, last_sessions: DataFrame, ttl_us: int) -> D
         (F.sum("total_amount").over(same_day) + stored).cast(TOTAL_TYPE).alias("day_amount"))
 
 
-class SessionsBatches:
-    """The foreachBatch body, as WindowsBatches in windows.py: folds each micro-batch from the state versions
-    the last closing commit recorded, and commits it; a batch that already committed is skipped whole."""
+class SessionsBatches(EventTimeBatches):
+    """The sessions query's foreachBatch body: late payments, the open sessions, the last sessions, then the
+    closed sessions as the closing commit."""
 
-    def __init__(self, layout: StorageLayout, checkpoint: Path, app_id: str, settings: SessionSettings,
-                 last: Progress):
-        self.layout, self.checkpoint, self.app_id, self.settings, self.last = layout, checkpoint, app_id, settings, last
+    closing_table, closing_marker, before_closing_fault = ACTIVITY, "activity_version", SESSIONS_BEFORE_CLOSING_COMMIT
 
-    def __call__(self, batch: DataFrame, batch_id: int) -> None:
-        if self.last.app_id == self.app_id and self.last.batch_id is not None and self.last.batch_id >= batch_id:
-            return
+    def __init__(self, layout: StorageLayout, checkpoint: Path, app_id: str, last: Progress,
+                 settings: SessionSettings):
+        super().__init__(layout, checkpoint, app_id, last)
+        self.settings = settings
+
+    def fold_and_write(self, batch: DataFrame, batch_id: int, marker: dict) -> FoldedBatch:
         spark, layout, spec = batch.sparkSession, self.layout, PAYMENTS
         payments = batch.select("customer_id", spec.id_field, spec.event_time_field, spec.value_field, "source_file",
                                 "line_number")
@@ -235,10 +236,7 @@ class SessionsBatches:
         fold = fold_sessions(read_state(spark, layout.table(OPEN_SESSIONS), versions[OPEN_SESSIONS]),
                              read_state(spark, layout.table(LAST_SESSIONS), versions[LAST_SESSIONS]),
                              payments, self.last.watermark_ms, self.settings)
-        closed = fold.closed.localCheckpoint()  # written and counted; the state after reads it too
-        sessions_closed, late_count = closed.count(), fold.late.count()
-        marker = {"app_id": self.app_id, "batch_id": batch_id,
-                  "activity_version": (table_version(spark, layout.table(ACTIVITY)) or 0) + 1}
+        sessions_closed, late_count = fold.closed.count(), fold.late.count()
         if late_count:
             append_batch(fold.late, layout.table(LATE), self.app_id, batch_id, marker)
         fault_point(SESSIONS_AFTER_LATE_COMMIT)
@@ -246,12 +244,8 @@ class SessionsBatches:
         fault_point(SESSIONS_AFTER_OPEN_SESSIONS_COMMIT)
         versions[LAST_SESSIONS] = write_state(fold.last_sessions, layout.table(LAST_SESSIONS), self.app_id, batch_id)
         fault_point(SESSIONS_AFTER_LAST_SESSIONS_COMMIT)
-        progress = {"app_id": self.app_id, "batch_id": batch_id, "watermark_ms": fold.watermark_ms,
-                    "bronze_version": batch_end_version(self.checkpoint, batch_id), "state_versions": versions,
-                    "sessions_closed": sessions_closed, "late_events": late_count}
-        fault_point(SESSIONS_BEFORE_CLOSING_COMMIT)
-        append_batch(closed, layout.table(ACTIVITY), self.app_id, batch_id, progress)
-        self.last = Progress(fold.watermark_ms, progress["bronze_version"], versions, self.app_id, batch_id)
+        return FoldedBatch(fold.closed, versions, fold.watermark_ms,
+                           {"sessions_closed": sessions_closed, "late_events": late_count})
 
 
 def last_progress(spark: SparkSession, layout: StorageLayout) -> Progress | None:
@@ -370,7 +364,7 @@ def update_sessions(spark: SparkSession, layout: StorageLayout, settings: Sessio
             events = spark.readStream.format("delta").option("maxFilesPerTrigger", 1_000_000)  # whole versions
             if start_version is not None:
                 events = events.option("startingVersion", start_version)
-            on_batch = SessionsBatches(layout, checkpoint, origin.app_id, settings, last)
+            on_batch = SessionsBatches(layout, checkpoint, origin.app_id, last, settings)
             batches, rows = run_query(events.load(str(bronze_path)), query_name=SESSIONS_QUERY,
                                       checkpoint_dir=checkpoint, on_batch=on_batch, continuous=continuous)
         return StreamRunResult(

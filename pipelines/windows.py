@@ -36,8 +36,10 @@ from pyspark.sql.types import LongType, StringType, StructField, StructType, Tim
 
 from pipelines import delta_sql, event_time
 from pipelines.bronze import ensure_bronze_tables
-from pipelines.checkpoints import batch_end_version, checkpoint_for_run, new_app_id, set_aside, start_checkpoint
-from pipelines.event_time import LATE, LATE_SCHEMA, Progress, append_batch, read_state, undo_late_rows, write_state
+from pipelines.checkpoints import checkpoint_for_run, new_app_id, set_aside, start_checkpoint
+from pipelines.event_time import (
+    LATE, LATE_SCHEMA, EventTimeBatches, FoldedBatch, Progress, append_batch, read_state, undo_late_rows, write_state,
+)
 from pipelines.faults import (
     WINDOWS_AFTER_LATE_COMMIT, WINDOWS_AFTER_OPEN_HOURS_COMMIT, WINDOWS_AFTER_TOP_COMMIT,
     WINDOWS_BEFORE_CLOSING_COMMIT, fault_point,
@@ -150,41 +152,34 @@ def _undo_unfinished_batch(spark: SparkSession, layout: StorageLayout) -> list[s
     return undone
 
 
-class WindowsBatches:
-    """The foreachBatch body: folds each micro-batch and commits it. Holds the progress the last closing
-    commit recorded, so a batch reads no table history; a batch that already committed (a replay of the
-    last batch whose Spark commit file was lost) is skipped whole."""
+class WindowsBatches(EventTimeBatches):
+    """The windows query's foreachBatch body: late sales, the closed hours ranked, the open hours, then the
+    closed hours as the closing commit."""
 
-    def __init__(self, layout: StorageLayout, checkpoint: Path, app_id: str, delay: dt.timedelta, last: Progress):
-        self.layout, self.checkpoint, self.app_id, self.delay, self.last = layout, checkpoint, app_id, delay, last
+    closing_table, closing_marker, before_closing_fault = HOURLY, "hourly_version", WINDOWS_BEFORE_CLOSING_COMMIT
 
-    def __call__(self, batch: DataFrame, batch_id: int) -> None:
-        if self.last.app_id == self.app_id and self.last.batch_id is not None and self.last.batch_id >= batch_id:
-            return
+    def __init__(self, layout: StorageLayout, checkpoint: Path, app_id: str, last: Progress, delay: dt.timedelta):
+        super().__init__(layout, checkpoint, app_id, last)
+        self.delay = delay
+
+    def fold_and_write(self, batch: DataFrame, batch_id: int, marker: dict) -> FoldedBatch:
         spark, layout, spec = batch.sparkSession, self.layout, MOVIE_TICKET_SALES
         sales = batch.select("title", spec.event_time_field, spec.value_field, spec.id_field, "source_file",
                              "line_number")
         before = read_state(spark, layout.table(OPEN_HOURS), self.last.state_versions[OPEN_HOURS])
         fold = fold_windows(before, sales, self.last.watermark_ms, self.delay)
-        closed = fold.closed.localCheckpoint()
+        closed = fold.closed.localCheckpoint()  # ranked, written and counted
         windows_closed, late_count = closed.count(), fold.late.count()
-        # The version this batch's closing commit will have: until it exists, these writes are unfinished.
-        marker = {"app_id": self.app_id, "batch_id": batch_id,
-                  "hourly_version": (table_version(spark, layout.table(HOURLY)) or 0) + 1}
         if late_count:
             append_batch(fold.late, layout.table(LATE), self.app_id, batch_id, marker)
         fault_point(WINDOWS_AFTER_LATE_COMMIT)
         if windows_closed:
             append_batch(top_titles(closed), layout.table(TOP), self.app_id, batch_id, marker)
         fault_point(WINDOWS_AFTER_TOP_COMMIT)
-        state_versions = {OPEN_HOURS: write_state(fold.open_hours, layout.table(OPEN_HOURS), self.app_id, batch_id)}
+        versions = {OPEN_HOURS: write_state(fold.open_hours, layout.table(OPEN_HOURS), self.app_id, batch_id)}
         fault_point(WINDOWS_AFTER_OPEN_HOURS_COMMIT)
-        progress = {"app_id": self.app_id, "batch_id": batch_id, "watermark_ms": fold.watermark_ms,
-                    "bronze_version": batch_end_version(self.checkpoint, batch_id), "state_versions": state_versions,
-                    "windows_closed": windows_closed, "late_events": late_count}
-        fault_point(WINDOWS_BEFORE_CLOSING_COMMIT)
-        append_batch(closed, layout.table(HOURLY), self.app_id, batch_id, progress)
-        self.last = Progress(fold.watermark_ms, progress["bronze_version"], state_versions, self.app_id, batch_id)
+        return FoldedBatch(closed, versions, fold.watermark_ms,
+                           {"windows_closed": windows_closed, "late_events": late_count})
 
 
 def ensure_window_tables(spark: SparkSession, layout: StorageLayout) -> None:
@@ -298,7 +293,7 @@ def update_windows(spark: SparkSession, layout: StorageLayout, *,
             events = spark.readStream.format("delta").option("maxFilesPerTrigger", 1_000_000)  # whole versions
             if start_version is not None:
                 events = events.option("startingVersion", start_version)
-            on_batch = WindowsBatches(layout, checkpoint, origin.app_id, watermark_delay, last)
+            on_batch = WindowsBatches(layout, checkpoint, origin.app_id, last, watermark_delay)
             batches, rows = run_query(events.load(str(bronze_path)), query_name=WINDOWS_QUERY,
                                       checkpoint_dir=checkpoint, on_batch=on_batch, continuous=continuous)
         return StreamRunResult(
