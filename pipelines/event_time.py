@@ -177,13 +177,20 @@ class EventTimeBatches:
         marker = {"app_id": self.app_id, "batch_id": batch_id,
                   self.closing_marker: (table_version(batch.sparkSession, closing) or 0) + 1}
         folded = self.fold_and_write(batch, batch_id, marker)
+        # Counted here: the query's progress reports count a row each time the batch is read, and it is read
+        # more than once (its on-time and its late rows).
         progress = {"app_id": self.app_id, "batch_id": batch_id, "watermark_ms": folded.watermark_ms,
-                    "bronze_version": batch_end_version(self.checkpoint, batch_id),
+                    "bronze_version": batch_end_version(self.checkpoint, batch_id), "rows_read": batch.count(),
                     "state_versions": folded.state_versions, **folded.figures}
         fault_point(self.before_closing_fault)
         append_batch(folded.closed, closing, self.app_id, batch_id, progress)
         self.last = Progress(folded.watermark_ms, progress["bronze_version"], folded.state_versions, self.app_id,
                              batch_id)
+
+
+def rows_read(commits: list[dict]) -> int:
+    """The bronze rows the batches of these closing commits read (what EventTimeBatches records)."""
+    return sum(int(c["user"].get("rows_read", 0)) for c in commits)
 
 
 def operator_state(reports: list) -> dict | None:

@@ -365,12 +365,13 @@ def update_sessions(spark: SparkSession, layout: StorageLayout, settings: Sessio
             if start_version is not None:
                 events = events.option("startingVersion", start_version)
             on_batch = SessionsBatches(layout, checkpoint, origin.app_id, last, settings)
-            batches, rows = run_query(events.load(str(bronze_path)), query_name=SESSIONS_QUERY,
+            batches, _ = run_query(events.load(str(bronze_path)), query_name=SESSIONS_QUERY,
                                       checkpoint_dir=checkpoint, on_batch=on_batch, continuous=continuous)
+        commits = commits_since(spark, path, before[ACTIVITY])
         return StreamRunResult(
-            query_name=SESSIONS_QUERY, micro_batches=batches, rows_read=rows, duration_s=time.monotonic() - started,
+            query_name=SESSIONS_QUERY, micro_batches=batches, rows_read=event_time.rows_read(commits), duration_s=time.monotonic() - started,
             versions={name: TableVersions(before[name], table_version(spark, layout.table(name))) for name in names},
-            commits={ACTIVITY: commits_since(spark, path, before[ACTIVITY])},
+            commits={ACTIVITY: commits},
             recovery=recovery,
             operator_state=_operator_state(spark, layout),
         )

@@ -294,13 +294,14 @@ def update_windows(spark: SparkSession, layout: StorageLayout, *,
             if start_version is not None:
                 events = events.option("startingVersion", start_version)
             on_batch = WindowsBatches(layout, checkpoint, origin.app_id, last, watermark_delay)
-            batches, rows = run_query(events.load(str(bronze_path)), query_name=WINDOWS_QUERY,
+            batches, _ = run_query(events.load(str(bronze_path)), query_name=WINDOWS_QUERY,
                                       checkpoint_dir=checkpoint, on_batch=on_batch, continuous=continuous)
+        commits = commits_since(spark, hourly_path, before[HOURLY])
         return StreamRunResult(
-            query_name=WINDOWS_QUERY, micro_batches=batches, rows_read=rows,
+            query_name=WINDOWS_QUERY, micro_batches=batches, rows_read=event_time.rows_read(commits),
             duration_s=time.monotonic() - started,
             versions={name: TableVersions(before[name], table_version(spark, layout.table(name))) for name in names},
-            commits={HOURLY: commits_since(spark, hourly_path, before[HOURLY])},
+            commits={HOURLY: commits},
             recovery=recovery,
             operator_state=_operator_state(spark, layout),
         )

@@ -94,6 +94,7 @@ def run_embedded(landing: Path, home: Path) -> StorageLayout:
     assert activity["sessions_closed_this_run"].value > 0 and activity["operator_state_rows"].value > 0
     bronze = result.asset_materializations_for_node("movie_ticket_sales_ingest")[0].metadata
     assert bronze["lines_read"].value == 1500
+    assert hourly["bronze_rows_read"].value == bronze["rows_accepted"].value  # each bronze row read once
     state = result.asset_materializations_for_node("movie_tickets_sold")[0].metadata
     assert state["events_counted"].value == bronze["rows_accepted"].value
     assert state["lines_read"].value == 1500 and state["rows_accepted"].value == bronze["rows_accepted"].value
