@@ -9,10 +9,8 @@ read again under a new checkpoint is recognised by its file and line number.
 from __future__ import annotations
 
 import json
-import threading
-import time
 from decimal import Decimal
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from functools import partial, reduce
 from pathlib import Path
@@ -27,20 +25,14 @@ from pyspark.sql.types import (
 from pipelines import delta_sql
 from pipelines.layout import StorageLayout
 from pipelines.errors import ConcurrentWriterError, StorageError
-from pipelines.source import (
-    LEDGER_SCHEMA, LedgerView, arrival_order, landing_listing, read_units, record_units, scan_landing, split_lines,
-)
-from pipelines.checkpoints import checkpoint_for_run, planned_source_version, start_checkpoint, write_origin
+from pipelines.source import LEDGER_SCHEMA, arrival_order, read_units, split_lines
 from pipelines.faults import (
-    INGEST_AFTER_BRONZE_COMMIT, INGEST_AFTER_QUARANTINE_COMMIT, INGEST_BATCH_END, INGEST_POISON, InjectedFault,
+    INGEST_AFTER_BRONZE_COMMIT, INGEST_AFTER_QUARANTINE_COMMIT, INGEST_POISON, InjectedFault,
     fault_marker, fault_point,
 )
-from pipelines.streaming import (
-    StreamRunResult, TableVersions, commits_since, create_table_if_missing, require_writable, retry_on_conflict,
-    Continuous, run_query, storage_errors, storage_fault, table_id, table_version, writer_lock,
-)
+from pipelines.streaming import create_table_if_missing, retry_on_conflict, storage_fault
 from pipelines.streams import StreamSpec
-from pipelines.validate import DEFAULT_MAX_AHEAD, content_identity, validate_lines
+from pipelines.validate import content_identity, validate_lines
 
 DEFAULT_DEDUP_HORIZON = timedelta(days=7)
 DEFAULT_MAX_FILES_PER_TRIGGER = 100
@@ -295,8 +287,8 @@ def _isolate(lines: DataFrame, batch_id: int, settings: IngestSettings, ingested
 
 
 def ingest_batch(units: DataFrame, batch_id: int, *, settings: IngestSettings) -> None:
-    """foreachBatch body: read the batch's units, validate, dedup, append to quarantine then bronze,
-    both idempotently.
+    """The ingest step of a stream's micro-batch: read the batch's units, validate, dedup, append to quarantine
+    then bronze, both idempotently.
 
     Both appends happen even when empty: each commit records `{"app_id", "batch_id"}` in its
     userMetadata, which is how the next run checks the checkpoint against the tables. If the batch
@@ -323,7 +315,6 @@ def ingest_batch(units: DataFrame, batch_id: int, *, settings: IngestSettings) -
             raise
         bad = lines.sparkSession.createDataFrame(culprits, "unit bigint, line_number bigint")
         write(bad, _first_line(exc))
-    fault_point(INGEST_BATCH_END)
 
 
 ACCEPTED_TOTAL = "accepted_total"
@@ -406,110 +397,3 @@ def _write_batch(lines: DataFrame, batch_id: int, settings: IngestSettings, inge
             .save(path),
             f"append of micro-batch {batch_id} to {path}")
         fault_point(fault)
-
-
-def _scan_continuously(spark: SparkSession, layout: StorageLayout, spec: StreamSpec, per_commit: int,
-                       continuous: Continuous, changed: list[dict]) -> None:
-    """The continuous run's landing scan: every trigger interval, record what arrived in the ledger, which the
-    running ingest query reads. A listing equal to the last one costs no Spark job.
-
-    The query reads one ledger commit per micro-batch, and a batch costs seconds whatever it holds, so a commit
-    per scan would fall behind files arriving every few seconds, for good. While the query has a commit it
-    has not planned yet, nothing is recorded: what arrives meanwhile goes into one commit, the next batch."""
-    landing, ledger, staging = layout.landing(spec.name), layout.table(spec.files_table), layout.staging(spec.name)
-    checkpoint = layout.checkpoint(spec.ingest_query)
-    last = None  # the first pass scans: a file may have arrived since the run's own scan
-    view = None
-    while not continuous.stop.wait(continuous.trigger_interval_s):
-        try:
-            listing = landing_listing(landing)
-            if listing == last:
-                continue
-            planned = planned_source_version(checkpoint)
-            if planned is not None and (table_version(spark, ledger) or 0) > planned:
-                continue  # a backlog: wait for the query to take it
-            view = view or LedgerView.read(spark, ledger)
-            scan = scan_landing(spark, landing, ledger, staging, view)
-            record_units(spark, ledger, scan.units, per_commit)
-            view.add(scan.units)
-            changed.extend(scan.changed)
-            last = listing
-        except BaseException as exc:  # noqa: BLE001 - handed to the run, which stops every query and raises it
-            continuous.fail(exc)
-            return
-
-
-def ingest_stream(spark: SparkSession, layout: StorageLayout, spec: StreamSpec, *,
-                  max_files_per_trigger: int = DEFAULT_MAX_FILES_PER_TRIGGER,
-                  dedup_horizon: timedelta = DEFAULT_DEDUP_HORIZON,
-                  max_ahead: timedelta = DEFAULT_MAX_AHEAD,
-                  lock_timeout_s: float = 60.0, continuous: Continuous | None = None) -> StreamRunResult:
-    """Ingest every landing file (and every change to one) not yet ingested into the stream's bronze
-    and quarantine tables. With `continuous`, keep scanning the landing folder and ingesting until stopped.
-
-    >>> result = ingest_stream(spark, StorageLayout.under("data"), MOVIE_TICKET_SALES)
-    >>> result.commits["bronze"][-1]["user"]["accepted"]
-    """
-    started = time.monotonic()
-    bronze_path, quarantine_path = layout.table(spec.bronze_table), layout.table(spec.quarantine_table)
-    ledger_path, staging_dir = layout.table(spec.files_table), layout.staging(spec.name)
-    checkpoint = layout.checkpoint(spec.ingest_query)
-    require_writable([layout.locks, bronze_path / "_delta_log", quarantine_path / "_delta_log",
-                      ledger_path / "_delta_log", staging_dir, layout.checkpoints_root])
-    with writer_lock(layout.locks, spec.ingest_query, lock_timeout_s), storage_errors():
-        ensure_bronze_tables(spark, layout, spec)
-        before = {"bronze": table_version(spark, bronze_path), "quarantine": table_version(spark, quarantine_path)}
-        scan = scan_landing(spark, layout.landing(spec.name), ledger_path, staging_dir)
-        record_units(spark, ledger_path, scan.units, max_files_per_trigger)
-        ledger_id = table_id(spark, ledger_path)
-        verdict, moved = checkpoint_for_run(spark, checkpoint, layout.set_aside_checkpoints,
-                                            [quarantine_path, bronze_path], source_table_id=ledger_id)
-        origin, recovery = verdict.origin, None
-        if origin is None:
-            reason = verdict.problem or "no checkpoint yet"
-            # Lines of the units recorded so far may already be in bronze or quarantine (written under
-            # the checkpoint that was lost); units scanned later are new content.
-            holds_lines = any(version not in (None, 0) for version in before.values())
-            origin = start_checkpoint(checkpoint, spec.ingest_query, reason, source_table_id=ledger_id,
-                                      recheck_through_unit=scan.known_units + len(scan.units) - 1 if holds_lines
-                                      else -1)
-            if verdict.problem or moved:
-                recovery = {"problem": reason, "set_aside": str(moved) if moved else None,
-                            "action": "new checkpoint: every landing file is read again; lines already in "
-                                      "bronze or quarantine are recognised by file and line number and skipped"}
-        elif origin.recheck_through_unit is None:
-            # A checkpoint started by an earlier version: units scanned from now on are new content.
-            origin = replace(origin, recheck_through_unit=scan.known_units - 1)
-            write_origin(checkpoint, origin)
-        settings = IngestSettings(spec=spec, bronze_path=str(bronze_path), quarantine_path=str(quarantine_path),
-                                  staging_dir=staging_dir, app_id=origin.app_id, horizon=dedup_horizon,
-                                  max_ahead=max_ahead, recheck_through_unit=origin.recheck_through_unit)
-        # One ledger commit file per micro-batch, in unit order (record_units writes them that way).
-        units = spark.readStream.format("delta").option("maxFilesPerTrigger", "1").load(str(ledger_path))
-        changed = list(scan.changed)
-        scanner = None
-        if continuous is not None:
-            scanner = threading.Thread(target=_scan_continuously, name=f"{spec.name}-landing-scan", daemon=True,
-                                       args=(spark, layout, spec, max_files_per_trigger, continuous, changed))
-            scanner.start()
-        try:
-            batches, rows = run_query(units, query_name=spec.ingest_query, checkpoint_dir=checkpoint,
-                                      on_batch=partial(ingest_batch, settings=settings), continuous=continuous)
-        finally:
-            if scanner is not None:
-                continuous.stop.set()
-                scanner.join()
-        return StreamRunResult(
-            query_name=spec.ingest_query,
-            micro_batches=batches,
-            rows_read=rows,
-            duration_s=time.monotonic() - started,
-            versions={
-                "bronze": TableVersions(before["bronze"], table_version(spark, bronze_path)),
-                "quarantine": TableVersions(before["quarantine"], table_version(spark, quarantine_path)),
-            },
-            # The bronze commit's userMetadata carries the batch's line accounting for both tables.
-            commits={"bronze": commits_since(spark, bronze_path, before["bronze"])},
-            recovery=recovery,
-            changed_files=changed,
-        )

@@ -1,84 +1,69 @@
 """A state table's Change Data Feed as its own Delta table, and rebuilding a state table from it.
 
-`publish_changes` streams the state table's CDF into `<state table>_changelog` (a table other jobs
-read, as a table or as a stream). `table_from_changelog` rebuilds the state table as of any version
-from the changelog alone: per key, the newest change at or before that version.
+`ChangelogStage`, the last step of the stream's micro-batch, appends the state table's change rows to
+`<state table>_changelog` (a table other jobs read, as a table or as a stream). `table_from_changelog`
+rebuilds the state table as of any version from the changelog alone: per key, the newest change at or
+before that version.
 """
 
 from __future__ import annotations
 
-import time
-from functools import partial
+import json
 from pathlib import Path
 
 from pyspark.sql import DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 from pyspark.sql.types import LongType, StringType, TimestampType
 
-from pipelines import delta_sql
-from pipelines.delta_sql import ident, int_literal
 from pipelines.layout import StorageLayout
 from pipelines.state import state_schema
-from pipelines.streaming import (
-    Continuous, StreamRunResult, TableVersions, create_table_if_missing, run_query, source_ready, table_version,
-    writer_lock,
-)
+from pipelines.streaming import commits_since, create_table_if_missing, rows_changed, table_version
 from pipelines.streams import StateTableSpec
-
-CHANGE_COLUMNS = ("_change_type", "_commit_version", "_commit_timestamp")
-
 
 def changelog_name(table: StateTableSpec) -> str:
     return f"{table.name}_changelog"
 
 
-def publish_query(table: StateTableSpec) -> str:
-    """The streaming query (and checkpoint) that appends the table's changes to its changelog."""
-    return f"{changelog_name(table)}_publish"
+COVERS = "state_version"  # commit metadata: every state-table version up to this one is in the changelog
 
 
-def append_changes(changes: DataFrame, batch_id: int, *, changelog_path: str, key: str) -> None:
-    """foreachBatch body: add the batch's change rows not already in the changelog.
-
-    Keyed on (commit version, key, change type), so replaying a batch, or reading the whole feed
-    again after a lost checkpoint, adds nothing twice; no checkpoint bookkeeping is needed.
-    """
-    spark = changes.sparkSession
-    versions = changes.agg(F.min("_commit_version").alias("lo"), F.max("_commit_version").alias("hi")).first()
-    if versions["lo"] is None:
-        return  # no change rows: nothing to add
-    # The range on the target lets Delta skip every changelog file of other versions (file statistics):
-    # the lookup costs what the batch holds, not the changelog's whole history.
-    on = " AND ".join([f"t._commit_version BETWEEN {int_literal(versions['lo'])} AND {int_literal(versions['hi'])}"]
-                      + [f"t.{ident(c)} <=> s.{ident(c)}" for c in ("_commit_version", key, "_change_type")])
-    delta_sql.merge(spark, changelog_path, changes, on=on, clauses="WHEN NOT MATCHED THEN INSERT *")
+def changelog_schema(table: StateTableSpec):
+    return state_schema(table).add("_change_type", StringType()).add("_commit_version", LongType()) \
+        .add("_commit_timestamp", TimestampType())
 
 
-def publish_changes(spark: SparkSession, layout: StorageLayout, table: StateTableSpec, *,
-                    lock_timeout_s: float = 60.0, continuous: Continuous | None = None) -> StreamRunResult:
-    """Append every change of the state table not yet in its changelog table; with `continuous`, keep
-    appending until stopped."""
-    started = time.monotonic()
-    name = changelog_name(table)
-    path = layout.table(name)
-    query = publish_query(table)
-    with writer_lock(layout.locks, query, lock_timeout_s):
-        schema = state_schema(table).add("_change_type", StringType()).add("_commit_version", LongType()) \
-            .add("_commit_timestamp", TimestampType())
-        create_table_if_missing(spark, path, schema, change_data_feed=False)
-        before = table_version(spark, path)
-        # A continuous run starts every step at once: the state table may not exist yet.
-        if not source_ready(lambda: table_version(spark, layout.table(table.name)) is not None, continuous):
-            return StreamRunResult(query_name=query, micro_batches=0, rows_read=0, duration_s=time.monotonic() - started,
-                                   versions={name: TableVersions(before, before)})
-        changes = (spark.readStream.format("delta").option("readChangeFeed", "true").option("startingVersion", 0)
-                   .load(str(layout.table(table.name))))
-        batches, rows = run_query(changes, query_name=query, checkpoint_dir=layout.checkpoint(query),
-                                          on_batch=partial(append_changes, changelog_path=str(path), key=table.key),
-                                  continuous=continuous)
-        return StreamRunResult(query_name=query, micro_batches=batches, rows_read=rows,
-                               duration_s=time.monotonic() - started,
-                               versions={name: TableVersions(before, table_version(spark, path))})
+class ChangelogStage:
+    """The changelog step of a stream's micro-batch, its last: the state table's change rows of the versions
+    after those the changelog covers, appended in one commit that records the version it now covers. The
+    record travels with the rows, so whichever attempt of a batch commits, no change row is appended twice
+    or missed; the txn id makes a replay of the same batch a no-op."""
+
+    def __init__(self, layout: StorageLayout, table: StateTableSpec, covers: int):
+        self.layout, self.table, self.covers = layout, table, covers
+
+    def advance(self, spark: SparkSession, app_id: str, batch_id: int) -> None:
+        state_path = self.layout.table(self.table.name)
+        now = table_version(spark, state_path)
+        if now is None or now <= self.covers:
+            return
+        changes = rows_changed(spark, state_path, self.covers, now)
+        (changes.write.format("delta").mode("append").option("txnAppId", app_id).option("txnVersion", batch_id)
+         .option("userMetadata", json.dumps({"app_id": app_id, "batch_id": batch_id, COVERS: now}))
+         .save(str(self.layout.table(changelog_name(self.table)))))
+        self.covers = now
+
+
+def changelog_stage(spark: SparkSession, layout: StorageLayout, table: StateTableSpec) -> ChangelogStage:
+    """The changelog step as the changelog's newest commits left it. A changelog written by an earlier
+    statetables (a query of its own, without the record) covers the newest version its rows hold."""
+    path = layout.table(changelog_name(table))
+    create_table_if_missing(spark, path, changelog_schema(table), change_data_feed=False)
+    latest = table_version(spark, path) or 0
+    for commit in reversed(commits_since(spark, path, max(-1, latest - 20))):
+        if commit["user"].get(COVERS) is not None:
+            return ChangelogStage(layout, table, int(commit["user"][COVERS]))
+    newest = spark.read.format("delta").load(str(path)).agg(F.max("_commit_version")).first()[0]
+    return ChangelogStage(layout, table, -1 if newest is None else int(newest))
 
 
 def table_from_changelog(changelog: DataFrame, table: StateTableSpec, version: int) -> DataFrame:

@@ -1,8 +1,8 @@
-"""Always-on mode: every step's streaming query kept running in one SparkSession, each in its own thread.
+"""Always-on mode: every stream's streaming query kept running in one SparkSession, each in its own thread.
 
-A step is one of the functions that advance a table (`ingest_stream`, `update_state_table`, ...), called
-with a `Continuous`: it takes its writer lock, verifies its checkpoint exactly as an orchestrated run does,
-then keeps its query running with a processing-time trigger. Spark runs concurrent streaming queries of one
+A step is a stream's `advance_stream` (pipelines/stream_query.py), called with a `Continuous`: it takes the
+stream's writer lock, verifies its checkpoint exactly as an orchestrated run does, then keeps its query
+running with a processing-time trigger. Spark runs concurrent streaming queries of one
 session side by side, and in the embedded and standalone engines each query's foreachBatch gets a session of
 its own, so the per-batch transaction confs of one query never reach another's commit. Over Spark Connect
 foreachBatch shares the client's session (the confs would race), so a continuous run there is refused.
@@ -10,7 +10,7 @@ foreachBatch shares the client's session (the confs would race), so a continuous
 A stop (a cancel in Dagster arrives as an exception in the calling thread) lets each query finish its current
 micro-batch, then stops it; whatever the stop interrupts is replayed by the next run from the checkpoint.
 
-    >>> steps = [ContinuousStep("movie_ticket_sales_ingest", lambda c: ingest_stream(spark, layout, spec, continuous=c))]
+    >>> steps = [ContinuousStep("payments", lambda c: advance_stream(spark, layout, PAYMENTS, continuous=c))]
     >>> for _ in run_steps_continuously(steps, Continuous(trigger_interval_s=2), tick_s=30):
     ...     print("report")
 """
@@ -27,9 +27,8 @@ from pyspark.sql import SparkSession
 from pipelines.bronze import ensure_bronze_tables
 from pipelines.errors import ConfigurationError
 from pipelines.layout import StorageLayout
-from pipelines.sessions import ACTIVITY, ACTIVITY_SCHEMA
-from pipelines.state import ensure_state_table
-from pipelines.streaming import Continuous, StreamRunResult, create_table_if_missing
+from pipelines.sessions import ensure_session_tables
+from pipelines.streaming import Continuous, StreamRunResult
 from pipelines.streams import STREAMS
 from pipelines.windows import ensure_window_tables
 
@@ -38,20 +37,16 @@ from pipelines.windows import ensure_window_tables
 class ContinuousStep:
     name: str
     run: Callable[[Continuous], StreamRunResult]
-    # The event-time steps (windows, sessions) cost far more per batch (docs/performance.md): they may run
-    # on a slower trigger than the all-time tables, which freshness is measured on.
     trigger_interval_s: float | None = None
 
 
 def create_tables(spark: SparkSession, layout: StorageLayout) -> None:
-    """Every table the steps write, created one after the other before the steps start: steps that share a
-    table (bronze, late_events) would otherwise race to create it, and Delta refuses the second creation
-    (DELTA_PROTOCOL_CHANGED)."""
+    """The tables both streams write (late_events), created before the streams start: they would otherwise race
+    to create them, and Delta refuses the second creation (DELTA_PROTOCOL_CHANGED)."""
     for spec in STREAMS.values():
         ensure_bronze_tables(spark, layout, spec)
-        ensure_state_table(spark, layout, spec.state_table)
     ensure_window_tables(spark, layout)
-    create_table_if_missing(spark, layout.table(ACTIVITY), ACTIVITY_SCHEMA)
+    ensure_session_tables(spark, layout)
 
 
 def refuse_over_connect(remote: str | None) -> None:

@@ -1,11 +1,11 @@
-"""What the event-time queries share: the late_events table, their once-only appends, and the progress
-record their closing commits carry.
+"""What the event-time steps share: the late_events table, their once-only appends, and the progress record
+their closing commits carry.
 
-Both event-time queries (windows.py over sales, sessions.py over payments) write late_events, each
-under its own `stream` value, and each commits every micro-batch to its own output table last, with
-the watermark and the bronze version it reached (`Progress`). A batch that died before that closing
-commit is replayed under the same app id when the checkpoint survived (Delta's txn ids skip what it
-wrote), or undone by `undo_late_rows` when a restart writes it again under a new one.
+Both event-time steps (windows.py in the sales stream, sessions.py in the payments stream) write late_events,
+each under its own `stream` value, and each closes its part of a micro-batch with a commit to its own output
+table, recording the watermark, the bronze version it has folded and its state tables' versions (`Progress`).
+A batch replayed under the same app id is skipped table by table by Delta's txn ids; the rows of a batch that
+died before its closing commit are undone when the stream starts (`undo_late_rows`), and folded again.
 """
 
 from __future__ import annotations
@@ -20,10 +20,9 @@ from pyspark.sql import functions as F
 from pyspark.sql.types import LongType, StringType, StructField, StructType, TimestampType
 
 from pipelines import delta_sql
-from pipelines.checkpoints import batch_end_version
 from pipelines.faults import fault_point
 from pipelines.layout import StorageLayout
-from pipelines.streaming import commits_since, retry_on_conflict, table_version
+from pipelines.streaming import commits_since, retry_on_conflict, rows_added, table_version
 
 LATE = "late_events"
 LATE_SCHEMA = StructType([
@@ -153,50 +152,41 @@ class FoldedBatch:
     figures: dict  # counts for the commit's metadata (and Dagster's)
 
 
-class EventTimeBatches:
-    """The foreachBatch body of an event-time query (windows.py, sessions.py). Each micro-batch is folded from
-    the state versions the last closing commit recorded and written (`fold_and_write`, by the query), then
-    closed by a commit to the closing table that records the progress. Holds that progress, so a batch reads no
-    table history; a batch that already committed (Spark's commit file lost) is skipped whole."""
+class EventTimeStage:
+    """The event-time step of a stream's micro-batch (windows.py, sessions.py). It folds the bronze rows added
+    after the version its last closing commit recorded, from the state versions that commit recorded, writes
+    what it emits (`fold_and_write`), then closes with a commit to the closing table that records the progress.
+    Holds that progress, so a batch reads no table history; a batch with no new bronze rows costs nothing."""
 
     closing_table: str  # the table whose commit closes a batch
     closing_marker: str  # the key under which the batch's earlier commits name its closing commit's version
     before_closing_fault: str
 
-    def __init__(self, layout: StorageLayout, checkpoint: Path, app_id: str, last: Progress):
-        self.layout, self.checkpoint, self.app_id, self.last = layout, checkpoint, app_id, last
+    def __init__(self, layout: StorageLayout, last: Progress):
+        self.layout, self.last = layout, last
+        self.undone: list[str] = []  # what the stream's start undid of a batch that died before this step closed
 
-    def fold_and_write(self, batch: DataFrame, batch_id: int, marker: dict) -> FoldedBatch:
+    def fold_and_write(self, rows: DataFrame, app_id: str, batch_id: int, marker: dict) -> FoldedBatch:
         raise NotImplementedError
 
-    def __call__(self, batch: DataFrame, batch_id: int) -> None:
-        if self.last.app_id == self.app_id and self.last.batch_id is not None and self.last.batch_id >= batch_id:
+    def advance(self, spark: SparkSession, bronze_path: Path, through: int, app_id: str, batch_id: int) -> None:
+        """Fold bronze up to version `through`, writing under the txn id (app id, batch id)."""
+        if through <= self.last.bronze_version:
             return
+        rows = rows_added(spark, bronze_path, self.last.bronze_version, through)
         closing = self.layout.table(self.closing_table)
         # The version this batch's closing commit will have: until it exists, its earlier writes are unfinished.
-        marker = {"app_id": self.app_id, "batch_id": batch_id,
-                  self.closing_marker: (table_version(batch.sparkSession, closing) or 0) + 1}
-        folded = self.fold_and_write(batch, batch_id, marker)
-        # Counted here: the query's progress reports count a row each time the batch is read, and it is read
-        # more than once (its on-time and its late rows).
-        progress = {"app_id": self.app_id, "batch_id": batch_id, "watermark_ms": folded.watermark_ms,
-                    "bronze_version": batch_end_version(self.checkpoint, batch_id), "rows_read": batch.count(),
+        marker = {"app_id": app_id, "batch_id": batch_id,
+                  self.closing_marker: (table_version(spark, closing) or 0) + 1}
+        folded = self.fold_and_write(rows, app_id, batch_id, marker)
+        progress = {"app_id": app_id, "batch_id": batch_id, "watermark_ms": folded.watermark_ms,
+                    "bronze_version": through, "rows_read": rows.count(),
                     "state_versions": folded.state_versions, **folded.figures}
         fault_point(self.before_closing_fault)
-        append_batch(folded.closed, closing, self.app_id, batch_id, progress)
-        self.last = Progress(folded.watermark_ms, progress["bronze_version"], folded.state_versions, self.app_id,
-                             batch_id)
+        append_batch(folded.closed, closing, app_id, batch_id, progress)
+        self.last = Progress(folded.watermark_ms, through, folded.state_versions, app_id, batch_id)
 
 
 def rows_read(commits: list[dict]) -> int:
     """The bronze rows the batches of these closing commits read (what EventTimeBatches records)."""
     return sum(int(c["user"].get("rows_read", 0)) for c in commits)
-
-
-def operator_state(reports: list) -> dict | None:
-    """The state operator's figures from the newest progress report that has them."""
-    for report in reversed(reports):
-        if report.stateOperators:
-            state = report.stateOperators[0]
-            return {"rows": state.numRowsTotal, "bytes": state.memoryUsedBytes}
-    return None

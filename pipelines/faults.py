@@ -27,11 +27,10 @@ FAULTS_ENV = "STATETABLES_FAULTS"
 
 INGEST_AFTER_QUARANTINE_COMMIT = "ingest.after_quarantine_commit"
 INGEST_AFTER_BRONZE_COMMIT = "ingest.after_bronze_commit"  # bronze committed, checkpoint not yet
-INGEST_BATCH_END = "ingest.batch_end"  # foreachBatch returns; Spark then writes the commit file
 STATE_MERGE_START = "state.merge_start"  # with delay=: dies inside the MERGE
 STATE_AFTER_MERGE_COMMIT = "state.after_merge_commit"  # MERGE committed, checkpoint not yet
 STATE_BATCH_END = "state.batch_end"
-STATE_AFTER_REBUILD = "state.after_rebuild"  # rebuild committed, new checkpoint not yet written
+STATE_AFTER_REBUILD = "state.after_rebuild"  # a rebuild from bronze committed, before the query starts
 INGEST_POISON = "ingest.poison_line"
 # Between the commits of a windows batch: late_events, top_titles_hourly, the open hours, then the closing
 # tickets_per_title_hourly commit.
@@ -45,11 +44,13 @@ SESSIONS_AFTER_LATE_COMMIT = "sessions.after_late_commit"
 SESSIONS_AFTER_OPEN_SESSIONS_COMMIT = "sessions.after_open_sessions_commit"
 SESSIONS_AFTER_LAST_SESSIONS_COMMIT = "sessions.after_last_sessions_commit"
 SESSIONS_BEFORE_CLOSING_COMMIT = "sessions.before_closing_commit"
-POINTS = (INGEST_AFTER_QUARANTINE_COMMIT, INGEST_AFTER_BRONZE_COMMIT, INGEST_BATCH_END, STATE_MERGE_START,
+# After the last commit of a batch (the changelog's): foreachBatch returns, Spark then writes the commit file.
+STREAM_BATCH_END = "stream.batch_end"
+POINTS = (INGEST_AFTER_QUARANTINE_COMMIT, INGEST_AFTER_BRONZE_COMMIT, STATE_MERGE_START,
           STATE_AFTER_MERGE_COMMIT, STATE_BATCH_END, STATE_AFTER_REBUILD, INGEST_POISON,
           WINDOWS_AFTER_LATE_COMMIT, WINDOWS_AFTER_TOP_COMMIT, WINDOWS_AFTER_OPEN_HOURS_COMMIT,
           WINDOWS_BEFORE_CLOSING_COMMIT, SESSIONS_AFTER_LATE_COMMIT, SESSIONS_AFTER_OPEN_SESSIONS_COMMIT,
-          SESSIONS_AFTER_LAST_SESSIONS_COMMIT, SESSIONS_BEFORE_CLOSING_COMMIT)
+          SESSIONS_AFTER_LAST_SESSIONS_COMMIT, SESSIONS_BEFORE_CLOSING_COMMIT, STREAM_BATCH_END)
 
 
 class InjectedFault(RuntimeError):

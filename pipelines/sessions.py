@@ -17,11 +17,12 @@ on the number of partitions:
   "spend per day" map state a session can still need.
 The timers are a watermark rule: a session closes in the batch whose watermark is a gap past its end.
 
-Each micro-batch of the sessions query (a Delta stream of payments_bronze) is folded by `fold_sessions`, a
-plain function from (state before, the batch's payments, the watermark) to (state after, closed sessions,
-late payments, the next watermark): window functions over the open sessions and the new payments, in the JVM.
-No Python runs per payment, customer or state call (the transformWithState operator this replaces made a
-Python<->JVM round trip per state call: 313 s per 1M payments, 51x the all-time MERGE step).
+The sessions are a step of the payments stream's micro-batch (pipelines/stream_query.py): the bronze rows it
+has not folded yet are folded by `fold_sessions`, a plain function from (state before, payments, the
+watermark) to (state after, closed sessions, late payments, the next watermark): window functions over the
+open sessions and the new payments, in the JVM. No Python runs per payment, customer or state call (the
+transformWithState operator this replaces made a Python<->JVM round trip per state call: 313 s per 1M
+payments, 51x the all-time MERGE step).
 
 TTL, D days of event time (default 30): a session starting D or more after the customer's previous session
 ended has forgotten it (no previous session, a fresh day total); customers idle that long with nothing open
@@ -29,27 +30,23 @@ leave `customer_last_sessions`. Event time makes the rule exact and repeatable: 
 Late payments go to late_events (`stream` = payments) and still count in payments_per_customer.
 
 Exactly once as in windows.py: every write of a batch is computed from the state versions the previous
-batch's closing commit recorded, and carries the query's txn id (app id, batch id): late_events, the open
-sessions, the last sessions, then customer_activity, the closing commit with the progress. A lost
-checkpoint restarts after the last closing commit, from the tables, with nothing rebuilt.
+batch's closing commit recorded, and carries the stream's txn id (app id, batch id): late_events, the open
+sessions, the last sessions, then customer_activity, the closing commit with the progress.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from pyspark.sql import DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 from pyspark.sql.types import ArrayType, LongType, StringType, StructField, StructType, TimestampType
 
 from pipelines import event_time
-from pipelines.bronze import ensure_bronze_tables
-from pipelines.checkpoints import checkpoint_for_run, new_app_id, set_aside, start_checkpoint
+from pipelines.checkpoints import new_app_id
 from pipelines.event_time import (
-    LATE, LATE_SCHEMA, EventTimeBatches, FoldedBatch, Progress, append_batch, read_state, undo_late_rows, write_state,
+    LATE, LATE_SCHEMA, EventTimeStage, FoldedBatch, Progress, append_batch, read_state, undo_late_rows, write_state,
 )
 from pipelines.faults import (
     SESSIONS_AFTER_LAST_SESSIONS_COMMIT, SESSIONS_AFTER_LATE_COMMIT, SESSIONS_AFTER_OPEN_SESSIONS_COMMIT,
@@ -57,16 +54,12 @@ from pipelines.faults import (
 )
 from pipelines.layout import StorageLayout
 from pipelines.state import TOTAL_TYPE
-from pipelines.streaming import (
-    Continuous, StreamRunResult, TableVersions, commits_since, create_table_if_missing, require_writable, run_query,
-    source_ready, storage_errors, table_id, table_version, writer_lock,
-)
+from pipelines.streaming import create_table_if_missing, table_version
 from pipelines.streams import PAYMENTS
 
 ACTIVITY = "customer_activity"
 OPEN_SESSIONS = "customer_open_sessions"
 LAST_SESSIONS = "customer_last_sessions"
-SESSIONS_QUERY = f"{ACTIVITY}_sessions"
 SESSION_GAP = dt.timedelta(minutes=30)
 DEFAULT_WATERMARK_DELAY = dt.timedelta(minutes=10)
 DEFAULT_STATE_TTL = dt.timedelta(days=30)
@@ -217,32 +210,31 @@ def _closed_rows(closing: DataFrame, last_sessions: DataFrame, ttl_us: int) -> D
         (F.sum("total_amount").over(same_day) + stored).cast(TOTAL_TYPE).alias("day_amount"))
 
 
-class SessionsBatches(EventTimeBatches):
-    """The sessions query's foreachBatch body: late payments, the open sessions, the last sessions, then the
-    closed sessions as the closing commit."""
+class SessionsStage(EventTimeStage):
+    """The sessions step of a payments micro-batch: late payments, the open sessions, the last sessions, then
+    the closed sessions as the closing commit."""
 
     closing_table, closing_marker, before_closing_fault = ACTIVITY, "activity_version", SESSIONS_BEFORE_CLOSING_COMMIT
 
-    def __init__(self, layout: StorageLayout, checkpoint: Path, app_id: str, last: Progress,
-                 settings: SessionSettings):
-        super().__init__(layout, checkpoint, app_id, last)
+    def __init__(self, layout: StorageLayout, last: Progress, settings: SessionSettings):
+        super().__init__(layout, last)
         self.settings = settings
 
-    def fold_and_write(self, batch: DataFrame, batch_id: int, marker: dict) -> FoldedBatch:
-        spark, layout, spec = batch.sparkSession, self.layout, PAYMENTS
-        payments = batch.select("customer_id", spec.id_field, spec.event_time_field, spec.value_field, "source_file",
-                                "line_number")
+    def fold_and_write(self, rows: DataFrame, app_id: str, batch_id: int, marker: dict) -> FoldedBatch:
+        spark, layout, spec = rows.sparkSession, self.layout, PAYMENTS
+        payments = rows.select("customer_id", spec.id_field, spec.event_time_field, spec.value_field, "source_file",
+                               "line_number")
         versions = self.last.state_versions
         fold = fold_sessions(read_state(spark, layout.table(OPEN_SESSIONS), versions[OPEN_SESSIONS]),
                              read_state(spark, layout.table(LAST_SESSIONS), versions[LAST_SESSIONS]),
                              payments, self.last.watermark_ms, self.settings)
         sessions_closed, late_count = fold.closed.count(), fold.late.count()
         if late_count:
-            append_batch(fold.late, layout.table(LATE), self.app_id, batch_id, marker)
+            append_batch(fold.late, layout.table(LATE), app_id, batch_id, marker)
         fault_point(SESSIONS_AFTER_LATE_COMMIT)
-        versions = {OPEN_SESSIONS: write_state(fold.open_sessions, layout.table(OPEN_SESSIONS), self.app_id, batch_id)}
+        versions = {OPEN_SESSIONS: write_state(fold.open_sessions, layout.table(OPEN_SESSIONS), app_id, batch_id)}
         fault_point(SESSIONS_AFTER_OPEN_SESSIONS_COMMIT)
-        versions[LAST_SESSIONS] = write_state(fold.last_sessions, layout.table(LAST_SESSIONS), self.app_id, batch_id)
+        versions[LAST_SESSIONS] = write_state(fold.last_sessions, layout.table(LAST_SESSIONS), app_id, batch_id)
         fault_point(SESSIONS_AFTER_LAST_SESSIONS_COMMIT)
         return FoldedBatch(fold.closed, versions, fold.watermark_ms,
                            {"sessions_closed": sessions_closed, "late_events": late_count})
@@ -282,96 +274,55 @@ def _state_from_tables(spark: SparkSession, layout: StorageLayout, last: Progres
                          settings)
 
 
-def _restart(spark: SparkSession, layout: StorageLayout, last: Progress | None, app_id: str, reason: str,
-             settings: SessionSettings) -> Progress:
-    """Start the sessions query again after the last committed batch, under a new app id, from the state
-    versions that batch recorded; the late_events rows of a batch that died before its closing commit are
-    deleted first. Recorded as batch -1 of `app_id`."""
+def _first_state(spark: SparkSession, layout: StorageLayout, last: Progress | None,
+                 settings: SessionSettings) -> Progress:
+    """The sessions' state of tables that have none yet: empty for new tables; for tables of an earlier
+    statetables (state in RocksDB), built once from the tables. Recorded as batch -1 of an app id of its own, a
+    commit of customer_activity carrying the progress."""
     last = last or Progress(watermark_ms=0, bronze_version=-1, state_versions={})
+    start_id = new_app_id(f"{PAYMENTS.name}/sessions-state")
+    closed, watermark = spark.createDataFrame([], ACTIVITY_SCHEMA), last.watermark_ms
+    if last.bronze_version >= 0:
+        fold = _state_from_tables(spark, layout, last, settings)
+        closed, watermark = fold.closed.localCheckpoint(), fold.watermark_ms
+        open_sessions, last_sessions = fold.open_sessions, fold.last_sessions
+    else:
+        open_sessions = spark.createDataFrame([], OPEN_SESSIONS_SCHEMA)
+        last_sessions = spark.createDataFrame([], LAST_SESSIONS_SCHEMA)
+    # A txn id of its own: Delta commits an empty append only when it carries one.
+    versions = {OPEN_SESSIONS: write_state(open_sessions, layout.table(OPEN_SESSIONS), start_id, 0),
+                LAST_SESSIONS: write_state(last_sessions, layout.table(LAST_SESSIONS), start_id, 0)}
+    progress = {"app_id": start_id, "batch_id": -1, "watermark_ms": watermark, "bronze_version": last.bronze_version,
+                "state_versions": versions, "sessions_closed": closed.count(), "late_events": 0,
+                "started_because": "an earlier statetables kept the sessions in RocksDB" if last.bronze_version >= 0
+                else "new tables"}
+    append_batch(closed, layout.table(ACTIVITY), start_id, 0, progress)
+    return Progress(watermark, last.bronze_version, versions, start_id, -1)
+
+
+def ensure_session_tables(spark: SparkSession, layout: StorageLayout) -> None:
+    for name, schema in ((ACTIVITY, ACTIVITY_SCHEMA), (LATE, LATE_SCHEMA), (OPEN_SESSIONS, OPEN_SESSIONS_SCHEMA),
+                         (LAST_SESSIONS, LAST_SESSIONS_SCHEMA)):
+        create_table_if_missing(spark, layout.table(name), schema)
+
+
+def sessions_stage(spark: SparkSession, layout: StorageLayout, settings: SessionSettings = SessionSettings()
+                   ) -> SessionsStage:
+    """The sessions step as the last closing commit left it, for a run of the payments stream (which holds the
+    stream's writer lock). The late_events rows of a batch that died before its closing commit are deleted
+    first: the stream folds that batch's bronze rows again."""
+    ensure_session_tables(spark, layout)
     undone = undo_late_rows(spark, layout, PAYMENTS.name, "activity_version",
                             table_version(spark, layout.table(ACTIVITY)) or 0)
-    restart_id = f"{app_id}/restart"  # a txn id of its own: Delta commits an empty append only when it carries one
-    closed, versions, watermark = spark.createDataFrame([], ACTIVITY_SCHEMA), last.state_versions, last.watermark_ms
-    if not versions:
-        if last.bronze_version >= 0:
-            fold = _state_from_tables(spark, layout, last, settings)
-            closed, watermark = fold.closed.localCheckpoint(), fold.watermark_ms
-            open_sessions, last_sessions = fold.open_sessions, fold.last_sessions
-        else:
-            open_sessions = spark.createDataFrame([], OPEN_SESSIONS_SCHEMA)
-            last_sessions = spark.createDataFrame([], LAST_SESSIONS_SCHEMA)
-        versions = {OPEN_SESSIONS: write_state(open_sessions, layout.table(OPEN_SESSIONS), restart_id, 0),
-                    LAST_SESSIONS: write_state(last_sessions, layout.table(LAST_SESSIONS), restart_id, 0)}
-    progress = {"app_id": app_id, "batch_id": -1, "watermark_ms": watermark, "bronze_version": last.bronze_version,
-                "state_versions": versions, "sessions_closed": closed.count(), "late_events": 0,
-                "restarted_because": reason, "undone": undone}
-    append_batch(closed, layout.table(ACTIVITY), restart_id, 0, progress)
-    return Progress(watermark, last.bronze_version, versions, app_id, -1)
+    last = last_progress(spark, layout)
+    if last is None or last.state_versions is None:
+        last = _first_state(spark, layout, last, settings)
+    stage = SessionsStage(layout, last, settings)
+    stage.undone = undone
+    return stage
 
 
-def _operator_state(spark: SparkSession, layout: StorageLayout) -> dict:
+def state_figures(spark: SparkSession, layout: StorageLayout) -> dict:
     rows = sum(spark.read.format("delta").load(str(layout.table(name))).count() for name in (OPEN_SESSIONS, LAST_SESSIONS))
     size = sum(int(event_time.table_bytes(spark, layout.table(name))) for name in (OPEN_SESSIONS, LAST_SESSIONS))
     return {"rows": rows, "bytes": size}
-
-
-def update_sessions(spark: SparkSession, layout: StorageLayout, settings: SessionSettings = SessionSettings(), *,
-                    lock_timeout_s: float = 60.0, continuous: Continuous | None = None) -> StreamRunResult:
-    """Fold every bronze payment not yet seen into the customers' sessions; write the ones that closed.
-
-    Without a trusted checkpoint (first run, lost, corrupt) the query starts again after the last
-    committed batch (`_restart`), from the state the tables hold.
-
-    >>> update_sessions(spark, StorageLayout.under("data")).micro_batches
-    """
-    spec = PAYMENTS
-    started = time.monotonic()
-    checkpoint = layout.checkpoint(SESSIONS_QUERY)
-    path, bronze_path = layout.table(ACTIVITY), layout.table(spec.bronze_table)
-    names = (ACTIVITY, LATE, OPEN_SESSIONS, LAST_SESSIONS)
-    require_writable([layout.locks, path.parent, layout.checkpoints_root])
-    with writer_lock(layout.locks, SESSIONS_QUERY, lock_timeout_s), storage_errors():
-        ensure_bronze_tables(spark, layout, spec)
-        for name, schema in ((ACTIVITY, ACTIVITY_SCHEMA), (LATE, LATE_SCHEMA), (OPEN_SESSIONS, OPEN_SESSIONS_SCHEMA),
-                             (LAST_SESSIONS, LAST_SESSIONS_SCHEMA)):
-            create_table_if_missing(spark, layout.table(name), schema)
-        before = {name: table_version(spark, layout.table(name)) for name in names}
-        bronze_id = table_id(spark, bronze_path)
-        last = last_progress(spark, layout)
-        verdict, moved = checkpoint_for_run(spark, checkpoint, layout.set_aside_checkpoints, [path],
-                                            source_table_id=bronze_id)
-        origin, problem, recovery = verdict.origin, verdict.problem, None
-        if origin is not None and last is not None and last.state_versions is None:
-            origin, moved = None, set_aside(checkpoint, layout.set_aside_checkpoints)
-            problem = f"{checkpoint} kept the sessions' state in RocksDB (an earlier statetables)"
-        if origin is None:
-            reason = problem or (f"{checkpoint} is missing, but {ACTIVITY} holds batches written from an "
-                                 f"earlier checkpoint" if last else "no checkpoint yet")
-            app_id = new_app_id(SESSIONS_QUERY)
-            last = _restart(spark, layout, last, app_id, reason, settings)
-            origin = start_checkpoint(checkpoint, SESSIONS_QUERY, reason, app_id=app_id,
-                                      source_start_version=last.bronze_version + 1, source_table_id=bronze_id)
-            if problem or moved or last.bronze_version >= 0:
-                recovery = {"problem": reason, "set_aside": str(moved) if moved else None,
-                            "action": f"restarted {SESSIONS_QUERY} after bronze version {last.bronze_version} from "
-                                      f"the state in {OPEN_SESSIONS} and {LAST_SESSIONS} (versions "
-                                      f"{last.state_versions[OPEN_SESSIONS]}, {last.state_versions[LAST_SESSIONS]})"}
-        batches = rows = 0
-        start_version = origin.source_start_version
-        has_offsets = any((checkpoint / "offsets").glob("[0-9]*"))
-        if source_ready(lambda: has_offsets or start_version is None
-                        or start_version <= table_version(spark, bronze_path), continuous):
-            events = spark.readStream.format("delta").option("maxFilesPerTrigger", 1_000_000)  # whole versions
-            if start_version is not None:
-                events = events.option("startingVersion", start_version)
-            on_batch = SessionsBatches(layout, checkpoint, origin.app_id, last, settings)
-            batches, _ = run_query(events.load(str(bronze_path)), query_name=SESSIONS_QUERY,
-                                      checkpoint_dir=checkpoint, on_batch=on_batch, continuous=continuous)
-        commits = commits_since(spark, path, before[ACTIVITY])
-        return StreamRunResult(
-            query_name=SESSIONS_QUERY, micro_batches=batches, rows_read=event_time.rows_read(commits), duration_s=time.monotonic() - started,
-            versions={name: TableVersions(before[name], table_version(spark, layout.table(name))) for name in names},
-            commits={ACTIVITY: commits},
-            recovery=recovery,
-            operator_state=_operator_state(spark, layout),
-        )

@@ -1,18 +1,16 @@
-"""Bronze → state tables: each micro-batch pre-aggregated by key and MERGEd, idempotently.
+"""Bronze → state tables: the bronze rows of a micro-batch aggregated by key and MERGEd, exactly once.
 
-One MERGE routine (`upsert_batch`) serves every state table; the table's shape comes from its
-`StateTableSpec`. Delta's txnAppId/txnVersion session confs make MERGE skip a micro-batch that
-already committed, which is what happens when a run dies between the MERGE commit and the
-checkpoint commit and the batch is replayed. Without a checkpoint that can be trusted, the table
-is rebuilt from bronze (`rebuild_state_table`) and a fresh checkpoint starts after it.
+One MERGE routine serves every state table; the table's shape comes from its `StateTableSpec`. It is a step
+of the stream's micro-batch (pipelines/stream_query.py), `StateTableStage`: each MERGE commit records the
+bronze version the table has folded through, so no bronze row is folded twice or missed, whichever attempt
+of a batch commits. A table that records none is rebuilt from bronze (`rebuild_state_table`).
 """
 
 from __future__ import annotations
 
 import json
-import time
 from datetime import timedelta
-from functools import partial
+from pathlib import Path
 
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
@@ -21,18 +19,16 @@ from pyspark.sql.types import DecimalType, LongType, StringType, StructField, St
 from pipelines import delta_sql
 from pipelines.delta_sql import ident
 from pipelines.layout import StorageLayout
-from pipelines.bronze import ensure_bronze_tables
-from pipelines.checkpoints import checkpoint_for_run, new_app_id, start_checkpoint
+from pipelines.checkpoints import new_app_id
 from pipelines.errors import ConfigurationError
 from pipelines.expiry import (
-    EXPIRED, expire_keys, expired_rows, expired_totals, newest_ingested_us, record_policy, require_whole_history,
+    EXPIRED, ExpiredTotals, expire_keys, expired_rows, expired_totals, newest_ingested_us, record_policy, require_whole_history,
     since_last_expiry, ttl_property,
 )
 from pipelines.faults import STATE_AFTER_MERGE_COMMIT, STATE_AFTER_REBUILD, STATE_BATCH_END, STATE_MERGE_START, fault_point
 from pipelines.streaming import (
-    TXN_APP_ID, TXN_VERSION, USER_METADATA, Continuous, StreamRunResult, TableVersions, commit_confs, commits_since,
-    create_table_if_missing, require_writable, retry_on_conflict, run_query, source_ready, storage_errors, table_id,
-    table_version, writer_lock,
+    TXN_APP_ID, TXN_VERSION, USER_METADATA, commit_confs, commits_since, create_table_if_missing, retry_on_conflict,
+    rows_added, table_version,
 )
 from pipelines.streams import StateTableSpec, StreamSpec
 
@@ -63,38 +59,98 @@ def _aggregate(events: DataFrame, table: StateTableSpec, value_column: str, even
     )
 
 
-def upsert_batch(events: DataFrame, batch_id: int, *, table_path: str, table: StateTableSpec,
-                 value_column: str, event_time_column: str, app_id: str, ttl: timedelta | None = None) -> None:
-    """foreachBatch body: aggregate the batch's events by key and MERGE them into the state table;
-    with a `ttl`, then expire the keys it has passed (pipelines/expiry.py).
+FOLDED_THROUGH = "bronze_version"  # commit metadata: every bronze version up to this one is folded into the table
+INGESTED_THROUGH = "ingested_through_us"  # MERGE commit metadata with a TTL: the newest bronze ingested_at folded
+NEWEST_COMMITS = 20  # searched for the newest commit that records FOLDED_THROUGH
 
-    Every batch commits, even an empty one: the table's record of `{"app_id", "batch_id"}` is how
-    the next run knows the checkpoint and the table agree (pipelines/checkpoints.py).
 
-    >>> upsert_batch(bronze_batch, 7, table_path="data/tables/movie_tickets_sold",
-    ...              table=MOVIE_TICKET_SALES.state_table, value_column="ticket_total_value",
-    ...              event_time_column="sale_ts", app_id="statetables/...")
-    """
-    spark = events.sparkSession
-    batch = _aggregate(events, table, value_column, event_time_column)
-    fault_point(STATE_MERGE_START)
-    metadata = {"app_id": app_id, "batch_id": batch_id}
-    if ttl is not None:
-        expired = expired_totals(spark, table_path)
-        metadata[EXPIRED] = expired.as_metadata()
+def folded_through(spark: SparkSession, table_path: Path) -> tuple[int, int] | None:
+    """(the table's version, the bronze version it has folded through), from its newest commits: every
+    MERGE, rebuild and savepoint restore records the bronze version with its rows, in the same commit. None
+    for a table whose commits do not record one (a new table, or one kept by an earlier statetables)."""
+    latest = table_version(spark, table_path)
+    if latest is None:
+        return None
+    for commit in reversed(commits_since(spark, table_path, max(-1, latest - NEWEST_COMMITS))):
+        if commit["user"].get(FOLDED_THROUGH) is not None:
+            return latest, int(commit["user"][FOLDED_THROUGH])
+    return None
 
-    def merge() -> None:
-        with commit_confs(spark, {TXN_APP_ID: app_id, TXN_VERSION: str(batch_id), USER_METADATA: json.dumps(metadata)}):
-            delta_sql.merge(spark, table_path, batch, on=_on_key(table), clauses=_upsert_clauses(table))
 
-    retry_on_conflict(merge, f"MERGE of micro-batch {batch_id} into {table.name}")
-    fault_point(STATE_AFTER_MERGE_COMMIT)
-    if ttl is not None:
-        through = newest_ingested_us(events)
-        retry_on_conflict(lambda: expire_keys(spark, table_path, table, ttl, ingested_through_us=through,
-                                              app_id=app_id, batch_id=batch_id, expired=expired),
-                          f"expiry after micro-batch {batch_id} in {table.name}")
-    fault_point(STATE_BATCH_END)
+class StateTableStage:
+    """The all-time state step of a stream's micro-batch: the bronze rows added after the version the table has
+    folded, aggregated by key and MERGEd, with that version recorded in the same commit; with a `ttl`, the keys
+    it has passed are then expired (pipelines/expiry.py).
+
+    The bronze version travels in the MERGE's own commit, so a batch replayed under any app id (the same one
+    after a crash, another after a lost checkpoint) folds each bronze row once: Delta's txn id skips a replay
+    of the same batch, and the recorded version skips rows folded by a batch that died later on."""
+
+    def __init__(self, layout: StorageLayout, spec: StreamSpec, ttl: timedelta | None, through: int):
+        self.layout, self.spec, self.ttl, self.through = layout, spec, ttl, through
+        self.rebuilt_through: int | None = None
+
+    def advance(self, spark: SparkSession, bronze_path: Path, through: int, app_id: str, batch_id: int) -> None:
+        if through <= self.through:
+            return
+        spec, table = self.spec, self.spec.state_table
+        table_path = str(self.layout.table(table.name))
+        events = rows_added(spark, bronze_path, self.through, through)
+        batch = _aggregate(events, table, spec.value_field, spec.event_time_field)
+        fault_point(STATE_MERGE_START)
+        metadata = {"app_id": app_id, "batch_id": batch_id, FOLDED_THROUGH: through}
+        if self.ttl is not None:
+            expired = expired_totals(spark, table_path)
+            metadata[EXPIRED] = expired.as_metadata()
+            metadata[INGESTED_THROUGH] = newest_ingested_us(events)
+
+        def merge() -> None:
+            with commit_confs(spark, {TXN_APP_ID: app_id, TXN_VERSION: str(batch_id),
+                                      USER_METADATA: json.dumps(metadata)}):
+                delta_sql.merge(spark, table_path, batch, on=_on_key(table), clauses=_upsert_clauses(table))
+
+        retry_on_conflict(merge, f"MERGE of micro-batch {batch_id} into {table.name}")
+        self.through = through
+        fault_point(STATE_AFTER_MERGE_COMMIT)
+        if self.ttl is not None:
+            self.expire(spark, metadata[INGESTED_THROUGH], app_id, batch_id, expired)
+        fault_point(STATE_BATCH_END)
+
+    def expire(self, spark: SparkSession, ingested_through_us: int | None, app_id: str, batch_id: int,
+               expired: ExpiredTotals | None = None) -> None:
+        table_path = self.layout.table(self.spec.state_table.name)
+        expired = expired if expired is not None else expired_totals(spark, table_path)
+        retry_on_conflict(lambda: expire_keys(spark, table_path, self.spec.state_table, self.ttl,
+                                              ingested_through_us=ingested_through_us, app_id=app_id,
+                                              batch_id=batch_id, expired=expired),
+                          f"expiry after micro-batch {batch_id} in {self.spec.state_table.name}")
+
+
+def state_table_stage(spark: SparkSession, layout: StorageLayout, spec: StreamSpec, ttl: timedelta | None
+                      ) -> StateTableStage:
+    """The state step as the table's newest commits left it, for a run of the stream (which holds the stream's
+    writer lock). A table that records no bronze version (new, deleted, or kept by an earlier statetables) is
+    rebuilt from bronze first, exactly (`rebuild_state_table`). With a TTL, an expiry that a crash cut off after
+    its MERGE is done now (an expiry repeated changes nothing)."""
+    if ttl is not None and ttl <= timedelta(0):
+        raise ConfigurationError(f"The TTL of {spec.state_table.name} must be positive, got {ttl}. "
+                                 f"Fix: set a number of days > 0, or leave it unset to keep every key.")
+    table_path = layout.table(spec.state_table.name)
+    ensure_state_table(spark, layout, spec.state_table)
+    record_policy(spark, table_path, ttl)
+    found = folded_through(spark, table_path)
+    stage = StateTableStage(layout, spec, ttl, found[1] if found else -1)
+    if found is None:
+        if (table_version(spark, layout.table(spec.bronze_table)) or 0) > 0:
+            stage.through = stage.rebuilt_through = rebuild_state_table(
+                spark, layout, spec, new_app_id(f"{spec.name}/rebuild"), ttl)
+    elif ttl is not None:
+        newest = commits_since(spark, table_path, found[0] - 1)
+        through_us = newest[0]["user"].get(INGESTED_THROUGH) if newest else None
+        if through_us is not None:
+            stage.expire(spark, int(through_us), newest[0]["user"].get("app_id", ""),
+                         int(newest[0]["user"].get("batch_id", -1)))
+    return stage
 
 
 def _on_key(table: StateTableSpec) -> str:
@@ -138,8 +194,8 @@ def rebuild_state_table(spark: SparkSession, layout: StorageLayout, spec: Stream
 
     A key that expired counts only the events ingested after its newest expiry, as the live table
     does; with a `ttl`, the keys it has passed are then expired (pipelines/expiry.py).
-    The commits are recorded as batch -1 of `app_id`: the fresh checkpoint starts right after them.
-    Returns the bronze version the table now reflects.
+    The commits are recorded as batch -1 of `app_id`, with the bronze version the table now reflects, which is
+    returned.
     """
     table = spec.state_table
     table_path = layout.table(table.name)
@@ -154,7 +210,7 @@ def rebuild_state_table(spark: SparkSession, layout: StorageLayout, spec: Stream
         F.col(table.key), F.col("batch_count").alias(table.count_column), F.col("batch_sum").alias(table.sum_column),
         F.col("batch_first").alias(table.first_ts_column), F.col("batch_last").alias(table.last_ts_column),
         F.current_timestamp().alias("updated_at"))
-    metadata = {"app_id": app_id, "batch_id": -1, "rebuilt_from": spec.bronze_table, "bronze_version": bronze_version}
+    metadata = {"app_id": app_id, "batch_id": -1, "rebuilt_from": spec.bronze_table, FOLDED_THROUGH: bronze_version}
     if ttl_property(spark, table_path) is not None:
         metadata[EXPIRED] = expired.as_metadata()
     set_table_content(spark, str(table_path), table, content, metadata)
@@ -163,68 +219,3 @@ def rebuild_state_table(spark: SparkSession, layout: StorageLayout, spec: Stream
                     app_id=app_id, batch_id=-1, expired=expired)
     fault_point(STATE_AFTER_REBUILD)
     return bronze_version
-
-
-def update_state_table(spark: SparkSession, layout: StorageLayout, spec: StreamSpec, *,
-                       lock_timeout_s: float = 60.0, ttl: timedelta | None = None,
-                       continuous: Continuous | None = None) -> StreamRunResult:
-    """Fold every bronze event not yet counted into the stream's state table; with a `ttl`, expire
-    keys with no event for that long of event time (pipelines/expiry.py).
-
-    With no trusted checkpoint (first run, checkpoint lost, corrupt, or out of step with the table)
-    the table is first rebuilt from bronze and a fresh checkpoint starts after that bronze version.
-
-    >>> update_state_table(spark, StorageLayout.under("data"), MOVIE_TICKET_SALES).micro_batches
-    """
-    if ttl is not None and ttl <= timedelta(0):
-        raise ConfigurationError(f"The TTL of {spec.state_table.name} must be positive, got {ttl}. "
-                                 f"Fix: set a number of days > 0, or leave it unset to keep every key.")
-    started = time.monotonic()
-    table = spec.state_table
-    table_path = layout.table(table.name)
-    bronze_path = layout.table(spec.bronze_table)
-    checkpoint = layout.checkpoint(spec.state_query)
-    require_writable([layout.locks, table_path / "_delta_log", layout.checkpoints_root])
-    with writer_lock(layout.locks, spec.state_query, lock_timeout_s), storage_errors():
-        ensure_bronze_tables(spark, layout, spec)
-        ensure_state_table(spark, layout, table)
-        record_policy(spark, table_path, ttl)
-        before = table_version(spark, table_path)
-        bronze_id = table_id(spark, bronze_path)
-        verdict, moved = checkpoint_for_run(spark, checkpoint, layout.set_aside_checkpoints, [table_path],
-                                            source_table_id=bronze_id)
-        origin, recovery, built_through = verdict.origin, None, None
-        if origin is None:
-            reason = verdict.problem or "no checkpoint yet"
-            app_id = new_app_id(spec.state_query)
-            bronze_version = built_through = rebuild_state_table(spark, layout, spec, app_id, ttl)
-            origin = start_checkpoint(checkpoint, spec.state_query, reason, app_id=app_id,
-                                      source_start_version=bronze_version + 1, source_table_id=bronze_id)
-            if verdict.problem or moved:
-                recovery = {"problem": reason, "set_aside": str(moved) if moved else None,
-                            "action": f"rebuilt {table.name} from {spec.bronze_table} version {bronze_version}; "
-                                      f"new checkpoint reads from version {bronze_version + 1}"}
-        batches = rows = 0
-        # Delta refuses a starting version that does not exist yet; until it does, the rebuild is current.
-        has_offsets = any((checkpoint / "offsets").glob("[0-9]*"))
-        start = origin.source_start_version
-        if source_ready(lambda: has_offsets or start is None or start <= table_version(spark, bronze_path),
-                        continuous):
-            events = spark.readStream.format("delta")
-            if start is not None:
-                events = events.option("startingVersion", start)
-            on_batch = partial(upsert_batch, table_path=str(table_path), table=table,
-                               value_column=spec.value_field, event_time_column=spec.event_time_field,
-                               app_id=origin.app_id, ttl=ttl)
-            batches, rows = run_query(events.load(str(bronze_path)), query_name=spec.state_query,
-                                      checkpoint_dir=checkpoint, on_batch=on_batch, continuous=continuous)
-        return StreamRunResult(
-            query_name=spec.state_query,
-            micro_batches=batches,
-            rows_read=rows,
-            duration_s=time.monotonic() - started,
-            versions={table.name: TableVersions(before, table_version(spark, table_path))},
-            commits={table.name: commits_since(spark, table_path, before)},
-            recovery=recovery,
-            built_through_source_version=built_through,
-        )

@@ -22,6 +22,7 @@ from typing import Callable, Iterator
 
 from pyspark.errors import StreamingQueryException
 from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
 from pyspark.sql.types import StructType
 
 from pipelines import delta_sql
@@ -283,6 +284,20 @@ def run_query(
     if progress is not None:
         progress.extend(reports)
     return len(reports), sum(p.numInputRows for p in reports)
+
+
+def rows_changed(spark: SparkSession, path: Path, after: int, through: int) -> DataFrame:
+    """Every change row of a Delta table's versions after `after` up to `through` (its Change Data Feed)."""
+    return (spark.read.format("delta").option("readChangeFeed", "true").option("startingVersion", after + 1)
+            .option("endingVersion", through).load(str(path)))
+
+
+def rows_added(spark: SparkSession, path: Path, after: int, through: int) -> DataFrame:
+    """The rows appended to a Delta table in versions after `after` up to `through` (an append's change data
+    is the files it added: nothing else is read). How each step of a stream's micro-batch reads the bronze rows
+    it has not folded yet, whoever wrote them: this batch, or a batch that died before the step committed."""
+    return (rows_changed(spark, path, after, through).where(F.col("_change_type") == "insert")
+            .drop("_change_type", "_commit_version", "_commit_timestamp"))
 
 
 def _storage_message(path: Path | str, cause: str) -> str:

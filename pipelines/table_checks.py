@@ -11,18 +11,15 @@ A corrupted state table fails both (tests/assets/test_dagster.py).
 from __future__ import annotations
 
 import datetime as dt
-import json
 from decimal import Decimal
 
 from pyspark.sql import DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 
 from pipelines.bronze import accepted_totals
-from pipelines import delta_sql
-from pipelines.checkpoints import batch_end_version, covered_source_version, read_origin
 from pipelines.expiry import expired_rows, expired_totals, since_last_expiry
 from pipelines.layout import StorageLayout
-from pipelines.state import TOTAL_TYPE
+from pipelines.state import TOTAL_TYPE, folded_through
 from pipelines.streaming import table_version
 from pipelines.sessions import ACTIVITY, SESSION_GAP, last_progress as sessions_progress
 from pipelines.streams import MOVIE_TICKET_SALES, PAYMENTS, StreamSpec
@@ -47,36 +44,14 @@ def state_totals(spark: SparkSession, layout: StorageLayout, spec: StreamSpec, v
             "latest_event_time": row["latest"]}
 
 
-def _pinned_versions(spark: SparkSession, layout: StorageLayout, spec: StreamSpec) -> tuple[int | None, int | None]:
-    """(state table version, bronze version it covers), read from the table's newest commit: the batch id it
-    carries names the checkpoint's offset of that batch. While the state query runs (a continuous run) the
-    checkpoint's newest committed batch can lag the table by one MERGE, so the pair is taken from the table.
-    (None, None) when the newest commit is not a batch of the current checkpoint (a rebuild, a restore)."""
-    path = layout.table(spec.state_table.name)
-    checkpoint = layout.checkpoint(spec.state_query)
-    origin = read_origin(checkpoint)
-    newest = delta_sql.history(spark, path, 1).select("version", "userMetadata").first()
-    if origin is None or newest is None or not newest["userMetadata"]:
-        return None, None
-    try:
-        meta = json.loads(newest["userMetadata"])
-        if meta.get("app_id") != origin.app_id or int(meta.get("batch_id", -1)) < 0:
-            return None, None
-        return newest["version"], batch_end_version(checkpoint, int(meta["batch_id"]))
-    except (ValueError, TypeError, OSError, IndexError, KeyError):
-        return None, None
-
-
 def totals_match_bronze(spark: SparkSession, layout: StorageLayout, spec: StreamSpec) -> dict:
-    """The per-run reconciliation: the state table's totals against bronze's at the covered version.
-
-    Falls back to counting bronze at that version when its commits carry no running totals; when the
-    checkpoint does not say which version it covers, `covered_bronze_version` is -1 and the caller
-    runs the deep check instead.
+    """The per-run reconciliation: the state table's totals against bronze's at the version the table has folded
+    through, which its commits record (pinned to one table version, so a MERGE committing meanwhile cannot make
+    it fail). Falls back to counting bronze at that version when its commits carry no running totals; when the
+    table records no version, `covered_bronze_version` is -1 and the caller runs the deep check instead.
     """
-    state_version, version = _pinned_versions(spark, layout, spec)
-    if version is None:
-        state_version, version = None, covered_source_version(layout.checkpoint(spec.state_query))
+    found = folded_through(spark, layout.table(spec.state_table.name))
+    state_version, version = found if found else (None, None)
     state = state_totals(spark, layout, spec, state_version)
     state.pop("latest_event_time")
     if version is None:
@@ -84,9 +59,8 @@ def totals_match_bronze(spark: SparkSession, layout: StorageLayout, spec: Stream
     events, total = accepted_totals(spark, str(layout.table(spec.bronze_table)), spec.value_field, version)
     # Rows a TTL expired hold events too: their running totals are in the table's newest commits.
     expired = expired_totals(spark, layout.table(spec.state_table.name), as_of=state_version)
-    return {"covered_bronze_version": version, "state_table_version": state_version if state_version is not None
-            else -1, "bronze_events": events, "bronze_total": total, **state,
-            "expired_events": expired.events, "expired_total": expired.value,
+    return {"covered_bronze_version": version, "state_table_version": state_version, "bronze_events": events,
+            "bronze_total": total, **state, "expired_events": expired.events, "expired_total": expired.value,
             "passed": events == state["events_counted"] + expired.events and total == state["total"] + expired.value}
 
 

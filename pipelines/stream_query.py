@@ -1,0 +1,247 @@
+"""One streaming query per stream: each micro-batch of landing content goes through every table of the stream.
+
+The query streams the stream's landing ledger (pipelines/source.py; the scan runs in this driver, not as a
+query). Its foreachBatch, `StreamBatch`, reads top to bottom in data-flow order:
+
+1. validate, dedup, quarantine and bronze appends (pipelines/bronze.py, `ingest_batch`);
+2. the all-time state MERGE (pipelines/state.py);
+3. the event-time state: windows for sales (pipelines/windows.py), sessions for payments (pipelines/sessions.py),
+   with late events;
+4. the changelog, from the state-table versions this batch wrote (pipelines/changelog.py).
+
+Exactly once. Every write carries the stream's transaction id (app id, batch id), so a replay of a batch is a
+no-op table by table. Each step after bronze reads the bronze rows added after the version its own last commit
+recorded, and records the version it reached in the same commit as its rows. So a batch replayed after a crash
+between any two commits, or after the checkpoint was lost (a new app id), folds every bronze row once: a step
+that had committed skips it, a step that had not folds it, from the state the previous batch left (recorded
+versions, read by time travel), never from what this batch had half written.
+
+There is one checkpoint per stream. A lost or damaged one is set aside: a new one reads the whole ledger again,
+lines already in bronze or quarantine are recognised by file and line number, and the later steps resume from
+what their tables record. Before the query starts, every step is brought up to bronze's newest version
+(`catch_up`): a batch that died midway, a savepoint restore, or tables of an earlier statetables.
+
+    >>> advance_stream(spark, StorageLayout.under("data"), PAYMENTS).micro_batches
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from datetime import timedelta
+
+from pyspark.sql import DataFrame, SparkSession
+
+from pipelines.bronze import (
+    DEFAULT_DEDUP_HORIZON, DEFAULT_MAX_FILES_PER_TRIGGER, IngestSettings, ensure_bronze_tables, ingest_batch,
+)
+from pipelines.changelog import ChangelogStage, changelog_name, changelog_stage
+from pipelines.checkpoints import (
+    checkpoint_for_run, new_app_id, planned_source_version, start_checkpoint, write_origin,
+)
+from pipelines.event_time import LATE, EventTimeStage
+from pipelines.faults import STREAM_BATCH_END, fault_point
+from pipelines.layout import StorageLayout
+from pipelines.sessions import ACTIVITY, LAST_SESSIONS, OPEN_SESSIONS, SessionSettings, sessions_stage
+from pipelines.source import LedgerView, landing_listing, record_units, scan_landing
+from pipelines.state import StateTableStage, state_table_stage
+from pipelines.streaming import (
+    Continuous, StreamRunResult, TableVersions, commits_since, require_writable, run_query, storage_errors,
+    table_id, table_version, writer_lock,
+)
+from pipelines.streams import MOVIE_TICKET_SALES, PAYMENTS, StreamSpec
+from pipelines.validate import DEFAULT_MAX_AHEAD
+from pipelines.windows import DEFAULT_WATERMARK_DELAY, HOURLY, OPEN_HOURS, TOP, windows_stage
+
+
+@dataclass(frozen=True)
+class StreamSettings:
+    """How a run advances a stream (Dagster config and the CLI fill it in)."""
+
+    max_files_per_trigger: int = DEFAULT_MAX_FILES_PER_TRIGGER  # landing units per micro-batch
+    dedup_horizon: timedelta = DEFAULT_DEDUP_HORIZON
+    max_ahead: timedelta = DEFAULT_MAX_AHEAD
+    lock_timeout_s: float = 60.0
+    ttl: timedelta | None = None  # of the state table's keys (pipelines/expiry.py); None: kept for ever
+    event_time: bool = True  # keep the stream's windows or sessions; False: they cost nothing
+    watermark_delay: timedelta = DEFAULT_WATERMARK_DELAY  # the sales windows'
+    sessions: SessionSettings = field(default_factory=SessionSettings)  # the payments sessions'
+
+
+def event_time_tables(spec: StreamSpec) -> tuple[str, ...]:
+    """The tables a stream's event-time step writes (late_events is shared by both streams)."""
+    return {MOVIE_TICKET_SALES.name: (HOURLY, TOP, OPEN_HOURS, LATE),
+            PAYMENTS.name: (ACTIVITY, OPEN_SESSIONS, LAST_SESSIONS, LATE)}[spec.name]
+
+
+def stream_tables(spec: StreamSpec, settings: StreamSettings) -> tuple[str, ...]:
+    """Every table a run of the stream writes, in data-flow order."""
+    return (spec.quarantine_table, spec.bronze_table, spec.state_table.name,
+            *(event_time_tables(spec) if settings.event_time else ()), changelog_name(spec.state_table))
+
+
+class StreamBatch:
+    """The foreachBatch body of a stream's query: one micro-batch of landing units through every table."""
+
+    def __init__(self, layout: StorageLayout, spec: StreamSpec, ingest: IngestSettings, state: StateTableStage,
+                 event_time: EventTimeStage | None, changelog: ChangelogStage):
+        self.layout, self.spec, self.ingest = layout, spec, ingest
+        self.state, self.event_time, self.changelog = state, event_time, changelog
+
+    def __call__(self, units: DataFrame, batch_id: int) -> None:
+        ingest_batch(units, batch_id, settings=self.ingest)
+        self.fold(units.sparkSession, self.ingest.app_id, batch_id)
+        fault_point(STREAM_BATCH_END)
+
+    def fold(self, spark: SparkSession, app_id: str, batch_id: int) -> None:
+        """Every step after bronze, up to bronze's newest version (this batch's append, and any a batch that died
+        before its later steps committed had made)."""
+        bronze_path = self.layout.table(self.spec.bronze_table)
+        through = table_version(spark, bronze_path)
+        self.state.advance(spark, bronze_path, through, app_id, batch_id)
+        if self.event_time is not None:
+            self.event_time.advance(spark, bronze_path, through, app_id, batch_id)
+        self.changelog.advance(spark, app_id, batch_id)
+
+    def catch_up(self, spark: SparkSession) -> bool:
+        """Bring every step up to bronze's newest version before the query starts, under an app id of its own;
+        whether there was anything to fold."""
+        through = table_version(spark, self.layout.table(self.spec.bronze_table))
+        # Bronze's version 0 is its creation: no rows.
+        behind = through > 0 and (self.state.through < through
+                  or (self.event_time is not None and self.event_time.last.bronze_version < through)
+                  or self.changelog.covers < (table_version(spark, self.layout.table(self.spec.state_table.name)) or 0))
+        if behind:
+            self.fold(spark, new_app_id(f"{self.spec.name}/catch-up"), 0)
+        return behind
+
+
+def _event_time_stage(spark: SparkSession, layout: StorageLayout, spec: StreamSpec,
+                      settings: StreamSettings) -> EventTimeStage | None:
+    if not settings.event_time:
+        return None
+    if spec.name == MOVIE_TICKET_SALES.name:
+        return windows_stage(spark, layout, settings.watermark_delay)
+    return sessions_stage(spark, layout, settings.sessions)
+
+
+def _adopt_ingest_checkpoint(layout: StorageLayout, spec: StreamSpec) -> None:
+    """An earlier statetables ran the ingest as a query of its own (`<stream>_ingest`): its checkpoint reads
+    the same ledger into the same tables, so it becomes the stream's."""
+    old, new = layout.checkpoint(f"{spec.name}_ingest"), layout.checkpoint(spec.name)
+    if old.exists() and not new.exists():
+        os.replace(old, new)
+
+
+def _scan_continuously(spark: SparkSession, layout: StorageLayout, spec: StreamSpec, per_commit: int,
+                       continuous: Continuous, changed: list[dict]) -> None:
+    """The continuous run's landing scan: every trigger interval, record what arrived in the ledger, which the
+    running query reads. A listing equal to the last one costs no Spark job.
+
+    The query reads one ledger commit per micro-batch, and a batch costs seconds whatever it holds, so a commit
+    per scan would fall behind files arriving every few seconds, for good. While the query has a commit it
+    has not planned yet, nothing is recorded: what arrives meanwhile goes into one commit, the next batch."""
+    landing, ledger, staging = layout.landing(spec.name), layout.table(spec.files_table), layout.staging(spec.name)
+    checkpoint = layout.checkpoint(spec.name)
+    last = None  # the first pass scans: a file may have arrived since the run's own scan
+    view = None
+    while not continuous.stop.wait(continuous.trigger_interval_s):
+        try:
+            listing = landing_listing(landing)
+            if listing == last:
+                continue
+            planned = planned_source_version(checkpoint)
+            if planned is not None and (table_version(spark, ledger) or 0) > planned:
+                continue  # a backlog: wait for the query to take it
+            view = view or LedgerView.read(spark, ledger)
+            scan = scan_landing(spark, landing, ledger, staging, view)
+            record_units(spark, ledger, scan.units, per_commit)
+            view.add(scan.units)
+            changed.extend(scan.changed)
+            last = listing
+        except BaseException as exc:  # noqa: BLE001 - handed to the run, which stops the query and raises it
+            continuous.fail(exc)
+            return
+
+
+def advance_stream(spark: SparkSession, layout: StorageLayout, spec: StreamSpec,
+                   settings: StreamSettings = StreamSettings(), *,
+                   continuous: Continuous | None = None) -> StreamRunResult:
+    """Take every landing file (and every change to one) not yet ingested through all of the stream's tables;
+    with `continuous`, keep scanning the landing folder and folding what arrives until stopped."""
+    started = time.monotonic()
+    bronze_path, quarantine_path = layout.table(spec.bronze_table), layout.table(spec.quarantine_table)
+    ledger_path, staging_dir = layout.table(spec.files_table), layout.staging(spec.name)
+    checkpoint = layout.checkpoint(spec.name)
+    names = stream_tables(spec, settings)
+    require_writable([layout.locks, layout.tables_root, staging_dir, layout.checkpoints_root])
+    with writer_lock(layout.locks, spec.name, settings.lock_timeout_s), storage_errors():
+        ensure_bronze_tables(spark, layout, spec)
+        before = {name: table_version(spark, layout.table(name)) for name in names}
+        state = state_table_stage(spark, layout, spec, settings.ttl)
+        event_time = _event_time_stage(spark, layout, spec, settings)
+        changelog = changelog_stage(spark, layout, spec.state_table)
+        scan = scan_landing(spark, layout.landing(spec.name), ledger_path, staging_dir)
+        record_units(spark, ledger_path, scan.units, settings.max_files_per_trigger)
+        ledger_id = table_id(spark, ledger_path)
+        _adopt_ingest_checkpoint(layout, spec)
+        verdict, moved = checkpoint_for_run(spark, checkpoint, layout.set_aside_checkpoints,
+                                            [quarantine_path, bronze_path], source_table_id=ledger_id)
+        origin, recovery = verdict.origin, None
+        if origin is None:
+            reason = verdict.problem or "no checkpoint yet"
+            # Lines of the units recorded so far may already be in bronze or quarantine (written under
+            # the checkpoint that was lost); units scanned later are new content.
+            holds_lines = any(before[name] not in (None, 0) for name in (spec.bronze_table, spec.quarantine_table))
+            origin = start_checkpoint(checkpoint, spec.name, reason, source_table_id=ledger_id,
+                                      recheck_through_unit=scan.known_units + len(scan.units) - 1 if holds_lines
+                                      else -1)
+            if verdict.problem or moved:
+                recovery = {"problem": reason, "set_aside": str(moved) if moved else None,
+                            "action": "new checkpoint: every landing file is read again; lines already in "
+                                      "bronze or quarantine are recognised by file and line number and skipped; "
+                                      "the later tables resume from the bronze version each records"}
+        elif origin.recheck_through_unit is None:
+            # A checkpoint started by an earlier version: units scanned from now on are new content.
+            origin = replace(origin, recheck_through_unit=scan.known_units - 1)
+            write_origin(checkpoint, origin)
+        ingest = IngestSettings(spec=spec, bronze_path=str(bronze_path), quarantine_path=str(quarantine_path),
+                                staging_dir=staging_dir, app_id=origin.app_id, horizon=settings.dedup_horizon,
+                                max_ahead=settings.max_ahead, recheck_through_unit=origin.recheck_through_unit)
+        batch = StreamBatch(layout, spec, ingest, state, event_time, changelog)
+        caught_up = batch.catch_up(spark)
+        # One ledger commit file per micro-batch, in unit order (record_units writes them that way).
+        units = spark.readStream.format("delta").option("maxFilesPerTrigger", "1").load(str(ledger_path))
+        changed = list(scan.changed)
+        scanner = None
+        if continuous is not None:
+            scanner = threading.Thread(target=_scan_continuously, name=f"{spec.name}-landing-scan", daemon=True,
+                                       args=(spark, layout, spec, settings.max_files_per_trigger, continuous,
+                                             changed))
+            scanner.start()
+        try:
+            batches, _ = run_query(units, query_name=spec.name, checkpoint_dir=checkpoint, on_batch=batch,
+                                   continuous=continuous)
+        finally:
+            if scanner is not None:
+                continuous.stop.set()
+                scanner.join()
+        undone = event_time.undone if event_time is not None else []
+        if undone and recovery is None:
+            recovery = {"problem": "a micro-batch died before its last commit", "set_aside": None,
+                        "action": "; ".join(undone) + "; its bronze rows were folded again"}
+        return StreamRunResult(
+            query_name=spec.name,
+            micro_batches=batches + int(caught_up),
+            rows_read=sum(int(c["user"].get("lines", 0)) for c in commits_since(spark, bronze_path, before[spec.bronze_table])),
+            duration_s=time.monotonic() - started,
+            versions={name: TableVersions(before[name], table_version(spark, layout.table(name))) for name in names},
+            commits={name: commits_since(spark, layout.table(name), before[name])
+                     for name in (spec.bronze_table, spec.state_table.name,
+                                  *((event_time.closing_table,) if event_time is not None else ()))},
+            recovery=recovery,
+            changed_files=changed,
+            built_through_source_version=state.rebuilt_through,
+        )
