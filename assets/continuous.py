@@ -1,14 +1,14 @@
-"""The always-on job `run_continuously`: every stream's queries kept running in one warm JVM, reported to
-Dagster as they go.
+"""The always-on job `run_continuously`: every stream's query kept running in one warm JVM, reported to
+Dagster as it goes.
 
-Each step (ingest, state table, changelog, windows, sessions) runs its streaming query with a
-processing-time trigger (pipelines/continuous.py). Every `report_every_seconds` the op yields an
+Each stream runs its one streaming query (pipelines/stream_query.py) with a processing-time trigger
+(pipelines/continuous.py). Every `report_every_seconds` the op yields an
 `AssetMaterialization` for each table that committed since the last report (rows, batches, versions, the
 watermark, the newest event time folded in) and the state tables' per-run check results, so the asset pages
 follow the tables while the run goes on. A cancel in the UI stops every query after its current micro-batch;
 a killed run is restarted by `recover_failed_stream` and resumes from the checkpoints.
 
-One writer: each query holds its kernel writer lock for the whole run, the landing sensor requests no
+One writer: each stream's query holds its kernel writer lock for the whole run, the landing sensor requests no
 orchestrated run while a continuous run is in progress, and an orchestrated run started anyway waits for
 the lock and is then refused (StreamBusyError), having written nothing.
 """
@@ -16,6 +16,7 @@ the lock and is then refused (StreamBusyError), having written nothing.
 
 import datetime as dt
 import threading
+from dataclasses import replace
 from contextlib import closing
 from typing import Iterator
 
@@ -26,38 +27,28 @@ from assets.keys import (
     CONTINUOUS_JOB, CONTINUOUS_TAG, bronze_key, changelog_key, quarantine_key, state_key,
 )
 from assets.metadata import event_time_metadata
-from assets.streams import IngestConfig
-from assets.sessions import SessionsConfig
-from assets.windows import WindowsConfig
+from assets.streams import StreamConfig
 from pipelines import table_checks
-from pipelines.bronze import ingest_stream
-from pipelines.changelog import changelog_name, publish_changes, publish_query
+from pipelines.changelog import changelog_name
 from pipelines.continuous import ContinuousStep, create_tables, refuse_over_connect, run_steps_continuously
 from pipelines.layout import StorageLayout
-from pipelines.sessions import ACTIVITY, LAST_SESSIONS, OPEN_SESSIONS, SESSIONS_QUERY, SessionSettings, update_sessions
-from pipelines.state import update_state_table
+from pipelines.stream_query import advance_stream, event_time_tables
 from pipelines.streaming import Continuous, commits_since, table_version
 from pipelines.streams import STREAMS, StreamSpec
-from pipelines.windows import HOURLY, LATE, OPEN_HOURS, TOP, WINDOWS_QUERY, update_windows
 from resources import CheckPolicyResource, SparkSessionResource, StatePolicyResource, StorageResource
 from resources.check_policy import WARN_ONLY_NOTE
 
 
 class ContinuousConfig(dg.Config):
     trigger_seconds: float = Field(default=2.0, gt=0, description=(
-        "Processing-time trigger of the ingest, state-table and changelog queries: how often each looks for new "
-        "input. Freshness (landing file to state table) is a few of these."))
-    event_time_trigger_seconds: float = Field(default=30.0, gt=0, description=(
-        "Trigger of the windows and sessions queries, which cost far more per micro-batch (docs/performance.md); "
-        "a window or session is written once the watermark passes it, so seconds matter less there."))
+        "Processing-time trigger of each stream's query: how often it looks for new input. Freshness (landing "
+        "file to state table) is a few of these."))
     event_time_steps: bool = Field(default=True, description=(
-        "Also keep the windows (movie_ticket_sales) and sessions (payments) queries running."))
+        "Also keep the windows (movie_ticket_sales) and sessions (payments) in each micro-batch."))
     report_every_seconds: float = Field(default=30.0, gt=0, description=(
         "How often the run reports to Dagster: a materialization per table that committed since the last "
         "report, and the state tables' per-run checks."))
-    ingest: IngestConfig = Field(default_factory=IngestConfig, description="As in the ingest assets.")
-    windows: WindowsConfig = Field(default_factory=WindowsConfig, description="As in movie_ticket_sales_windows.")
-    sessions: SessionsConfig = Field(default_factory=SessionsConfig, description="As in customer_activity.")
+    streams: StreamConfig = Field(default_factory=StreamConfig, description="As in the streams' assets.")
 
 
 class QueryProgress:
@@ -88,34 +79,13 @@ class QueryProgress:
 
 def continuous_steps(spark, layout: StorageLayout, config: ContinuousConfig,
                      state_policy: StatePolicyResource) -> list[ContinuousStep]:
-    """The steps of every stream, in data-flow order; each runs in its own thread."""
-    ingest = config.ingest
+    """Each stream's query; each runs in its own thread."""
     steps = []
     for spec in STREAMS.values():
-        ttl = state_policy.ttl(spec.state_table.name)
-        steps += [
-            ContinuousStep(spec.ingest_query, lambda c, spec=spec: ingest_stream(
-                spark, layout, spec, max_files_per_trigger=ingest.max_files_per_trigger,
-                dedup_horizon=dt.timedelta(days=ingest.dedup_horizon_days),
-                max_ahead=dt.timedelta(hours=ingest.event_time_max_ahead_hours),
-                lock_timeout_s=ingest.lock_timeout_s, continuous=c)),
-            ContinuousStep(spec.state_query, lambda c, spec=spec, ttl=ttl: update_state_table(
-                spark, layout, spec, ttl=ttl, continuous=c)),
-            ContinuousStep(publish_query(spec.state_table), lambda c, spec=spec: publish_changes(
-                spark, layout, spec.state_table, continuous=c)),
-        ]
-    if config.event_time_steps:
-        slow = config.event_time_trigger_seconds
-        settings = SessionSettings(watermark_delay=dt.timedelta(minutes=config.sessions.watermark_delay_minutes),
-                                   state_ttl=dt.timedelta(days=config.sessions.state_ttl_days))
-        steps += [
-            ContinuousStep(WINDOWS_QUERY, lambda c: update_windows(
-                spark, layout, watermark_delay=dt.timedelta(minutes=config.windows.watermark_delay_minutes),
-                lock_timeout_s=config.windows.lock_timeout_s, continuous=c), trigger_interval_s=slow),
-            ContinuousStep(SESSIONS_QUERY, lambda c: update_sessions(
-                spark, layout, settings, lock_timeout_s=config.sessions.lock_timeout_s, continuous=c),
-                trigger_interval_s=slow),
-        ]
+        settings = replace(config.streams.settings(state_policy.ttl(spec.state_table.name)),
+                           event_time=config.event_time_steps)
+        steps.append(ContinuousStep(spec.name, lambda c, spec=spec, settings=settings: advance_stream(
+            spark, layout, spec, settings, continuous=c)))
     return steps
 
 
@@ -129,15 +99,13 @@ class ContinuousReport:
         self.spark, self.layout, self.progress, self.check_policy = spark, layout, progress, check_policy
         self.tables: dict[dg.AssetKey, tuple[str, str]] = {}  # asset → (table folder, query writing it)
         for spec in STREAMS.values():
-            self.tables[bronze_key(spec)] = (spec.bronze_table, spec.ingest_query)
-            self.tables[quarantine_key(spec)] = (spec.quarantine_table, spec.ingest_query)
-            self.tables[state_key(spec)] = (spec.state_table.name, spec.state_query)
-            self.tables[changelog_key(spec)] = (changelog_name(spec.state_table), publish_query(spec.state_table))
-        if event_time_steps:
-            for name, query in ((HOURLY, WINDOWS_QUERY), (TOP, WINDOWS_QUERY), (LATE, WINDOWS_QUERY),
-                                (OPEN_HOURS, WINDOWS_QUERY), (ACTIVITY, SESSIONS_QUERY),
-                                (OPEN_SESSIONS, SESSIONS_QUERY), (LAST_SESSIONS, SESSIONS_QUERY)):
-                self.tables[dg.AssetKey(name)] = (name, query)
+            self.tables[bronze_key(spec)] = (spec.bronze_table, spec.name)
+            self.tables[quarantine_key(spec)] = (spec.quarantine_table, spec.name)
+            self.tables[state_key(spec)] = (spec.state_table.name, spec.name)
+            self.tables[changelog_key(spec)] = (changelog_name(spec.state_table), spec.name)
+            if event_time_steps:
+                for name in event_time_tables(spec):
+                    self.tables.setdefault(dg.AssetKey(name), (name, spec.name))
         self.versions = {key: table_version(spark, layout.table(name)) for key, (name, _) in self.tables.items()}
         self.failed_checks: list[str] = []
 
@@ -199,9 +167,9 @@ class ContinuousReport:
 
 
 @dg.op(tags={CONTINUOUS_TAG: "true"}, description=(
-    "Keeps every stream's streaming queries running (ingest, state table, changelog, windows, sessions) and "
-    "reports each table to Dagster every `report_every_seconds`. Cancel the run to stop: each query finishes "
-    "its current micro-batch first."))
+    "Keeps every stream's streaming query running (each micro-batch through ingest, state table, windows or "
+    "sessions, changelog) and reports each table to Dagster every `report_every_seconds`. Cancel the run to "
+    "stop: each query finishes its current micro-batch first."))
 def keep_streams_running(context: dg.OpExecutionContext, config: ContinuousConfig, spark: SparkSessionResource,
                          storage: StorageResource, state_policy: StatePolicyResource,
                          check_policy: CheckPolicyResource):

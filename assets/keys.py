@@ -67,8 +67,9 @@ def job_names() -> list[str]:
     return [ADVANCE_ALL_JOB, DEEP_CHECK_JOB, CONTINUOUS_JOB, *(stream_job_name(spec) for spec in STREAMS.values())]
 
 
-def ingest_op_name(spec: StreamSpec) -> str:
-    return spec.ingest_query
+def stream_op_name(spec: StreamSpec) -> str:
+    """The stream's one step: its streaming query through every table of the stream."""
+    return spec.name
 
 
 def stream_of_step(step_key: str) -> StreamSpec | None:

@@ -1,7 +1,8 @@
-"""Assets and checks of one event stream: bronze + quarantine (one ingest step) and its state table.
+"""Assets and checks of one event stream: one step, a multi-asset of every table its streaming query writes
+(bronze, quarantine, the state table, the windows or the sessions, the changelog), and the state table's checks.
 
-The asset bodies are thin: they ask the resources for a Spark session and the storage layout,
-call one pipeline function, and describe what happened in metadata.
+The step is thin: it asks the resources for a Spark session and the storage layout, calls one pipeline function
+(`advance_stream`), and describes what happened in metadata.
 """
 
 
@@ -16,28 +17,48 @@ from pyspark.sql import functions as F
 from assets.metadata import (
     RUNBOOK_LINE, RUNBOOK_METADATA, event_time_metadata, frame_table, records_table, recovery_metadata,
 )
-from assets.keys import DEEP_CHECK, KINDS, STATE_FRESHNESS, bronze_key, changelog_key, ingest_op_name, pool, quarantine_key, state_key
-from pipelines.bronze import DEFAULT_MAX_FILES_PER_TRIGGER, ingest_stream
-from pipelines.changelog import publish_changes
+from assets import sessions as sessions_assets, windows as windows_assets
+from assets.keys import (
+    DEEP_CHECK, KINDS, STATE_FRESHNESS, bronze_key, changelog_key, pool, quarantine_key, state_key, stream_op_name,
+)
+from pipelines.bronze import DEFAULT_MAX_FILES_PER_TRIGGER
+from pipelines.changelog import changelog_name
 from pipelines.expiry import EXPIRY
 from pipelines import table_checks
-from pipelines.state import update_state_table
+from pipelines.sessions import DEFAULT_STATE_TTL, SessionSettings
+from pipelines.state import folded_through
+from pipelines.stream_query import StreamSettings, advance_stream
 from pipelines.table_checks import quarantine_reasons, state_totals
-from pipelines.streaming import StreamRunResult, commits_since, table_version
-from pipelines.streams import StreamSpec
+from pipelines.streaming import StreamRunResult, commits_since
+from pipelines.streams import MOVIE_TICKET_SALES, PAYMENTS, StreamSpec
+from pipelines.windows import DEFAULT_WATERMARK_DELAY
 from resources import CheckPolicyResource, SparkSessionResource, StatePolicyResource, StorageResource
 
-class IngestConfig(dg.Config):
+class StreamConfig(dg.Config):
     dedup_horizon_days: float = Field(default=7.0, description="How far apart in event time a re-delivery is still recognised.")
     event_time_max_ahead_hours: float = Field(default=24.0, description=(
         "How far after its ingestion an event's time may lie; later ones are quarantined as out_of_range."))
     max_files_per_trigger: int = Field(default=DEFAULT_MAX_FILES_PER_TRIGGER, description="Landing files per micro-batch.")
     lock_timeout_s: float = Field(default=60.0, description="How long to wait for the stream's writer lock.")
     quarantine_warn_rate: float = Field(default=0.05, description="Share of quarantined lines in a run that warns.")
+    watermark_delay_minutes: float = Field(
+        default=DEFAULT_WATERMARK_DELAY.total_seconds() / 60, ge=0,
+        description=("How far behind the newest event seen the event-time watermark trails. An hour (sales) is "
+                     "written once the watermark passes its end, a session (payments) once it is 30 minutes past "
+                     "its last payment; an event at or behind the watermark goes to late_events."))
+    session_state_ttl_days: float = Field(
+        default=DEFAULT_STATE_TTL.days, gt=0,
+        description=("Payments: a customer idle this many days of event time is forgotten by the sessions: their "
+                     "next session has no previous_session_end and a fresh day_amount."))
 
-
-class StateConfig(dg.Config):
-    lock_timeout_s: float = Field(default=60.0, description="How long to wait for the state table's writer lock.")
+    def settings(self, ttl: timedelta | None) -> StreamSettings:
+        delay = timedelta(minutes=self.watermark_delay_minutes)
+        return StreamSettings(max_files_per_trigger=self.max_files_per_trigger,
+                              dedup_horizon=timedelta(days=self.dedup_horizon_days),
+                              max_ahead=timedelta(hours=self.event_time_max_ahead_hours),
+                              lock_timeout_s=self.lock_timeout_s, ttl=ttl, watermark_delay=delay,
+                              sessions=SessionSettings(watermark_delay=delay,
+                                                       state_ttl=timedelta(days=self.session_state_ttl_days)))
 
 
 def _versions(result: StreamRunResult, name: str) -> dict:
@@ -45,35 +66,44 @@ def _versions(result: StreamRunResult, name: str) -> dict:
     return {"table_version_before": v.before if v.before is not None else -1, "table_version": v.after}
 
 
-def ingest_figures_of_this_run(context: dg.AssetExecutionContext, spec: StreamSpec) -> dict:
-    """What this run's ingest step reported (lines read, accepted, quarantined, duplicates), when it ran in this
-    run: shown on the state table too, so its page answers "what did the last run do" on its own."""
-    figures = {}
-    for key, names in ((bronze_key(spec), ("lines_read", "rows_accepted", "duplicates_recognised")),
-                       (quarantine_key(spec), ("rows_quarantined",))):
-        event = context.instance.get_latest_materialization_event(key)
-        if event is not None and event.run_id == context.run.run_id:
-            metadata = event.asset_materialization.metadata
-            figures.update({name: metadata[name] for name in names if name in metadata})
-    return figures
+EVENT_TIME = {MOVIE_TICKET_SALES.name: windows_assets, PAYMENTS.name: sessions_assets}
 
 
 def build_stream_assets(spec: StreamSpec) -> list:
-    """The ingest multi-asset, the state-table asset and its blocking checks, for one stream."""
+    """The stream's one step (a multi-asset: every table its streaming query writes) and the state table's
+    blocking checks."""
     bronze, quarantine, state = bronze_key(spec), quarantine_key(spec), state_key(spec)
     table = spec.state_table
+    event_time = EVENT_TIME[spec.name]
 
     @dg.multi_asset(
-        name=ingest_op_name(spec),
+        name=stream_op_name(spec),
+        group_name=spec.name,
         specs=[
-            dg.AssetSpec(bronze, group_name=spec.name, kinds=KINDS, metadata=RUNBOOK_METADATA, description=(
+            dg.AssetSpec(bronze, kinds=KINDS, metadata=RUNBOOK_METADATA, description=(
                 f"Accepted `{spec.name}` events, one row per distinct `{spec.id_field}`, typed per the contract "
                 f"(DECIMAL(18,2) `{spec.value_field}`, UTC `{spec.event_time_field}`), with source file and line. "
-                f"Fed by JSON-lines files in landing/{spec.name}/ through a streaming file source." + RUNBOOK_LINE)),
-            dg.AssetSpec(quarantine, group_name=spec.name, kinds=KINDS, metadata=RUNBOOK_METADATA, description=(
+                f"Fed by JSON-lines files in landing/{spec.name}/ through the stream's one streaming query." +
+                RUNBOOK_LINE)),
+            dg.AssetSpec(quarantine, kinds=KINDS, metadata=RUNBOOK_METADATA, description=(
                 f"Every `{spec.name}` line that was not accepted: the raw line and bytes as received, file, line "
                 f"number, a machine-readable `reason` (+ `reason_field`, `detail`). Conflicting re-uses of an "
                 f"accepted `{spec.id_field}` land here as `conflicting_duplicate`. Nothing is dropped." + RUNBOOK_LINE)),
+            dg.AssetSpec(state, deps=[bronze], kinds=KINDS, freshness_policy=STATE_FRESHNESS, metadata=RUNBOOK_METADATA,
+                         description=(
+                f"State table: one row per `{table.key}` with `{table.count_column}` (distinct accepted events), "
+                f"`{table.sum_column}` (exact DECIMAL sum of `{spec.value_field}`), first/last "
+                f"`{spec.event_time_field}` and `updated_at`. Kept by a MERGE of each micro-batch's bronze rows "
+                f"aggregated by key, whose commit records the bronze version folded; Change Data Feed on. Optional "
+                f"TTL (resource `state_policy`, `ttl_days`): keys with no event for that many days of event time are "
+                f"deleted, and show in the changelog as deletes." + RUNBOOK_LINE)),
+            *event_time.SPECS,
+            dg.AssetSpec(changelog_key(spec), deps=[state], kinds=KINDS, metadata=RUNBOOK_METADATA, description=(
+                f"The change stream of {table.name}: every row its Change Data Feed reports (`_change_type` insert, "
+                f"update_preimage, update_postimage, delete; `_commit_version`, `_commit_timestamp`), appended in "
+                f"the micro-batch that changed the table, as a Delta table other jobs read as a table or a stream. "
+                f"`statetables restore-changelog` rebuilds {table.name} as of any version from this table alone." +
+                RUNBOOK_LINE)),
         ],
         check_specs=[
             dg.AssetCheckSpec("quarantine_rate", asset=quarantine, description=(
@@ -83,40 +113,38 @@ def build_stream_assets(spec: StreamSpec) -> list:
                 "rewritten under the same name) or vanished before it could be read. Appended lines are "
                 "ingested; a rewritten file's content is ingested as its next version, re-deliveries in it "
                 "counted once. See docs/recovery.md, 'Landing files that change'.")),
+            *event_time.CHECK_SPECS,
         ],
         pool=pool(spec),
     )
-    def ingest(context: dg.AssetExecutionContext, config: IngestConfig, spark: SparkSessionResource,
-               storage: StorageResource):
-        session = spark.spark_session
-        result = ingest_stream(session, storage.layout(), spec,
-                               max_files_per_trigger=config.max_files_per_trigger,
-                               dedup_horizon=timedelta(days=config.dedup_horizon_days),
-                               max_ahead=timedelta(hours=config.event_time_max_ahead_hours),
-                               lock_timeout_s=config.lock_timeout_s)
-        counts = {k: sum(c["user"].get(k, 0) for c in result.commits["bronze"])
+    def stream(context: dg.AssetExecutionContext, config: StreamConfig, spark: SparkSessionResource,
+               storage: StorageResource, state_policy: StatePolicyResource, check_policy: CheckPolicyResource):
+        session, layout = spark.spark_session, storage.layout()
+        ttl = state_policy.ttl(table.name)
+        result = advance_stream(session, layout, spec, config.settings(ttl))
+        bronze_commits = result.commits[spec.bronze_table]
+        counts = {k: sum(c["user"].get(k, 0) for c in bronze_commits)
                   for k in ("files", "lines", "accepted", "quarantined", "duplicates", "already_ingested",
                             "unprocessable")}
-        vanished = sorted({f for c in result.commits["bronze"] for f in c["user"].get("files_vanished", [])})
-        common = {"micro_batches": len([c for c in result.commits["bronze"] if "batch_id" in c["user"]]),
-                  "files_read": counts["files"], "lines_read": counts["lines"],
-                  "duration_s": round(result.duration_s, 2),
-                  "source": dg.MetadataValue.path(str(storage.layout().landing(spec.name))),
+        vanished = sorted({f for c in bronze_commits for f in c["user"].get("files_vanished", [])})
+        common = {"micro_batches": result.micro_batches, "duration_s": round(result.duration_s, 2),
                   **recovery_metadata(context, result)}
         changed = [{"file": c["file"], "change": c["change"], "version": c["version"]} for c in result.changed_files]
         changed_table = records_table(
             changed + [{"file": f, "change": "vanished before it was read"} for f in vanished],
             {"file": "string", "change": "string", "version": "int"})
+        ingest = {"files_read": counts["files"], "lines_read": counts["lines"],
+                  "source": dg.MetadataValue.path(str(layout.landing(spec.name)))}
         yield dg.MaterializeResult(asset_key=bronze, metadata={
-            **common, "rows_accepted": counts["accepted"], "duplicates_recognised": counts["duplicates"],
+            **common, **ingest, "rows_accepted": counts["accepted"], "duplicates_recognised": counts["duplicates"],
             "lines_already_ingested": counts["already_ingested"], "files_changed_after_ingestion": len(changed),
-            "files_vanished": len(vanished), "changed_files": changed_table, **_versions(result, "bronze")})
-        versions = result.versions["quarantine"]
-        reasons = quarantine_reasons(session, storage.layout(), spec, versions.before, versions.after)
+            "files_vanished": len(vanished), "changed_files": changed_table, **_versions(result, spec.bronze_table)})
+        versions = result.versions[spec.quarantine_table]
+        reasons = quarantine_reasons(session, layout, spec, versions.before, versions.after)
         yield dg.MaterializeResult(asset_key=quarantine, metadata={
-            **common, "rows_quarantined": counts["quarantined"], "rows_unprocessable": counts["unprocessable"],
+            **common, **ingest, "rows_quarantined": counts["quarantined"], "rows_unprocessable": counts["unprocessable"],
             "reasons": frame_table(reasons, 20, rows_known=0 if counts["quarantined"] == 0 else None),
-            **_versions(result, "quarantine")})
+            **_versions(result, spec.quarantine_table)})
         yield dg.AssetCheckResult(
             check_name="landing_files_written_once", asset_key=bronze, passed=not changed and not vanished,
             severity=dg.AssetCheckSeverity.WARN,
@@ -128,93 +156,54 @@ def build_stream_assets(spec: StreamSpec) -> list:
             severity=dg.AssetCheckSeverity.WARN,
             metadata={"quarantine_rate": round(rate, 6), "threshold": config.quarantine_warn_rate,
                       "lines_read": counts["lines"], "rows_quarantined": counts["quarantined"]})
-
-    @dg.asset(
-        key=state,
-        deps=[bronze],
-        group_name=spec.name,
-        kinds=KINDS,
-        pool=pool(spec),
-        freshness_policy=STATE_FRESHNESS,
-        metadata=RUNBOOK_METADATA,
-        description=(
-            f"State table: one row per `{table.key}` with `{table.count_column}` (distinct accepted events), "
-            f"`{table.sum_column}` (exact DECIMAL sum of `{spec.value_field}`), first/last `{spec.event_time_field}` "
-            f"and `updated_at`. Kept by idempotent MERGE upserts of micro-batch aggregates read from "
-            f"{spec.bronze_table} as a stream; Change Data Feed on, so it is also a changelog stream. "
-            f"Optional TTL (resource `state_policy`, `ttl_days`): keys with no event for that many days of event "
-            f"time are deleted, and show in the changelog as deletes." + RUNBOOK_LINE),
-    )
-    def state_table(context: dg.AssetExecutionContext, config: StateConfig, spark: SparkSessionResource,
-                    storage: StorageResource, state_policy: StatePolicyResource) -> dg.MaterializeResult:
-        session = spark.spark_session
-        layout = storage.layout()
-        ttl = state_policy.ttl(table.name)
-        result = update_state_table(session, layout, spec, lock_timeout_s=config.lock_timeout_s, ttl=ttl)
-        # Expiries are MERGE commits too (pipelines/expiry.py), told apart by their commit metadata.
-        expiries = [c for c in result.commits[table.name] if EXPIRY in c["user"]]
-        merges = [c for c in result.commits[table.name] if c["operation"] == "MERGE" and EXPIRY not in c["user"]]
-        metric = lambda name: sum(int(c["metrics"].get(name, 0)) for c in merges)  # noqa: E731
-        expired_now = sum(int(c["metrics"].get("numTargetRowsDeleted", 0)) for c in expiries)
-        current = session.read.format("delta").load(str(layout.table(table.name)))
-        totals = state_totals(session, layout, spec)
-        return dg.MaterializeResult(metadata={
-            **recovery_metadata(context, result),  # first: why this run recovered, when it did
-            **ingest_figures_of_this_run(context, spec),
-            "micro_batches": result.micro_batches,
-            "bronze_rows_read": result.rows_read,
-            # A first run builds the table from bronze in one batch, outside any micro-batch (-1: it did not).
-            "first_build_through_bronze_version": (result.built_through_source_version
-                                                          if result.built_through_source_version is not None else -1),
-            "keys_in_batches": metric("numSourceRows"),
-            "rows_inserted": metric("numTargetRowsInserted"),
-            "rows_updated": metric("numTargetRowsUpdated"),
-            "keys": totals["keys"], "events_counted": totals["events_counted"],
-            "latest_event_time": event_time_metadata(totals["latest_event_time"]),
-            "ttl_days": f"{ttl / timedelta(days=1):g}" if ttl else "off",
-            "keys_expired_this_run": expired_now,
-            f"{table.sum_column}": str(totals["total"]),
-            "bronze_table_version": table_version(session, layout.table(spec.bronze_table)),
-            "duration_s": round(result.duration_s, 2),
-            "top_rows": frame_table(current.orderBy(F.desc(table.count_column), table.key).drop("updated_at")),
-            **_versions(result, table.name),
-        })
-
-    @dg.asset(
-        key=changelog_key(spec),
-        deps=[state],
-        group_name=spec.name,
-        kinds=KINDS,
-        pool=pool(spec),
-        metadata=RUNBOOK_METADATA,
-        description=(
-            f"The change stream of {table.name}: every row its Change Data Feed reports (`_change_type` insert, "
-            f"update_preimage, update_postimage, delete; `_commit_version`, `_commit_timestamp`), as a Delta "
-            f"table other jobs read as a table or a stream. `statetables restore-changelog` rebuilds "
-            f"{table.name} as of any version from this table alone." + RUNBOOK_LINE),
-    )
-    def changelog(context: dg.AssetExecutionContext, config: StateConfig, spark: SparkSessionResource,
-                  storage: StorageResource) -> dg.MaterializeResult:
-        session = spark.spark_session
-        layout = storage.layout()
-        result = publish_changes(session, layout, table, lock_timeout_s=config.lock_timeout_s)
-        name = changelog_key(spec).path[-1]
+        yield _state_result(session, layout, spec, result, ttl, counts, common)
+        yield from event_time.results(session, layout, result, check_policy)
+        name = changelog_name(table)
         path = layout.table(name)
-        appended = sum(int(c["metrics"].get("numTargetRowsInserted", 0))
+        appended = sum(int(c["metrics"].get("numOutputRows", 0))
                        for c in commits_since(session, path, result.versions[name].before))
         figures = session.read.format("delta").load(str(path)).agg(
             F.count("*").alias("rows"), F.max("_commit_version").alias("covered")).first()
-        return dg.MaterializeResult(metadata={
-            "micro_batches": result.micro_batches,
-            "change_rows_appended": appended,
-            "change_rows_total": figures["rows"],
+        yield dg.MaterializeResult(asset_key=changelog_key(spec), metadata={
+            "change_rows_appended": appended, "change_rows_total": figures["rows"],
             "state_table_version_covered": figures["covered"] if figures["covered"] is not None else -1,
-            "path": dg.MetadataValue.path(str(path)),
-            "duration_s": round(result.duration_s, 2),
-            **_versions(result, name),
-        })
+            "path": dg.MetadataValue.path(str(path)), **_versions(result, name)})
 
-    return [ingest, state_table, changelog, *build_state_checks(spec)]
+    return [stream, *build_state_checks(spec)]
+
+
+def _state_result(session: SparkSession, layout, spec: StreamSpec, result: StreamRunResult, ttl: timedelta | None,
+                  counts: dict, common: dict) -> dg.MaterializeResult:
+    table = spec.state_table
+    commits = result.commits[table.name]
+    # Expiries are MERGE commits too (pipelines/expiry.py), told apart by their commit metadata.
+    expiries = [c for c in commits if EXPIRY in c["user"]]
+    merges = [c for c in commits if c["operation"] == "MERGE" and EXPIRY not in c["user"]]
+    metric = lambda name: sum(int(c["metrics"].get(name, 0)) for c in merges)  # noqa: E731
+    current = session.read.format("delta").load(str(layout.table(table.name)))
+    totals = state_totals(session, layout, spec)
+    found = folded_through(session, layout.table(table.name))
+    return dg.MaterializeResult(asset_key=state_key(spec), metadata={
+        **common,  # first: why this run recovered, when it did
+        "lines_read": counts["lines"], "rows_accepted": counts["accepted"], "rows_quarantined": counts["quarantined"],
+        "duplicates_recognised": counts["duplicates"],
+        # A table that recorded no bronze version is built from bronze in one batch, outside any micro-batch
+        # (-1: it was not).
+        "first_build_through_bronze_version": (result.built_through_source_version
+                                               if result.built_through_source_version is not None else -1),
+        "keys_in_batches": metric("numSourceRows"),
+        "rows_inserted": metric("numTargetRowsInserted"),
+        "rows_updated": metric("numTargetRowsUpdated"),
+        "keys": totals["keys"], "events_counted": totals["events_counted"],
+        "latest_event_time": event_time_metadata(totals["latest_event_time"]),
+        "ttl_days": f"{ttl / timedelta(days=1):g}" if ttl else "off",
+        "keys_expired_this_run": sum(int(c["metrics"].get("numTargetRowsDeleted", 0)) for c in expiries),
+        f"{table.sum_column}": str(totals["total"]),
+        "bronze_table_version": result.versions[spec.bronze_table].after,
+        "bronze_version_folded": found[1] if found else -1,
+        "top_rows": frame_table(current.orderBy(F.desc(table.count_column), table.key).drop("updated_at")),
+        **_versions(result, table.name),
+    })
 
 
 def build_state_checks(spec: StreamSpec) -> list[dg.AssetChecksDefinition]:

@@ -1,90 +1,78 @@
-"""Assets and checks of the event-time windows of movie_ticket_sales (pipelines/windows.py).
+"""The event-time windows of movie_ticket_sales (pipelines/windows.py) as Dagster assets with their checks.
 
-One step writes the three tables (one streaming query), so they are one multi-asset in the stream's
-group, advanced by the stream's job after bronze. Not partitioned by hour: a run closes whichever
-hours the watermark passes (none, or many after a backlog), so an hourly partition would be a
-second, conflicting record of what the watermark already decides; the tables' metadata says which
-hours closed.
+They are written by the sales stream's one step (assets/streams.py, one streaming query), so their specs,
+checks and results are the parts of that step's multi-asset defined here. Not partitioned by hour: a run
+closes whichever hours the watermark passes (none, or many after a backlog), so an hourly partition would be a
+second, conflicting record of what the watermark already decides; the tables' metadata says which hours closed.
 """
 
 import datetime as dt
 
 import dagster as dg
-from pydantic import Field
+from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
-from assets.keys import KINDS, bronze_key, pool
-from assets.metadata import RUNBOOK_LINE, RUNBOOK_METADATA, frame_table, recovery_metadata
-from pipelines import table_checks
+from assets.keys import KINDS, bronze_key
+from assets.metadata import RUNBOOK_LINE, RUNBOOK_METADATA, frame_table
+from pipelines import event_time, table_checks
+from pipelines.layout import StorageLayout
+from pipelines.streaming import StreamRunResult
 from pipelines.streams import MOVIE_TICKET_SALES
 from pipelines.windows import (
-    DEFAULT_WATERMARK_DELAY, HOURLY, LATE, OPEN_HOURS, TOP, TOP_N, last_progress, update_windows,
+    HOURLY, LATE, OPEN_HOURS, TOP, TOP_N, last_progress, state_figures,
 )
-from resources import CheckPolicyResource, SparkSessionResource, StorageResource
+from resources import CheckPolicyResource
 
 SPEC = MOVIE_TICKET_SALES
 HOURLY_KEY, TOP_KEY, LATE_KEY, OPEN_KEY = dg.AssetKey(HOURLY), dg.AssetKey(TOP), dg.AssetKey(LATE), dg.AssetKey(OPEN_HOURS)
 
-class WindowsConfig(dg.Config):
-    watermark_delay_minutes: float = Field(
-        default=DEFAULT_WATERMARK_DELAY.total_seconds() / 60, ge=0,
-        description=("How far behind the newest sale seen the watermark trails. A window is written once the "
-                     "watermark passes its end; a sale at or behind the watermark goes to late_events."))
-    lock_timeout_s: float = Field(default=60.0, description="How long to wait for the windows query's writer lock.")
 
 def _iso(ms: int | None) -> str:
     return dt.datetime.fromtimestamp(ms / 1000, dt.timezone.utc).isoformat() if ms else "(none yet)"
 
-@dg.multi_asset(
-    name="movie_ticket_sales_windows",
-    specs=[
-        dg.AssetSpec(HOURLY_KEY, deps=[bronze_key(SPEC)], group_name=SPEC.name, kinds=KINDS,
+SPECS = [
+    dg.AssetSpec(HOURLY_KEY, deps=[bronze_key(SPEC)], kinds=KINDS,
                      metadata=RUNBOOK_METADATA, description=(
             "Tickets per title per one-hour tumbling window of `sale_ts` (`window_start`, `window_end`, "
             "`tickets_sold`, `total_ticket_value`). A window's row is written once the watermark (newest sale seen "
             "minus the configured delay, default 10 min) passes its end, and never changes after. Read from "
-            "movie_ticket_sales_bronze as a stream; the hours still counting are rows of tickets_per_title_open_hours." +
+            "movie_ticket_sales_bronze in the sales stream's micro-batches; the hours still counting are rows of tickets_per_title_open_hours." +
             RUNBOOK_LINE)),
-        dg.AssetSpec(OPEN_KEY, deps=[bronze_key(SPEC)], group_name=SPEC.name, kinds=KINDS,
+        dg.AssetSpec(OPEN_KEY, deps=[bronze_key(SPEC)], kinds=KINDS,
                      metadata=RUNBOOK_METADATA, description=(
             "The windows' operator state: one row per (title, hour) still counting, with its tickets and value so "
             "far. Replaced by every micro-batch from the version the previous one left; an hour leaves it for "
             "tickets_per_title_hourly once the watermark passes its end. Query it for the hour in progress." +
             RUNBOOK_LINE)),
-        dg.AssetSpec(TOP_KEY, deps=[HOURLY_KEY], group_name=SPEC.name, kinds=KINDS,
+        dg.AssetSpec(TOP_KEY, deps=[HOURLY_KEY], kinds=KINDS,
                      metadata=RUNBOOK_METADATA, description=(
             f"The {TOP_N} titles with most tickets for every closed hour (`rank` 1..{TOP_N}); ties broken by tickets, "
             "then value, then title. Written in the same micro-batch as the hour's windows." + RUNBOOK_LINE)),
-        dg.AssetSpec(LATE_KEY, deps=[bronze_key(SPEC)], group_name=SPEC.name, kinds=KINDS,
+        dg.AssetSpec(LATE_KEY, deps=[bronze_key(SPEC)], kinds=KINDS,
                      metadata=RUNBOOK_METADATA, description=(
             "Every sale that arrived at or behind the windows' watermark: `event_id`, its event time, the "
             "watermark it missed, `late_by_ms`, source file and line. It is in no window, and still counted in "
             "movie_tickets_sold. Nothing is dropped silently." + RUNBOOK_LINE)),
-    ],
-    check_specs=[
+]
+CHECK_SPECS = [
         dg.AssetCheckSpec("windows_reconcile_with_bronze", asset=HOURLY_KEY, blocking=True, description=(
-            "For every hour this run closed: each sale of that hour in bronze (at the version the windows query has "
-            "read) is either in late_events or counted in its (title, hour) window, whose tickets and value equal "
+            "For every hour this run closed: each sale of that hour in bronze (at the version the windows have "
+            "folded) is either in late_events or counted in its (title, hour) window, whose tickets and value equal "
             "the hour's sales minus the late ones; the hour's sales are the two added up, as movie_tickets_sold "
             "counts them. Costs what the closed hours hold: bronze is read through its event-time statistics.")),
         dg.AssetCheckSpec("top_titles_match_windows", asset=TOP_KEY, blocking=True, description=(
             f"top_titles_hourly equals the top {TOP_N} recomputed from tickets_per_title_hourly, row for row.")),
-    ],
-    pool=pool(SPEC),
-)
-def movie_ticket_sales_windows(context: dg.AssetExecutionContext, config: WindowsConfig,
-                               spark: SparkSessionResource, storage: StorageResource,
-                               check_policy: CheckPolicyResource):
-    session, layout = spark.spark_session, storage.layout()
-    result = update_windows(session, layout, watermark_delay=dt.timedelta(minutes=config.watermark_delay_minutes),
-                            lock_timeout_s=config.lock_timeout_s)
+]
+
+
+def results(session: SparkSession, layout: StorageLayout, result: StreamRunResult, check_policy: CheckPolicyResource):
+    """The windows' materializations and checks after a run of the sales stream."""
     batches = [c["user"] for c in result.commits[HOURLY] if "watermark_ms" in c["user"]]
     progress = last_progress(session, layout)
-    state = result.operator_state or {}
-    common = {"micro_batches": result.micro_batches, "bronze_rows_read": result.rows_read,
+    state = state_figures(session, layout)
+    common = {"bronze_rows_read": event_time.rows_read(result.commits[HOURLY]),
               "watermark": _iso(progress.watermark_ms if progress else None),
-              "bronze_version_read": progress.bronze_version if progress else -1,
-              "duration_s": round(result.duration_s, 2), **recovery_metadata(context, result)}
+              "bronze_version_read": progress.bronze_version if progress else -1}
     closed = sum(b.get("windows_closed", 0) for b in batches)
     late = sum(b.get("late_events", 0) for b in batches)
     hourly = session.read.format("delta").load(str(layout.table(HOURLY)))

@@ -129,44 +129,50 @@ def warm(args) -> dict:
             started = time.monotonic()
             result = job.execute_in_process(instance=instance)
             elapsed = time.monotonic() - started
-            steps = {}
-            for node in ("payments_ingest", "payments_per_customer", "payments_per_customer_changelog"):
-                meta = result.asset_materializations_for_node(node)[0].metadata
-                steps[node] = meta["duration_s"].value
+            # One step: the stream's query through every table.
+            steps = {"payments": result.asset_materializations_for_node("payments")[0].metadata["duration_s"].value}
             runs.append({"run_s": elapsed, "steps_s": steps, "success": result.success})
     return {"work_s": sum(r["run_s"] for r in runs), "runs": runs}
 
 
 def paths(args) -> dict:
-    """(g) The event-time paths against the all-time path, on the same bronze, in one process: ingest
-    each stream's landing files, then time its all-time MERGE step and its event-time step (windows
-    for sales, sessions for payments) one after the other, with the operator's state size."""
-    from pipelines.bronze import ingest_stream
+    """(g) The event-time steps against the all-time step, on the same bronze, in one process: run each stream
+    without its event-time step, then time, each over all of bronze in one go, a fresh state table's MERGE and
+    the event-time step (windows for sales, sessions for payments), with the operator's state size."""
+    import shutil
+    from dataclasses import replace
     from pipelines.layout import StorageLayout
-    from pipelines.sessions import update_sessions
-    from pipelines.state import update_state_table
+    from pipelines.sessions import sessions_stage, state_figures as sessions_state
+    from pipelines.state import StateTableStage, ensure_state_table
+    from pipelines.stream_query import StreamSettings, advance_stream
+    from pipelines.streaming import table_version
     from pipelines.streams import STREAMS
-    from pipelines.windows import update_windows
+    from pipelines.windows import state_figures as windows_state, windows_stage
     spark = _session()
     layout = StorageLayout.under(args.home)
     out = {}
-    for name, event_time_step in (("movie_ticket_sales", update_windows), ("payments", update_sessions)):
+    for name, stage_of, state_of in (("movie_ticket_sales", windows_stage, windows_state),
+                                     ("payments", sessions_stage, sessions_state)):
         if not layout.landing(name).is_dir():
             continue
         spec = STREAMS[name]
         started = time.monotonic()
-        ingest_stream(spark, layout, spec)
+        advance_stream(spark, layout, spec, replace(StreamSettings(), event_time=False))
         ingest_s = time.monotonic() - started
-        rows = spark.read.format("delta").load(str(layout.table(spec.bronze_table))).count()
+        bronze = layout.table(spec.bronze_table)
+        through = table_version(spark, bronze)
+        rows = spark.read.format("delta").load(str(bronze)).count()
+        shutil.rmtree(layout.table(spec.state_table.name))
+        ensure_state_table(spark, layout, spec.state_table)
         started = time.monotonic()
-        update_state_table(spark, layout, spec)
+        StateTableStage(layout, spec, None, 0).advance(spark, bronze, through, "bench/all-time", 0)
         all_time_s = time.monotonic() - started
         started = time.monotonic()
-        result = event_time_step(spark, layout)
+        stage_of(spark, layout).advance(spark, bronze, through, "bench/event-time", 0)
         event_time_s = time.monotonic() - started
-        state = result.operator_state or {}
+        state = state_of(spark, layout)
         out[name] = {"bronze_rows": rows, "ingest_s": round(ingest_s, 2), "all_time_s": round(all_time_s, 2),
-                     "event_time_s": round(event_time_s, 2), "event_time_micro_batches": result.micro_batches,
+                     "event_time_s": round(event_time_s, 2), "event_time_micro_batches": 1,
                      "all_time_events_per_s": round(rows / all_time_s), "event_time_events_per_s": round(rows / event_time_s),
                      "operator_state_rows": state.get("rows"), "operator_state_bytes": state.get("bytes")}
     return {"work_s": sum(v["all_time_s"] + v["event_time_s"] for v in out.values()), **out}

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import struct
 import time
 import uuid
@@ -44,12 +43,12 @@ class CheckpointOrigin:
     first_batch: int  # batches below this were written under an earlier app id (savepoint restore)
     created_at: str
     reason: str
-    source_start_version: int | None = None  # state queries: first bronze version to read
-    source_table_id: str | None = None  # state queries: the bronze table's Delta id
+    source_start_version: int | None = None  # a query over a Delta table: the first version to read
+    source_table_id: str | None = None  # the source Delta table's id (the stream's landing ledger)
     # Ingest: landing units up to this number may hold lines an earlier checkpoint already wrote, so
     # their lines are looked up in bronze and quarantine; later units are new. None: look up all.
     recheck_through_unit: int | None = None
-    # Windows query: windows ending at or before this (epoch ms) were closed by an earlier checkpoint.
+    # Written by an earlier statetables (its windows query); read, never used.
     closed_through_ms: int | None = None
 
 
@@ -115,8 +114,7 @@ def new_app_id(query_name: str) -> str:
 
 def start_checkpoint(checkpoint_dir: Path, query_name: str, reason: str, *, first_batch: int = 0,
                      source_start_version: int | None = None, source_table_id: str | None = None,
-                     app_id: str | None = None, recheck_through_unit: int | None = None,
-                     closed_through_ms: int | None = None) -> CheckpointOrigin:
+                     app_id: str | None = None, recheck_through_unit: int | None = None) -> CheckpointOrigin:
     """Write the origin record of a checkpoint (atomically); Spark fills in the rest on first start."""
     origin = CheckpointOrigin(
         app_id=app_id or new_app_id(query_name),
@@ -126,7 +124,6 @@ def start_checkpoint(checkpoint_dir: Path, query_name: str, reason: str, *, firs
         source_start_version=source_start_version,
         source_table_id=source_table_id,
         recheck_through_unit=recheck_through_unit,
-        closed_through_ms=closed_through_ms,
     )
     write_origin(checkpoint_dir, origin)
     return origin
@@ -269,14 +266,10 @@ def checkpoint_for_run(spark: SparkSession, checkpoint_dir: Path, set_aside_root
     return verdict, moved
 
 
-def copy_checkpoint(source: Path, target: Path) -> None:
-    """Copy a checkpoint folder whole (savepoints); the target must not exist."""
-    shutil.copytree(source, target, symlinks=False)
-
-
 def covered_source_version(checkpoint_dir: Path) -> int | None:
     """The newest version of the source Delta table whose rows the checkpoint's committed batches have all
-    processed; None when the checkpoint does not say so plainly.
+    processed; None when the checkpoint does not say so plainly. (Savepoints of an earlier statetables kept
+    the state query's checkpoint, which says what its table had folded.)
 
     The end offset of a Delta source after a whole version is `{"reservoirVersion": v + 1, "index": -1}`
     (documented in the query progress as `endOffset`). A checkpoint with no batch yet starts after a
@@ -304,11 +297,6 @@ def planned_source_version(checkpoint_dir: Path) -> int | None:
         return batch_end_version(checkpoint_dir, max(offsets))
     except (OSError, ValueError, IndexError, KeyError):
         return None
-
-
-def batch_watermark_ms(checkpoint_dir: Path, batch_id: int) -> int:
-    """The watermark Spark used for `batch_id`: the offset log's metadata line, written before the batch runs."""
-    return int(json.loads((checkpoint_dir / "offsets" / str(batch_id)).read_text().split("\n")[1])["batchWatermarkMs"])
 
 
 def batch_end_version(checkpoint_dir: Path, batch_id: int) -> int | None:

@@ -61,14 +61,6 @@ class StreamSpec:
         return f"{self.name}_files"
 
     @property
-    def ingest_query(self) -> str:
-        return f"{self.name}_ingest"
-
-    @property
-    def state_query(self) -> str:
-        return f"{self.state_table.name}_upsert"
-
-    @property
     def field_names(self) -> list[str]:
         return [f.name for f in self.fields]
 

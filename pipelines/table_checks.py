@@ -2,7 +2,7 @@
 
 Two depths for a state table:
 - per run, costing what the run costs: its totals equal bronze's running totals at the bronze version
-  its checkpoint covers (bronze commits carry them, pipelines/bronze.py), its keys are unique and its
+  it has folded through (bronze commits carry them, pipelines/bronze.py), its keys are unique and its
   counts positive. A state table scan is bounded by its keys; bronze history is never read.
 - deep (nightly and on demand): every key's count and sum recomputed from all of bronze.
 A corrupted state table fails both (tests/assets/test_dagster.py).

@@ -29,12 +29,10 @@ WRITE_TIMEOUT_S = 300
 
 def record_one_pass(home: Path, archive: Path) -> None:
     """Child process: one pass of both streams in a JVM that records its classes into `archive`."""
-    from pipelines.bronze import ingest_stream
-    from pipelines.changelog import publish_changes
     from pipelines.generate import generate
     from pipelines.layout import StorageLayout
     from pipelines.session import SparkSettings, build_spark_session
-    from pipelines.state import update_state_table
+    from pipelines.stream_query import advance_stream
     from pipelines.streams import STREAMS
 
     layout = StorageLayout.under(home)
@@ -44,9 +42,7 @@ def record_one_pass(home: Path, archive: Path) -> None:
     for spec in STREAMS.values():
         generate(spec, layout.landing(spec.name), events=2_000, seed=7)
         for _ in range(2):  # the second pass takes the paths of a run with a checkpoint and history
-            ingest_stream(spark, layout, spec)
-            update_state_table(spark, layout, spec)
-            publish_changes(spark, layout, spec.state_table)
+            advance_stream(spark, layout, spec)
     spark.stop()
 
 

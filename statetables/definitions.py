@@ -7,15 +7,12 @@ from assets.automation import (
     recover_failed_stream, stream_jobs,
 )
 from assets.continuous import run_continuously
-from assets.sessions import customer_activity
 from assets.streams import build_stream_assets
-from assets.windows import movie_ticket_sales_windows
 from pipelines.streams import STREAMS
 from resources import CheckPolicyResource, SparkSessionResource, StatePolicyResource, StorageResource
 
 defs = dg.Definitions(
-    assets=[*(a for spec in STREAMS.values() for a in build_stream_assets(spec)), movie_ticket_sales_windows,
-            customer_activity],
+    assets=[a for spec in STREAMS.values() for a in build_stream_assets(spec)],
     jobs=[advance_all, reconcile_state_tables, *stream_jobs.values(), run_continuously],
     schedules=[every_five_minutes, nightly_reconciliation],
     sensors=[landing_files_sensor, recover_failed_stream],
