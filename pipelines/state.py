@@ -50,7 +50,7 @@ def ensure_state_table(spark: SparkSession, layout: StorageLayout, table: StateT
     create_table_if_missing(spark, layout.table(table.name), state_schema(table))
 
 
-def _aggregate(events: DataFrame, table: StateTableSpec, value_column: str, event_time_column: str) -> DataFrame:
+def aggregate(events: DataFrame, table: StateTableSpec, value_column: str, event_time_column: str) -> DataFrame:
     return events.groupBy(table.key).agg(
         F.count(value_column).alias("batch_count"),
         F.sum(value_column).cast(TOTAL_TYPE).alias("batch_sum"),
@@ -96,7 +96,7 @@ class StateTableStage:
         spec, table = self.spec, self.spec.state_table
         table_path = str(self.layout.table(table.name))
         events = rows_added(spark, bronze_path, self.through, through)
-        batch = _aggregate(events, table, spec.value_field, spec.event_time_field)
+        batch = aggregate(events, table, spec.value_field, spec.event_time_field)
         fault_point(STATE_MERGE_START)
         metadata = {"app_id": app_id, "batch_id": batch_id, FOLDED_THROUGH: through}
         if self.ttl is not None:
@@ -104,12 +104,7 @@ class StateTableStage:
             metadata[EXPIRED] = expired.as_metadata()
             metadata[INGESTED_THROUGH] = newest_ingested_us(events)
 
-        def merge() -> None:
-            with commit_confs(spark, {TXN_APP_ID: app_id, TXN_VERSION: str(batch_id),
-                                      USER_METADATA: json.dumps(metadata)}):
-                delta_sql.merge(spark, table_path, batch, on=_on_key(table), clauses=_upsert_clauses(table))
-
-        retry_on_conflict(merge, f"MERGE of micro-batch {batch_id} into {table.name}")
+        upsert(spark, table_path, table, batch, app_id, batch_id, metadata)
         self.through = through
         fault_point(STATE_AFTER_MERGE_COMMIT)
         if self.ttl is not None:
@@ -151,6 +146,17 @@ def state_table_stage(spark: SparkSession, layout: StorageLayout, spec: StreamSp
             stage.expire(spark, int(through_us), newest[0]["user"].get("app_id", ""),
                          int(newest[0]["user"].get("batch_id", -1)))
     return stage
+
+
+def upsert(spark: SparkSession, table_path: str, table: StateTableSpec, batch: DataFrame, app_id: str, batch_id: int,
+           metadata: dict) -> None:
+    """MERGE a batch's per-key aggregate (`aggregate`) into the state table under the txn id (app id, batch id):
+    Delta skips it if that batch already committed; a concurrent writer's commit is retried."""
+    def merge() -> None:
+        with commit_confs(spark, {TXN_APP_ID: app_id, TXN_VERSION: str(batch_id), USER_METADATA: json.dumps(metadata)}):
+            delta_sql.merge(spark, table_path, batch, on=_on_key(table), clauses=_upsert_clauses(table))
+
+    retry_on_conflict(merge, f"MERGE of micro-batch {batch_id} into {table.name}")
 
 
 def _on_key(table: StateTableSpec) -> str:
@@ -206,7 +212,7 @@ def rebuild_state_table(spark: SparkSession, layout: StorageLayout, spec: Stream
     expired_before = expired_rows(spark, table_path, table)
     require_whole_history(expired_before, table, expired, table_path)
     counted = since_last_expiry(events, expired_before, table.key)
-    content = _aggregate(counted, table, spec.value_field, spec.event_time_field).select(
+    content = aggregate(counted, table, spec.value_field, spec.event_time_field).select(
         F.col(table.key), F.col("batch_count").alias(table.count_column), F.col("batch_sum").alias(table.sum_column),
         F.col("batch_first").alias(table.first_ts_column), F.col("batch_last").alias(table.last_ts_column),
         F.current_timestamp().alias("updated_at"))

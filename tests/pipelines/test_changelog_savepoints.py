@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import threading
 from decimal import Decimal
@@ -10,15 +9,14 @@ from decimal import Decimal
 import pytest
 from deltalake import DeltaTable as IndependentDeltaTable
 
-from pipelines.bronze import ingest_stream
-from pipelines.changelog import changelog_name, publish_changes, restore_from_changelog
+from pipelines.changelog import changelog_name, restore_from_changelog
 from pipelines.errors import StorageError, StreamBusyError
 from pipelines.generate import generate
 from pipelines.savepoints import create_savepoint, list_savepoints, restore_savepoint
-from pipelines.state import update_state_table
 from pipelines.streaming import table_version, writer_lock
 from pipelines.streams import MOVIE_TICKET_SALES, PAYMENTS, STREAMS
 from tests.contract_oracle import expected_state, landing_files
+from tests.streams import advance
 
 
 def _deliver(layout, spec, seed, events=300):
@@ -26,9 +24,8 @@ def _deliver(layout, spec, seed, events=300):
              late=0.05, seed=seed, events_per_file=events)
 
 
-def _advance(spark, layout, spec):
-    ingest_stream(spark, layout, spec)
-    return update_state_table(spark, layout, spec)
+def _advance(spark, layout, spec, **settings):
+    return advance(spark, layout, spec, event_time=False, **settings)
 
 
 def _rows(spark, path, version=None):
@@ -54,16 +51,12 @@ def test_changelog_alone_rebuilds_the_table_at_every_version(spark, layout):
     for seed in (1, 2):
         _deliver(layout, spec, seed)
         _advance(spark, layout, spec)
-    # a rebuild (a MERGE that also deletes) is in the history too
-    layout.checkpoint(spec.state_query).rename(layout.home / "lost")
-    _advance(spark, layout, spec)
-    publish_changes(spark, layout, table)
-    publish_changes(spark, layout, table)  # nothing new: adds no rows
     changelog = spark.read.format("delta").load(str(layout.table(changelog_name(table))))
     published = changelog.count()
-    # its checkpoint lost, the publisher reads the whole feed again and adds nothing twice
-    shutil.rmtree(layout.checkpoint(f"{changelog_name(table)}_publish"))
-    assert publish_changes(spark, layout, table).micro_batches >= 1
+    assert published > 0
+    # its checkpoint lost, the stream reads every landing file again, and the changelog gets nothing twice
+    layout.checkpoint(spec.name).rename(layout.home / "lost")
+    assert _advance(spark, layout, spec).micro_batches >= 1
     assert spark.read.format("delta").load(str(layout.table(changelog_name(table)))).count() == published
     assert published == changelog.dropDuplicates(["_commit_version", table.key, "_change_type"]).count()
 
@@ -80,7 +73,7 @@ def test_savepoint_restore_rolls_back_and_resumes_exactly(spark, layout):
         _deliver(layout, spec, seed=2)
         _advance(spark, layout, spec)
         _deliver(layout, spec, seed=3)
-        _advance(spark, layout, spec)  # real micro-batches in the checkpoints
+        _advance(spark, layout, spec)  # real micro-batches
     manifest = create_savepoint(spark, layout, "before-deploy")
     assert [m["name"] for m in list_savepoints(layout)] == ["before-deploy"]
     for spec in STREAMS.values():
@@ -92,8 +85,8 @@ def test_savepoint_restore_rolls_back_and_resumes_exactly(spark, layout):
         path = layout.table(spec.state_table.name)
         assert _rows(spark, path) == _rows(spark, path, manifest["tables"][spec.state_table.name]["version"])
     for spec in STREAMS.values():
-        result = update_state_table(spark, layout, spec)
-        assert result.recovery is None and result.micro_batches >= 1  # resumed from the savepoint's offsets
+        result = _advance(spark, layout, spec)
+        assert result.recovery is None and result.micro_batches >= 1  # folded bronze after the savepoint again
         assert _state(layout, spec) == _expected(layout, spec)
 
 
@@ -103,7 +96,7 @@ def test_second_writer_of_a_stream_is_refused_and_nothing_is_written(spark, layo
     holding, release = threading.Event(), threading.Event()
 
     def other_run():
-        with writer_lock(layout.locks, spec.ingest_query, 5):
+        with writer_lock(layout.locks, spec.name, 5):
             holding.set()
             release.wait(60)
 
@@ -111,8 +104,8 @@ def test_second_writer_of_a_stream_is_refused_and_nothing_is_written(spark, layo
     thread.start()
     holding.wait(10)
     try:
-        with pytest.raises(StreamBusyError, match="Another run is advancing movie_ticket_sales_ingest"):
-            ingest_stream(spark, layout, spec, lock_timeout_s=1)
+        with pytest.raises(StreamBusyError, match="Another run is advancing movie_ticket_sales "):
+            _advance(spark, layout, spec, lock_timeout_s=1)
     finally:
         release.set()
         thread.join()
@@ -126,16 +119,15 @@ def test_read_only_storage_fails_with_the_fix_and_the_next_run_is_exact(spark, l
     _deliver(layout, spec, seed=1)
     _advance(spark, layout, spec)
     _deliver(layout, spec, seed=2)
-    ingest_stream(spark, layout, spec)
     log = layout.table(spec.state_table.name) / "_delta_log"
     # As root, permissions do not stop writes; the immutable flag does (EPERM), like a read-only mount.
     subprocess.run(["chattr", "+i", str(log)], check=True)
     try:
         with pytest.raises(StorageError, match=r"Cannot write to .*_delta_log.*Fix: make the folder writable"):
-            update_state_table(spark, layout, spec)
+            _advance(spark, layout, spec)
     finally:
         subprocess.run(["chattr", "-i", str(log)], check=True)
-    update_state_table(spark, layout, spec)
+    _advance(spark, layout, spec)
     assert _state(layout, spec) == _expected(layout, spec)
 
 
@@ -144,7 +136,7 @@ def test_racing_writers_conflict_retry_and_count_exactly_once(spark, layout):
     concurrent-modification errors are retried, and every batch counts once."""
     from pyspark.sql import functions as F
 
-    from pipelines.state import ensure_state_table, upsert_batch
+    from pipelines.state import aggregate, ensure_state_table, upsert
     from pipelines.streaming import conflicts_retried
 
     spec = PAYMENTS
@@ -159,9 +151,9 @@ def test_racing_writers_conflict_retry_and_count_exactly_once(spark, layout):
             "customer_id", F.col("amount").cast("decimal(18,2)").alias("amount"),
             F.lit("2026-11-01 10:00:00").cast("timestamp").alias("paid_at"))
         try:
+            batch = aggregate(events, spec.state_table, "amount", "paid_at")
             for batch_id in [0, 1, 2, 3, 3]:  # the second 3 is a replay: skipped by its txn id
-                upsert_batch(events, batch_id, table_path=path, table=spec.state_table, value_column="amount",
-                             event_time_column="paid_at", app_id=app_id)
+                upsert(session, path, spec.state_table, batch, app_id, batch_id, {"app_id": app_id})
         except Exception as exc:  # surfaced by the assertion below
             errors.append(exc)
 

@@ -13,8 +13,8 @@ import shutil
 
 from pyspark.sql import functions as F
 
-from pipelines.bronze import ingest_stream
 from pipelines.streams import MOVIE_TICKET_SALES, PAYMENTS
+from tests.streams import advance
 
 GOOD = '{"event_id":"%s","title":"Dune","ticket_total_value":12.50,"sale_ts":"2026-11-01T10:00:00Z"}'
 
@@ -68,7 +68,7 @@ def test_every_malformed_kind_is_quarantined_with_its_reason(spark, layout, land
     lines = [line for line, _, _ in MALFORMED] + VALID
     landing.write("movie_ticket_sales", "mixed.jsonl", lines)
 
-    result = ingest_stream(spark, layout, MOVIE_TICKET_SALES)
+    result = advance(spark, layout, MOVIE_TICKET_SALES, event_time=False)
 
     quarantine = {r["line_number"]: r for r in _table(spark, layout, "movie_ticket_sales_quarantine").collect()}
     for number, (line, reason, field) in enumerate(MALFORMED, start=1):
@@ -83,8 +83,8 @@ def test_every_malformed_kind_is_quarantined_with_its_reason(spark, layout, land
     assert bronze["ok2"]["title"] == "Dune"
     assert str(bronze["ok2"]["ticket_total_value"]) == "7.50"
     assert bronze["ok2"]["customer_id"] == "c1"
-    user = result.commits["bronze"][-1]["user"]
-    assert user.pop("app_id").startswith("statetables/movie_ticket_sales_ingest/")
+    user = result.commits[MOVIE_TICKET_SALES.bronze_table][-1]["user"]
+    assert user.pop("app_id").startswith("statetables/movie_ticket_sales/")
     # running totals of bronze after this commit (what the per-run state check compares with)
     expected_total = str(sum(Decimal(str(r["ticket_total_value"])) for r in bronze.values()))
     assert user == {"batch_id": 0, "files": 1, "lines": len(lines), "accepted": 3,
@@ -95,10 +95,10 @@ def test_every_malformed_kind_is_quarantined_with_its_reason(spark, layout, land
 def test_redeliveries_count_once_and_conflicting_ids_are_quarantined(spark, layout, landing):
     conflict = GOOD.replace("12.50", "99.00")
     landing.write("movie_ticket_sales", "a.jsonl", [GOOD % "e1", GOOD % "e2", GOOD % "e1", conflict % "e2"])
-    ingest_stream(spark, layout, MOVIE_TICKET_SALES)
+    advance(spark, layout, MOVIE_TICKET_SALES, event_time=False)
     # second delivery: a re-delivery and a conflict of ids accepted in the first run, and one new id
     landing.write("movie_ticket_sales", "b.jsonl", [GOOD % "e1", conflict % "e1", GOOD % "e3"])
-    result = ingest_stream(spark, layout, MOVIE_TICKET_SALES)
+    result = advance(spark, layout, MOVIE_TICKET_SALES, event_time=False)
 
     bronze = _table(spark, layout, "movie_ticket_sales_bronze")
     assert sorted(r["event_id"] for r in bronze.collect()) == ["e1", "e2", "e3"]
@@ -106,13 +106,13 @@ def test_redeliveries_count_once_and_conflicting_ids_are_quarantined(spark, layo
     conflicts = _table(spark, layout, "movie_ticket_sales_quarantine").where(F.col("reason") == "conflicting_duplicate")
     assert sorted((r["record_id"], r["source_file"][-7:]) for r in conflicts.collect()) == [
         ("e1", "b.jsonl"), ("e2", "a.jsonl")]
-    assert result.commits["bronze"][-1]["user"]["duplicates"] == 1
+    assert result.commits[MOVIE_TICKET_SALES.bronze_table][-1]["user"]["duplicates"] == 1
 
 
 def test_payments_rules_amount_must_be_positive(spark, layout, landing):
     base = '{"payment_id":"%s","customer_id":"c1","amount":%s,"paid_at":"2026-11-01T10:00:00Z"}'
     landing.write("payments", "p.jsonl", [base % ("p1", "0"), base % ("p2", '"0.01"'), base % ("p3", "10")])
-    ingest_stream(spark, layout, PAYMENTS)
+    advance(spark, layout, PAYMENTS, event_time=False)
     reasons = {r["record_id"]: r["reason"] for r in _table(spark, layout, "payments_quarantine").collect()}
     assert reasons == {"p1": "out_of_range"}
     assert _table(spark, layout, "payments_bronze").count() == 2
@@ -121,18 +121,18 @@ def test_payments_rules_amount_must_be_positive(spark, layout, landing):
 def test_replayed_ingest_batch_is_not_written_twice(spark, layout, landing):
     """A crash after the bronze commit but before the checkpoint commit replays the batch."""
     landing.write("movie_ticket_sales", "a.jsonl", [GOOD % "e1", "garbage", GOOD % "e2"])
-    ingest_stream(spark, layout, MOVIE_TICKET_SALES)
-    commit = layout.checkpoint(MOVIE_TICKET_SALES.ingest_query) / "commits" / "0"
+    advance(spark, layout, MOVIE_TICKET_SALES, event_time=False)
+    commit = layout.checkpoint(MOVIE_TICKET_SALES.name) / "commits" / "0"
     assert commit.exists()
     commit.unlink()  # as if the process died before Spark recorded the batch as done
     (commit.parent / ".0.crc").unlink(missing_ok=True)
 
-    result = ingest_stream(spark, layout, MOVIE_TICKET_SALES)
+    result = advance(spark, layout, MOVIE_TICKET_SALES, event_time=False)
 
     assert result.micro_batches == 1  # the batch really was replayed...
     assert _table(spark, layout, "movie_ticket_sales_bronze").count() == 2  # ...and wrote nothing twice
     assert _table(spark, layout, "movie_ticket_sales_quarantine").count() == 1
-    assert result.versions["bronze"].before == result.versions["bronze"].after
+    assert result.versions[MOVIE_TICKET_SALES.bronze_table].before == result.versions[MOVIE_TICKET_SALES.bronze_table].after
 
 
 def test_files_still_being_written_are_ignored(spark, layout, landing):
@@ -141,10 +141,10 @@ def test_files_still_being_written_are_ignored(spark, layout, landing):
     (folder / "_partial.jsonl").write_text(GOOD % "hidden1" + "\n")
     (folder / ".partial.jsonl").write_text(GOOD % "hidden2" + "\n")
     landing.write("movie_ticket_sales", "done.jsonl", [GOOD % "visible"])
-    ingest_stream(spark, layout, MOVIE_TICKET_SALES)
+    advance(spark, layout, MOVIE_TICKET_SALES, event_time=False)
     assert [r["event_id"] for r in _table(spark, layout, "movie_ticket_sales_bronze").collect()] == ["visible"]
     shutil.move(folder / "_partial.jsonl", folder / "renamed.jsonl")
-    ingest_stream(spark, layout, MOVIE_TICKET_SALES)
+    advance(spark, layout, MOVIE_TICKET_SALES, event_time=False)
     assert _table(spark, layout, "movie_ticket_sales_bronze").count() == 2
 
 
@@ -175,7 +175,7 @@ def test_poison_values_are_quarantined_and_the_stream_goes_on(spark, layout, lan
              PAY % ("ok3", '"0.10000"', TS)]
     landing.write("payments", "poison.jsonl", [line for line, _ in poison] + valid)
 
-    ingest_stream(spark, layout, PAYMENTS)
+    advance(spark, layout, PAYMENTS, event_time=False)
 
     reasons = {r["record_id"]: r["reason"] for r in _table(spark, layout, "payments_quarantine").collect()}
     assert reasons == {line.split('"')[3]: reason for line, reason in poison}
@@ -183,7 +183,7 @@ def test_poison_values_are_quarantined_and_the_stream_goes_on(spark, layout, lan
     assert bronze == {"ok1": "9999999999999999.99", "ok2": "15.00", "ok3": "0.10"}
     # the next file of the stream is ingested: nothing is stuck
     landing.write("payments", "next.jsonl", [PAY % ("after", "1", TS)])
-    ingest_stream(spark, layout, PAYMENTS)
+    advance(spark, layout, PAYMENTS, event_time=False)
     assert _table(spark, layout, "payments_bronze").where("payment_id = 'after'").count() == 1
 
 
@@ -205,7 +205,7 @@ def test_any_file_name_and_date_folders_and_gzip_are_read_once(spark, layout, la
     (folder / "_tmp" / "inflight.jsonl").write_text(PAY % ("hidden", "1", TS) + "\n")
     (folder / "notes.txt").write_text(PAY % ("txt", "1", TS) + "\n")
 
-    result = ingest_stream(spark, layout, PAYMENTS)
+    result = advance(spark, layout, PAYMENTS, event_time=False)
 
     bronze = _table(spark, layout, "payments_bronze").collect()
     ids = sorted(r["payment_id"] for r in bronze)
@@ -214,7 +214,7 @@ def test_any_file_name_and_date_folders_and_gzip_are_read_once(spark, layout, la
     quarantine = _table(spark, layout, "payments_quarantine").collect()
     assert sorted((r["source_file"], r["line_number"]) for r in quarantine) == sorted(
         (str(folder / name), 2) for name in ODD_NAMES)
-    user = result.commits["bronze"][-1]["user"]
+    user = result.commits[PAYMENTS.bronze_table][-1]["user"]
     assert (user["lines"], user["accepted"], user["quarantined"], user["duplicates"]) == (
         2 * len(ODD_NAMES) + 5, len(ODD_NAMES) + 5, len(ODD_NAMES), 0)
 
@@ -222,13 +222,13 @@ def test_any_file_name_and_date_folders_and_gzip_are_read_once(spark, layout, la
 def test_appended_lines_are_ingested_and_a_rewritten_file_is_its_next_version(spark, layout, landing):
     appended = landing.write("payments", "grows.jsonl", [PAY % ("g1", "1", TS)])
     rewritten = landing.write("payments", "redo.jsonl", [PAY % ("r1", "1", TS), PAY % ("r2", "2", TS)])
-    ingest_stream(spark, layout, PAYMENTS)
+    advance(spark, layout, PAYMENTS, event_time=False)
 
     with open(appended, "a") as handle:
         handle.write(PAY % ("g2", "1", TS) + "\nbroken\n")
     rewritten.unlink()
     rewritten.write_text("\n".join([PAY % ("r1", "1", TS), PAY % ("r2", "5", TS), PAY % ("r3", "3", TS)]) + "\n")
-    result = ingest_stream(spark, layout, PAYMENTS)
+    result = advance(spark, layout, PAYMENTS, event_time=False)
 
     assert sorted((c["file"], c["change"], c["version"]) for c in result.changed_files) == [
         (str(appended), "appended", 1), (str(rewritten), "rewritten", 2)]
@@ -238,10 +238,10 @@ def test_appended_lines_are_ingested_and_a_rewritten_file_is_its_next_version(sp
     quarantine = sorted((r["source_file"], r["line_number"], r["reason"])
                         for r in _table(spark, layout, "payments_quarantine").collect())
     assert quarantine == [(str(appended), 3, "not_json"), (f"{rewritten}#v2", 2, "conflicting_duplicate")]
-    user = result.commits["bronze"][-1]["user"]
+    user = result.commits[PAYMENTS.bronze_table][-1]["user"]
     assert (user["lines"], user["accepted"], user["quarantined"], user["duplicates"]) == (5, 2, 2, 1)
     # nothing changed since: nothing is read again
-    assert ingest_stream(spark, layout, PAYMENTS).changed_files == []
+    assert advance(spark, layout, PAYMENTS, event_time=False).changed_files == []
     assert _table(spark, layout, "payments_bronze").count() == 5
 
 
@@ -249,8 +249,8 @@ def test_missing_optional_field_differs_from_a_nul_character(spark, layout, land
     base = '{"event_id":"e1","title":"Dune","ticket_total_value":1,"sale_ts":"2026-11-01T10:00:00Z"%s}'
     landing.write("movie_ticket_sales", "a.jsonl", [base % ""])
     landing.write("movie_ticket_sales", "b.jsonl", [base % ',"customer_id":"\\u0000"', base % ""])
-    ingest_stream(spark, layout, MOVIE_TICKET_SALES)
-    result = ingest_stream(spark, layout, MOVIE_TICKET_SALES)
+    advance(spark, layout, MOVIE_TICKET_SALES, event_time=False)
+    result = advance(spark, layout, MOVIE_TICKET_SALES, event_time=False)
     quarantine = _table(spark, layout, "movie_ticket_sales_quarantine").collect()
     assert [(r["source_file"][-7:], r["reason"]) for r in quarantine] == [("b.jsonl", "conflicting_duplicate")]
     assert _table(spark, layout, "movie_ticket_sales_bronze").count() == 1
@@ -261,7 +261,7 @@ def test_timestamps_are_written_as_int64_for_every_reader(spark, layout, landing
     import pyarrow.parquet as pq
 
     landing.write("payments", "a.jsonl", [PAY % ("p1", "1", "1970-01-01T00:00:00Z")])
-    ingest_stream(spark, layout, PAYMENTS)
+    advance(spark, layout, PAYMENTS, event_time=False)
     path = layout.table("payments_bronze")
     for data_file in path.glob("*.parquet"):
         column = pq.ParquetFile(data_file).metadata.schema.column(
@@ -283,12 +283,12 @@ def test_a_line_that_fails_the_engine_is_isolated_as_unprocessable(spark, layout
                   + [PAY % (f"q{n}", "1", TS) for n in range(3)])
     landing.write("payments", "b.jsonl", [PAY % ("b1", "1", TS)])
 
-    result = ingest_stream(spark, layout, PAYMENTS)
+    result = advance(spark, layout, PAYMENTS, event_time=False)
 
     quarantine = _table(spark, layout, "payments_quarantine").collect()
     assert [(r["source_file"][-7:], r["line_number"], r["reason"]) for r in quarantine] == [
         ("a.jsonl", 7, "unprocessable")]
     assert "POISON-7" in quarantine[0]["detail"] and quarantine[0]["raw_bytes"].startswith(b'{"payment_id":"POISON-7"')
     assert _table(spark, layout, "payments_bronze").count() == 10
-    user = result.commits["bronze"][-1]["user"]
+    user = result.commits[PAYMENTS.bronze_table][-1]["user"]
     assert (user["lines"], user["accepted"], user["quarantined"], user["unprocessable"]) == (11, 10, 1, 1)

@@ -12,11 +12,10 @@ from decimal import Decimal
 
 from deltalake import DeltaTable as IndependentDeltaTable
 
-from pipelines.bronze import ingest_stream
 from pipelines.generate import generate
-from pipelines.state import update_state_table
 from pipelines.streams import MOVIE_TICKET_SALES, PAYMENTS, STREAMS
 from tests.contract_oracle import expected_state, landing_files
+from tests.streams import advance
 
 
 def _read_state(layout, spec) -> dict[str, tuple[int, Decimal]]:
@@ -26,8 +25,7 @@ def _read_state(layout, spec) -> dict[str, tuple[int, Decimal]]:
 
 
 def _advance(spark, layout, spec):
-    ingest_stream(spark, layout, spec, max_files_per_trigger=2)
-    return update_state_table(spark, layout, spec)
+    return advance(spark, layout, spec, event_time=False, max_files_per_trigger=2)
 
 
 def test_state_tables_equal_the_seed_query_over_two_deliveries(spark, layout):
@@ -59,19 +57,19 @@ def test_change_data_feed_is_on_and_records_every_upsert(spark, layout, landing)
 
 
 def test_replayed_merge_is_not_applied_twice(spark, layout, landing):
-    """The state query dies after its MERGE committed, before Spark wrote the batch's commit file."""
+    """The stream's query dies after the batch's last commit, before Spark wrote the batch's commit file."""
     good = '{"event_id":"%s","title":"Dune","ticket_total_value":10.25,"sale_ts":"2026-11-01T10:00:00Z"}'
     landing.write("movie_ticket_sales", "a.jsonl", [good % "e1"])
-    _advance(spark, layout, MOVIE_TICKET_SALES)  # the first run builds the table from bronze
+    _advance(spark, layout, MOVIE_TICKET_SALES)  # micro-batch 0
     landing.write("movie_ticket_sales", "a2.jsonl", [good % "e2"])
-    _advance(spark, layout, MOVIE_TICKET_SALES)  # the second one streams micro-batch 0
-    commits = layout.checkpoint(MOVIE_TICKET_SALES.state_query) / "commits"
-    (commits / "0").unlink()
-    (commits / ".0.crc").unlink(missing_ok=True)
+    _advance(spark, layout, MOVIE_TICKET_SALES)  # micro-batch 1
+    commits = layout.checkpoint(MOVIE_TICKET_SALES.name) / "commits"
+    (commits / "1").unlink()
+    (commits / ".1.crc").unlink(missing_ok=True)
 
-    result = update_state_table(spark, layout, MOVIE_TICKET_SALES)
+    result = advance(spark, layout, MOVIE_TICKET_SALES, event_time=False)
 
-    assert result.micro_batches == 1 and (commits / "0").exists()  # the batch was replayed...
+    assert result.micro_batches == 1 and (commits / "1").exists()  # the batch was replayed...
     assert result.versions["movie_tickets_sold"].before == result.versions["movie_tickets_sold"].after  # ...as a no-op
     assert _read_state(layout, MOVIE_TICKET_SALES) == {"Dune": (2, Decimal("20.50"))}
     # and the next batch still applies

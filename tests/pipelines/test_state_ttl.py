@@ -18,14 +18,13 @@ import pytest
 from deltalake import DeltaTable as IndependentDeltaTable
 
 from pipelines import faults, table_checks
-from pipelines.bronze import ingest_stream
-from pipelines.changelog import changelog_name, publish_changes, table_from_changelog
+from pipelines.changelog import changelog_name, table_from_changelog
 from pipelines.errors import ConfigurationError
 from pipelines.expiry import expired_totals
-from pipelines.state import update_state_table
 from pipelines.streaming import table_version
 from pipelines.streams import PAYMENTS
 from tests.contract_oracle import expected_with_ttl
+from tests.streams import advance
 
 SPEC, TABLE = PAYMENTS, PAYMENTS.state_table
 TTL = timedelta(days=1)
@@ -52,14 +51,13 @@ def test_keys_expire_on_event_time_and_the_changelog_agrees(spark, layout, landi
     files, versions = [], []
     for number, payments in enumerate(DELIVERIES, start=1):
         files.append([landing.write("payments", f"d{number}.jsonl", [LINE % p for p in payments])])
-        ingest_stream(spark, layout, SPEC)
         if number == 4:  # dies after the batch's MERGE committed, before its expiry commit
             faults.arm(layout.home / "faults", faults.STATE_AFTER_MERGE_COMMIT, "raise")
             with pytest.raises(Exception, match="fault injected"):
-                update_state_table(spark, layout, SPEC, ttl=TTL)
-        if number == 6:  # the checkpoint is lost: the table is rebuilt from bronze, not reset
-            shutil.rmtree(layout.checkpoint(SPEC.state_query))
-        update_state_table(spark, layout, SPEC, ttl=TTL)
+                advance(spark, layout, SPEC, event_time=False, ttl=TTL)
+        if number == 6:  # the checkpoint is lost: the table resumes from the bronze version it records
+            shutil.rmtree(layout.checkpoint(SPEC.name))
+        advance(spark, layout, SPEC, event_time=False, ttl=TTL)
         expected = expected_with_ttl("payments", files, TTL)
         assert _rows(layout) == expected.rows, f"after delivery {number}"
         versions.append(table_version(spark, layout.table(TABLE.name)))
@@ -70,7 +68,6 @@ def test_keys_expire_on_event_time_and_the_changelog_agrees(spark, layout, landi
     assert (expired.keys, expired.events, expired.value) == (5, 6, Decimal("30.00"))  # counted once, fault or not
 
     # Expiries are deletes in the changelog, with the expired rows' totals; a restore from it agrees.
-    publish_changes(spark, layout, TABLE)
     changelog = spark.read.format("delta").load(str(layout.table(changelog_name(TABLE))))
     deletes = changelog.where("_change_type = 'delete'").orderBy("_commit_version", TABLE.key).collect()
     assert [(r[TABLE.key], r[TABLE.count_column], r[TABLE.sum_column]) for r in deletes] == expected.expired
@@ -92,4 +89,4 @@ def test_keys_expire_on_event_time_and_the_changelog_agrees(spark, layout, landi
 
 def test_a_ttl_that_is_not_positive_is_refused(spark, layout):
     with pytest.raises(ConfigurationError, match="must be positive"):
-        update_state_table(spark, layout, SPEC, ttl=timedelta(0))
+        advance(spark, layout, SPEC, ttl=timedelta(0))
