@@ -200,7 +200,7 @@ def _state_result(session: SparkSession, layout, spec: StreamSpec, result: Strea
         "keys_expired_this_run": sum(int(c["metrics"].get("numTargetRowsDeleted", 0)) for c in expiries),
         f"{table.sum_column}": str(totals["total"]),
         "bronze_table_version": result.versions[spec.bronze_table].after,
-        "bronze_version_folded": found[1] if found else -1,
+        "bronze_version_folded": found.through if found else -1,
         "top_rows": frame_table(current.orderBy(F.desc(table.count_column), table.key).drop("updated_at")),
         **_versions(result, table.name),
     })

@@ -53,7 +53,8 @@ def create_savepoint(spark: SparkSession, layout: StorageLayout, name: str, *, l
                 raise SavepointError(f"{table.name} does not record which bronze version it has folded (no run "
                                      f"yet, or tables of an earlier statetables). Fix: run the pipeline once "
                                      f"(`statetables run`), then take the savepoint.")
-            manifest["tables"][table.name] = {"stream": spec.name, "version": found[0], "bronze_version": found[1]}
+            manifest["tables"][table.name] = {"stream": spec.name, "version": found.version,
+                                              "bronze_version": found.through}
     folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / f".{MANIFEST}"
     tmp.write_text(json.dumps(manifest, indent=1) + "\n")

@@ -9,6 +9,7 @@ of a batch commits. A table that records none is rebuilt from bronze (`rebuild_s
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -64,16 +65,38 @@ INGESTED_THROUGH = "ingested_through_us"  # MERGE commit metadata with a TTL: th
 NEWEST_COMMITS = 20  # searched for the newest commit that records FOLDED_THROUGH
 
 
-def folded_through(spark: SparkSession, table_path: Path) -> tuple[int, int] | None:
-    """(the table's version, the bronze version it has folded through), from its newest commits: every
-    MERGE, rebuild and savepoint restore records the bronze version with its rows, in the same commit. None
-    for a table whose commits do not record one (a new table, or one kept by an earlier statetables)."""
+@dataclass(frozen=True)
+class Folded:
+    """What a state table's commits say it holds."""
+
+    version: int  # the table's newest version
+    through: int  # every bronze version up to this one is folded into it
+    restored_to: int | None = None  # a Delta RESTORE newer than the commit that recorded `through` went back here
+
+
+def folded_through(spark: SparkSession, table_path: Path) -> Folded | None:
+    """The bronze version the table has folded through, from its newest commits: every MERGE, rebuild and
+    savepoint restore records it with its rows, in the same commit. A Delta RESTORE brings back what the
+    version it went back to had folded. None for a table whose commits do not record one (a new table, one
+    kept by an earlier statetables, or one restored by timestamp)."""
     latest = table_version(spark, table_path)
     if latest is None:
         return None
-    for commit in reversed(commits_since(spark, table_path, max(-1, latest - NEWEST_COMMITS))):
-        if commit["user"].get(FOLDED_THROUGH) is not None:
-            return latest, int(commit["user"][FOLDED_THROUGH])
+    rows = (delta_sql.history(spark, table_path, NEWEST_COMMITS)
+            .select("version", "operation", "operationParameters", "userMetadata").collect())
+    target, restored_to = latest, None
+    for row in sorted(rows, key=lambda r: -r["version"]):
+        if row["version"] > target:
+            continue
+        if row["operation"] == "RESTORE":
+            restored = (row["operationParameters"] or {}).get("version")
+            if restored in (None, ""):
+                return None
+            target = restored_to = int(restored)
+            continue
+        meta = json.loads(row["userMetadata"]) if row["userMetadata"] else {}
+        if isinstance(meta, dict) and meta.get(FOLDED_THROUGH) is not None:
+            return Folded(latest, int(meta[FOLDED_THROUGH]), restored_to)
     return None
 
 
@@ -89,6 +112,7 @@ class StateTableStage:
     def __init__(self, layout: StorageLayout, spec: StreamSpec, ttl: timedelta | None, through: int):
         self.layout, self.spec, self.ttl, self.through = layout, spec, ttl, through
         self.rebuilt_through: int | None = None
+        self.note: str | None = None  # why the table folds bronze it had folded before (a RESTORE)
 
     def advance(self, spark: SparkSession, bronze_path: Path, through: int, app_id: str, batch_id: int) -> None:
         if through <= self.through:
@@ -134,13 +158,16 @@ def state_table_stage(spark: SparkSession, layout: StorageLayout, spec: StreamSp
     ensure_state_table(spark, layout, spec.state_table)
     record_policy(spark, table_path, ttl)
     found = folded_through(spark, table_path)
-    stage = StateTableStage(layout, spec, ttl, found[1] if found else -1)
+    stage = StateTableStage(layout, spec, ttl, found.through if found else -1)
+    if found is not None and found.restored_to is not None:
+        stage.note = (f"{spec.state_table.name} was restored to version {found.restored_to} (Delta RESTORE): "
+                      f"bronze after version {found.through} is folded again")
     if found is None:
         if (table_version(spark, layout.table(spec.bronze_table)) or 0) > 0:
             stage.through = stage.rebuilt_through = rebuild_state_table(
                 spark, layout, spec, new_app_id(f"{spec.name}/rebuild"), ttl)
     elif ttl is not None:
-        newest = commits_since(spark, table_path, found[0] - 1)
+        newest = commits_since(spark, table_path, found.version - 1)
         through_us = newest[0]["user"].get(INGESTED_THROUGH) if newest else None
         if through_us is not None:
             stage.expire(spark, int(through_us), newest[0]["user"].get("app_id", ""),

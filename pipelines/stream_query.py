@@ -232,6 +232,8 @@ def advance_stream(spark: SparkSession, layout: StorageLayout, spec: StreamSpec,
         if undone and recovery is None:
             recovery = {"problem": "a micro-batch died before its last commit", "set_aside": None,
                         "action": "; ".join(undone) + "; its bronze rows were folded again"}
+        if state.note and recovery is None:
+            recovery = {"problem": state.note.split(":")[0], "set_aside": None, "action": state.note}
         return StreamRunResult(
             query_name=spec.name,
             micro_batches=batches + int(caught_up),

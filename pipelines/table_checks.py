@@ -51,7 +51,7 @@ def totals_match_bronze(spark: SparkSession, layout: StorageLayout, spec: Stream
     table records no version, `covered_bronze_version` is -1 and the caller runs the deep check instead.
     """
     found = folded_through(spark, layout.table(spec.state_table.name))
-    state_version, version = found if found else (None, None)
+    state_version, version = (found.version, found.through) if found else (None, None)
     state = state_totals(spark, layout, spec, state_version)
     state.pop("latest_event_time")
     if version is None:

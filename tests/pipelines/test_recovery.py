@@ -1,4 +1,4 @@
-"""Lost, corrupt and out-of-step checkpoints: detected, set aside, and state rebuilt without double counting.
+"""Lost, corrupt and out-of-step checkpoints and tables: detected, set aside, and nothing counted twice.
 
 Every scenario ends by comparing the state tables and quarantine with the independent oracle
 (tests/contract_oracle.py) read through the independent `deltalake` reader.
@@ -13,12 +13,11 @@ import pytest
 from delta.tables import DeltaTable
 from deltalake import DeltaTable as IndependentDeltaTable
 
-from pipelines.bronze import ingest_stream
 from pipelines.checkpoints import RECENT_WINDOW, table_batches, verify_checkpoint
 from pipelines.generate import generate
-from pipelines.state import update_state_table
 from pipelines.streams import MOVIE_TICKET_SALES, PAYMENTS
 from tests.contract_oracle import expected_state, landing_files
+from tests.streams import advance
 
 
 def _deliver(layout, spec, seed, events=400):
@@ -27,11 +26,11 @@ def _deliver(layout, spec, seed, events=400):
 
 
 def _advance(spark, layout, spec):
-    return ingest_stream(spark, layout, spec, max_files_per_trigger=10), update_state_table(spark, layout, spec)
+    return advance(spark, layout, spec, event_time=False, max_files_per_trigger=10)
 
 
 def _two_runs(spark, layout, spec):
-    """Two deliveries, one run each: the state query then has real micro-batches in its checkpoint."""
+    """Two deliveries, one run each: the stream's query then has real micro-batches in its checkpoint."""
     for seed in (1, 2):
         _deliver(layout, spec, seed=seed)
         _advance(spark, layout, spec)
@@ -54,9 +53,9 @@ def test_all_checkpoints_deleted_between_runs_counts_nothing_twice(spark, layout
     _two_runs(spark, layout, spec)
     shutil.rmtree(layout.checkpoints_root)
     _deliver(layout, spec, seed=3)
-    ingest, state = _advance(spark, layout, spec)
-    assert state.recovery is None  # a missing checkpoint is a fresh start: nothing to set aside
-    assert ingest.commits["bronze"][0]["user"]["already_ingested"] > 0  # old lines were read again...
+    result = _advance(spark, layout, spec)
+    assert result.recovery is None  # a missing checkpoint is a fresh start: nothing to set aside
+    assert result.commits[spec.bronze_table][0]["user"]["already_ingested"] > 0  # old lines were read again...
     _assert_exact(layout, spec)  # ...and counted once
 
 
@@ -65,7 +64,7 @@ CORRUPTIONS = {
     "garbage commit file": lambda cp, n: (cp / "commits" / n).write_bytes(b"\x00\xff garbage"),
     "truncated commit file, checksum gone": lambda cp, n: (
         (cp / "commits" / n).write_text("v1\n"), (cp / "commits" / f".{n}.crc").unlink()),
-    # The ingest query reads the landing ledger (a Delta source), which keeps no sources/ log.
+    # The stream's query reads the landing ledger (a Delta source), which keeps no sources/ log.
     "empty query metadata": lambda cp, n: (cp / "metadata").write_bytes(b""),
     "offsets folder lost": lambda cp, n: shutil.rmtree(cp / "offsets"),
     "origin record lost": lambda cp, n: (cp / "statetables_checkpoint.json").unlink(),
@@ -75,8 +74,8 @@ CORRUPTIONS = {
 def test_corrupt_checkpoint_files_are_detected(spark, layout):
     spec = MOVIE_TICKET_SALES
     _deliver(layout, spec, seed=1, events=200)
-    ingest_stream(spark, layout, spec, max_files_per_trigger=1)
-    checkpoint = layout.checkpoint(spec.ingest_query)
+    advance(spark, layout, spec, event_time=False, max_files_per_trigger=1)
+    checkpoint = layout.checkpoint(spec.name)
     tables = [layout.table(spec.quarantine_table), layout.table(spec.bronze_table)]
     assert verify_checkpoint(spark, checkpoint, tables).problem is None
     last = str(max(int(p.name) for p in (checkpoint / "offsets").iterdir() if p.name.isdigit()))
@@ -89,34 +88,34 @@ def test_corrupt_checkpoint_files_are_detected(spark, layout):
 
 
 @pytest.mark.long
-def test_corrupt_checkpoints_are_set_aside_and_state_rebuilt_exactly(spark, layout):
+def test_a_corrupt_checkpoint_is_set_aside_and_nothing_counts_twice(spark, layout):
     spec = PAYMENTS
     _two_runs(spark, layout, spec)
-    for query in (spec.ingest_query, spec.state_query):
-        commits = layout.checkpoint(query) / "commits"
-        last = max(p.name for p in commits.iterdir() if p.name.isdigit())
-        (commits / last).write_text("v1\n{\"nextBatchWatermarkMs\":0")  # torn write
+    commits = layout.checkpoint(spec.name) / "commits"
+    last = max(p.name for p in commits.iterdir() if p.name.isdigit())
+    (commits / last).write_text("v1\n{\"nextBatchWatermarkMs\":0")  # torn write
 
     _deliver(layout, spec, seed=3)
-    ingest, state = _advance(spark, layout, spec)
+    result = _advance(spark, layout, spec)
 
-    assert "checksum" in ingest.recovery["problem"] and "checksum" in state.recovery["problem"]
-    assert (layout.set_aside_checkpoints / state.recovery["set_aside"].rsplit("/", 1)[1]).is_dir()
+    assert "checksum" in result.recovery["problem"]
+    assert (layout.set_aside_checkpoints / result.recovery["set_aside"].rsplit("/", 1)[1]).is_dir()
     _assert_exact(layout, spec)
 
 
 @pytest.mark.long
-def test_state_table_restored_behind_its_checkpoint_is_rebuilt(spark, layout):
-    """Delta RESTORE keeps txn ids (delta-io/delta#1813): replaying under the old app id would skip batches."""
+def test_state_table_restored_behind_the_stream_folds_bronze_again(spark, layout):
+    """Delta RESTORE keeps txn ids (delta-io/delta#1813), so they cannot say what the table holds: the bronze
+    version recorded by the commit it went back to does."""
     spec = MOVIE_TICKET_SALES
     _two_runs(spark, layout, spec)
     state_path = str(layout.table(spec.state_table.name))
-    DeltaTable.forPath(spark, state_path).restoreToVersion(1)  # back to the first run's rebuild
+    DeltaTable.forPath(spark, state_path).restoreToVersion(1)  # back to the first run's MERGE
 
     _deliver(layout, spec, seed=3)
-    _, state = _advance(spark, layout, spec)
+    result = _advance(spark, layout, spec)
 
-    assert "restored" in state.recovery["problem"]
+    assert "restored to version 1" in result.recovery["problem"]
     _assert_exact(layout, spec)
 
 
@@ -134,9 +133,9 @@ def test_checkpoint_older_than_the_table_is_not_trusted(spark, layout):
     shutil.copytree(backup, layout.checkpoints_root)
 
     _deliver(layout, spec, seed=3)
-    ingest, _ = _advance(spark, layout, spec)
+    result = _advance(spark, layout, spec)
 
-    assert "older than the table" in ingest.recovery["problem"]
+    assert "older than the table" in result.recovery["problem"]
     _assert_exact(layout, spec)
 
 
