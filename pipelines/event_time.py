@@ -164,7 +164,9 @@ class EventTimeStage:
 
     def __init__(self, layout: StorageLayout, last: Progress):
         self.layout, self.last = layout, last
-        self.undone: list[str] = []  # what the stream's start undid of a batch that died before this step closed
+        # Set when the stream starts: what it undid of a batch that died before this step closed, or why it built
+        # its state from the tables.
+        self.recovered: dict | None = None
 
     def fold_and_write(self, rows: DataFrame, app_id: str, batch_id: int, marker: dict) -> FoldedBatch:
         raise NotImplementedError

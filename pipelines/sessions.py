@@ -315,10 +315,17 @@ def sessions_stage(spark: SparkSession, layout: StorageLayout, settings: Session
     undone = undo_late_rows(spark, layout, PAYMENTS.name, "activity_version",
                             table_version(spark, layout.table(ACTIVITY)) or 0)
     last = last_progress(spark, layout)
-    if last is None or last.state_versions is None:
+    legacy = last is not None and last.state_versions is None
+    if last is None or legacy:
         last = _first_state(spark, layout, last, settings)
     stage = SessionsStage(layout, last, settings)
-    stage.undone = undone
+    if legacy:
+        stage.recovered = {"problem": f"{ACTIVITY} was written by an earlier statetables, which kept the sessions "
+                                      f"in RocksDB", "action": f"{OPEN_SESSIONS} and {LAST_SESSIONS} built once "
+                                                               f"from bronze and {ACTIVITY}"}
+    elif undone:
+        stage.recovered = {"problem": f"a micro-batch died before its {ACTIVITY} commit",
+                           "action": "; ".join(undone) + "; its payments folded again"}
     return stage
 
 

@@ -228,11 +228,10 @@ def advance_stream(spark: SparkSession, layout: StorageLayout, spec: StreamSpec,
             if scanner is not None:
                 continuous.stop.set()
                 scanner.join()
-        undone = event_time.undone if event_time is not None else []
-        if undone and recovery is None:
-            recovery = {"problem": "a micro-batch died before its last commit", "set_aside": None,
-                        "action": "; ".join(undone) + "; its bronze rows were folded again"}
-        if state.note and recovery is None:
+        # One recovery is shown: the checkpoint's first, then the event-time step's, then the state table's.
+        if recovery is None and event_time is not None and event_time.recovered:
+            recovery = {**event_time.recovered, "set_aside": None}
+        if recovery is None and state.note:
             recovery = {"problem": state.note.split(":")[0], "set_aside": None, "action": state.note}
         return StreamRunResult(
             query_name=spec.name,

@@ -239,10 +239,16 @@ def windows_stage(spark: SparkSession, layout: StorageLayout, delay: dt.timedelt
     ensure_window_tables(spark, layout)
     undone = _undo_unfinished_batch(spark, layout)
     last = last_progress(spark, layout)
-    if last is None or last.state_versions is None:
+    legacy = last is not None and last.state_versions is None
+    if last is None or legacy:
         last = _first_state(spark, layout, last, delay)
     stage = WindowsStage(layout, last, delay)
-    stage.undone = undone
+    if legacy:
+        stage.recovered = {"problem": f"{HOURLY} was written by an earlier statetables, which kept the open hours "
+                                      f"in RocksDB", "action": f"{OPEN_HOURS} built once from bronze"}
+    elif undone:
+        stage.recovered = {"problem": f"a micro-batch died before its {HOURLY} commit",
+                           "action": "; ".join(undone) + "; its sales folded again"}
     return stage
 
 

@@ -3,8 +3,8 @@ read with an independent Delta reader (`deltalake`).
 
 Covers: sales out of order within the watermark count in their own window; sales behind it land in
 `late_events` (and still in the all-time table); windows are written once the watermark passes their
-end; the top 10 per hour; a lost checkpoint (with its operator state) is rebuilt from the Delta tables,
-and the outputs equal those of a run that never lost it. Every delivery is one micro-batch.
+end; the top 10 per hour; a crash between any two commits of a batch, and a lost checkpoint, give the outputs
+of runs that never failed. Every delivery is one micro-batch; a batch that failed is folded on its own.
 """
 
 from __future__ import annotations
@@ -20,15 +20,14 @@ from deltalake import DeltaTable as IndependentDeltaTable
 from pyspark.sql import functions as F
 
 from pipelines import faults, table_checks
-from pipelines.bronze import ingest_stream
 from pipelines.generate import generate
-from pipelines.state import update_state_table
 from pipelines.streams import MOVIE_TICKET_SALES
 from pipelines.streaming import commits_since
 from pipelines.windows import (
-    DEFAULT_WATERMARK_DELAY, HOURLY, HOURLY_SCHEMA, LATE, OPEN_HOURS, TOP, WINDOWS_QUERY, update_windows,
+    DEFAULT_WATERMARK_DELAY, HOURLY, HOURLY_SCHEMA, LATE, OPEN_HOURS, TOP,
 )
 from tests.contract_oracle import Oracle, expected_state, expected_windows, file_lines, landing_files
+from tests.streams import advance
 
 SPEC = MOVIE_TICKET_SALES
 UTC = timezone.utc
@@ -55,34 +54,34 @@ def _outputs(layout) -> tuple[dict, dict, dict]:
 
 
 class Deliveries:
-    """Lands files, runs ingest + windows once per delivery, and keeps each delivery's accepted sales
-    (judged by the oracle, not by the pipeline) for the recomputation."""
+    """Lands files, runs the stream once per delivery, and keeps each delivery's accepted sales (judged by the
+    oracle, not by the pipeline) for the recomputation. A batch whose run failed after bronze is folded on its
+    own by the next run, before that run's new files: as it would have been had it not failed."""
 
     def __init__(self, spark, layout):
         self.spark, self.layout = spark, layout
         self.oracle, self.batches, self.seen = Oracle(SPEC.name), [], set()
-        self.unfinished: set[str] = set()  # sales of a batch that failed: they come again in the next one
+        self.unfinished: list[dict] = []  # sales of a batch that failed: the next run folds them first
 
     def run(self, *, lose_checkpoint: bool = False, fail_before_closing: bool = False, fail_at: str | None = None):
         fail_at = fail_at or (faults.WINDOWS_BEFORE_CLOSING_COMMIT if fail_before_closing else None)
-        before = set(self.oracle.expected.events) - self.unfinished
+        before = set(self.oracle.expected.events)
         for path in sorted(set(landing_files(self.layout.landing(SPEC.name))) - self.seen,
                            key=lambda p: (p.stat().st_mtime_ns, str(p))):
             self.oracle.deliver(str(path), file_lines(path))
             self.seen.add(path)
         batch = [e for i, e in self.oracle.expected.events.items() if i not in before]
-        ingest_stream(self.spark, self.layout, SPEC)
         if lose_checkpoint:
-            shutil.rmtree(self.layout.checkpoint(WINDOWS_QUERY))
+            shutil.rmtree(self.layout.checkpoint(SPEC.name))
         if fail_at:
             faults.arm(self.layout.home / "faults", fail_at, "raise")
             with pytest.raises(Exception, match="fault injected"):
-                update_windows(self.spark, self.layout)
-            self.unfinished = {e["event_id"] for e in batch}
+                advance(self.spark, self.layout, SPEC)
+            self.unfinished = batch
             return None
-        self.batches.append(batch)
-        self.unfinished = set()
-        return update_windows(self.spark, self.layout)
+        self.batches += [b for b in (self.unfinished, batch) if b]
+        self.unfinished = []
+        return advance(self.spark, self.layout, SPEC)
 
     def expected(self):
         return expected_windows(self.batches, DEFAULT_WATERMARK_DELAY, watermark_after_last=True)
@@ -133,7 +132,6 @@ def test_out_of_order_late_and_closed_windows_equal_the_recomputation(spark, lay
     assert table_checks.windows_mismatches(spark, layout)[0].count() == 1
     assert table_checks.top_titles_mismatches(spark, layout).count() == 4  # Alien and Dune swap ranks
     # Late sales still count in the all-time table.
-    update_state_table(spark, layout, SPEC)
     all_time = {r["title"]: r["tickets_sold"] for r in _rows(layout, SPEC.state_table.name)}
     assert all_time == dict(expected_state(SPEC.name, landing_files(layout.landing(SPEC.name))).counts)
     assert all_time["Alien"] == 2 and all_time["Dune"] == 5
@@ -163,11 +161,10 @@ def test_a_batch_replayed_after_a_crash_between_any_two_commits_writes_what_it_w
 
 
 @pytest.mark.long
-def test_lost_checkpoint_is_rebuilt_from_the_tables_not_reset(spark, layout, monkeypatch):
+def test_lost_checkpoint_after_a_failed_batch_gives_the_outputs_of_runs_that_never_failed(spark, layout, monkeypatch):
     """Generated sales (late ones included) in four deliveries. The second run dies after writing
-    late_events and top_titles_hourly, before its closing commit; then the windows query's checkpoint is
-    deleted. The outputs must equal the recomputation of a run that
-    never failed (the second and third deliveries arriving as one batch)."""
+    late_events and top_titles_hourly, before its closing commit; then the stream's checkpoint is deleted.
+    The outputs must equal the recomputation of runs that never failed."""
     monkeypatch.setenv(faults.FAULTS_ENV, str(layout.home / "faults"))
     runs = Deliveries(spark, layout)
     start = datetime(2026, 10, 20, tzinfo=UTC)
@@ -175,10 +172,9 @@ def test_lost_checkpoint_is_rebuilt_from_the_tables_not_reset(spark, layout, mon
         generate(SPEC, layout.landing(SPEC.name), events=250, malformed=0.02, duplicates=0.03, late=0.15,
                  seed=40 + n, events_per_file=250, start=start + timedelta(hours=3 * n), max_step_s=60)
         result = runs.run(fail_before_closing=(n == 1), lose_checkpoint=(n == 2))
-        if n == 2:  # the loss was noticed and said so, and the unfinished batch's writes undone
-            assert result.recovery and "is missing" in result.recovery["problem"], result.recovery
-            restart = [c["user"] for c in result.commits[HOURLY] if c["user"].get("batch_id") == -1]
-            assert restart and any(u.startswith(LATE) for u in restart[0]["undone"]), [c["user"] for c in result.commits[HOURLY]]
+        if n == 2:  # the unfinished batch's writes were undone, and said so
+            assert result.recovery and "died before" in result.recovery["problem"], result.recovery
+            assert f"{LATE}:" in result.recovery["action"] and f"{TOP} restored" in result.recovery["action"]
     windows, late, top = _outputs(layout)
     expected = runs.expected()
     assert len(expected.windows) > 20 and len(expected.late) > 10  # the scenario exercises both
@@ -191,8 +187,8 @@ def test_lost_checkpoint_is_rebuilt_from_the_tables_not_reset(spark, layout, mon
 def test_tables_of_an_earlier_statetables_get_their_open_hours_from_bronze(spark, layout, landing):
     """An earlier statetables kept the open hours in its checkpoint's RocksDB state and recorded no state
     version. Such a table (its newest closing commit without `state_versions`, the open-hours table gone) is
-    taken over: the checkpoint is set aside, the open hours built once from bronze, and later deliveries
-    give the outputs of runs that never changed version."""
+    taken over: the open hours are built once from bronze, and later deliveries give the outputs of runs that
+    never changed version."""
     runs = Deliveries(spark, layout)
     landing.write(SPEC.name, "1.jsonl", [_sale("a", "Dune", "10:05"), _sale("b", "Heat", "10:50"),
                                          _sale("c", "Dune", "11:20")])
