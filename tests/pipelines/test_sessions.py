@@ -21,16 +21,15 @@ from deltalake import DeltaTable as IndependentDeltaTable
 from pyspark.sql import functions as F
 
 from pipelines import faults, table_checks
-from pipelines.bronze import ingest_stream
 from pipelines.event_time import LATE
 from pipelines.generate import generate
 from pipelines.sessions import (
-    ACTIVITY, ACTIVITY_SCHEMA, LAST_SESSIONS, OPEN_SESSIONS, SESSIONS_QUERY, SessionSettings, update_sessions,
+    ACTIVITY, ACTIVITY_SCHEMA, LAST_SESSIONS, OPEN_SESSIONS, SessionSettings,
 )
 from pipelines.streaming import commits_since
-from pipelines.state import update_state_table
 from pipelines.streams import PAYMENTS
 from tests.contract_oracle import Oracle, expected_sessions, expected_state, file_lines, landing_files
+from tests.streams import advance
 
 SPEC = PAYMENTS
 UTC = timezone.utc
@@ -58,34 +57,34 @@ def _outputs(layout) -> tuple[dict, dict]:
 
 
 class Deliveries:
-    """Lands files, runs ingest + sessions once per delivery, and keeps each delivery's accepted
-    payments (judged by the oracle, not by the pipeline) for the recomputation."""
+    """Lands files, runs the stream once per delivery, and keeps each delivery's accepted payments (judged by
+    the oracle, not by the pipeline) for the recomputation. A batch whose run failed after bronze is folded on
+    its own by the next run, before that run's new files: as it would have been had it not failed."""
 
     def __init__(self, spark, layout, settings: SessionSettings = SessionSettings()):
         self.spark, self.layout, self.settings = spark, layout, settings
         self.oracle, self.batches, self.seen = Oracle(SPEC.name), [], set()
-        self.unfinished: set[str] = set()  # payments of a batch that failed: they come again in the next one
+        self.unfinished: list[dict] = []  # payments of a batch that failed: the next run folds them first
 
     def run(self, *, lose_checkpoint: bool = False, fail_before_closing: bool = False, fail_at: str | None = None):
         fail_at = fail_at or (faults.SESSIONS_BEFORE_CLOSING_COMMIT if fail_before_closing else None)
-        before = set(self.oracle.expected.events) - self.unfinished
+        before = set(self.oracle.expected.events)
         for path in sorted(set(landing_files(self.layout.landing(SPEC.name))) - self.seen,
                            key=lambda p: (p.stat().st_mtime_ns, str(p))):
             self.oracle.deliver(str(path), file_lines(path))
             self.seen.add(path)
         batch = [e for i, e in self.oracle.expected.events.items() if i not in before]
-        ingest_stream(self.spark, self.layout, SPEC)
         if lose_checkpoint:
-            shutil.rmtree(self.layout.checkpoint(SESSIONS_QUERY))
+            shutil.rmtree(self.layout.checkpoint(SPEC.name))
         if fail_at:
             faults.arm(self.layout.home / "faults", fail_at, "raise")
             with pytest.raises(Exception, match="fault injected"):
-                update_sessions(self.spark, self.layout, self.settings)
-            self.unfinished = {e[SPEC.id_field] for e in batch}
+                advance(self.spark, self.layout, SPEC, sessions=self.settings)
+            self.unfinished = batch
             return None
-        self.batches.append(batch)
-        self.unfinished = set()
-        return update_sessions(self.spark, self.layout, self.settings)
+        self.batches += [b for b in (self.unfinished, batch) if b]
+        self.unfinished = []
+        return advance(self.spark, self.layout, SPEC, sessions=self.settings)
 
     def expected(self):
         return expected_sessions(self.batches, self.settings.watermark_delay, self.settings.gap,
@@ -127,7 +126,7 @@ def test_sessions_late_payments_and_ttl_equal_the_recomputation(spark, layout, l
     assert len(sessions) == 7
     assert ("zed", at("16:00")) not in sessions  # the timer has not fired: 16:00 + 30 min > 15:50
     assert set(late) == {"b5"} and late["b5"][1] == at("12:40")
-    assert result.operator_state and result.operator_state["rows"] >= 1
+    assert result.versions[OPEN_SESSIONS].after > result.versions[OPEN_SESSIONS].before  # the state moved
     # The TTL: ann's, bob's and cy's keyed state is dropped once the watermark is 40 minutes past their
     # last session; zed's session (16:00) closes at 17:50 and his state stays, since his 18:00 is still open.
     # Read from the operator's state tables.
@@ -145,7 +144,6 @@ def test_sessions_late_payments_and_ttl_equal_the_recomputation(spark, layout, l
         F.col("customer_id") == "cy", {"payment_count": F.lit(3)})
     assert table_checks.sessions_mismatches(spark, layout)[0].count() == 1
     # Late payments still count in the all-time table.
-    update_state_table(spark, layout, SPEC)
     all_time = {r["customer_id"]: r["payment_count"] for r in _rows(layout, SPEC.state_table.name)}
     assert all_time == dict(expected_state(SPEC.name, landing_files(layout.landing(SPEC.name))).counts)
     assert all_time["bob"] == 5
@@ -178,10 +176,11 @@ def test_a_batch_replayed_after_a_crash_between_any_two_commits_writes_what_it_w
 
 
 @pytest.mark.long
-def test_lost_sessions_checkpoint_is_rebuilt_from_the_tables_not_reset(spark, layout, monkeypatch):
+def test_lost_checkpoint_after_a_failed_batch_gives_the_sessions_of_runs_that_never_failed(spark, layout, monkeypatch):
     """Generated payments of 20 customers (late ones included) in four deliveries. The second run dies
-    after writing late_events, before its closing commit; then the sessions query's checkpoint is deleted. The outputs, previous sessions and day totals included, must equal the
-    recomputation of a run that never failed."""
+    after writing late_events, before its closing commit; then the stream's checkpoint is deleted. The
+    outputs, previous sessions and day totals included, must equal the recomputation of runs that never
+    failed."""
     monkeypatch.setenv(faults.FAULTS_ENV, str(layout.home / "faults"))
     runs = Deliveries(spark, layout)
     start = datetime(2026, 10, 20, 22, tzinfo=UTC)  # crosses midnight: day totals start again
@@ -190,10 +189,9 @@ def test_lost_sessions_checkpoint_is_rebuilt_from_the_tables_not_reset(spark, la
                  seed=60 + n, events_per_file=200, start=start + timedelta(hours=3 * n), max_step_s=60,
                  customers=20)
         result = runs.run(fail_before_closing=(n == 1), lose_checkpoint=(n == 2))
-        if n == 2:
-            assert result.recovery and "is missing" in result.recovery["problem"], result.recovery
-            restart = [c["user"] for c in result.commits[ACTIVITY] if c["user"].get("batch_id") == -1]
-            assert restart and any(u.startswith(LATE) for u in restart[0]["undone"]), restart
+        if n == 2:  # the unfinished batch's late payments were deleted, and said so
+            assert result.recovery and "died before" in result.recovery["problem"], result.recovery
+            assert f"{LATE}:" in result.recovery["action"], result.recovery
     sessions, late = _outputs(layout)
     expected = runs.expected()
     assert len(expected.sessions) > 40 and len(expected.late) > 10  # the scenario exercises both
@@ -207,7 +205,7 @@ def test_lost_sessions_checkpoint_is_rebuilt_from_the_tables_not_reset(spark, la
 def test_tables_of_an_earlier_statetables_get_their_state_from_bronze(spark, layout, landing):
     """An earlier statetables kept the sessions' state in its checkpoint's RocksDB state and recorded no state
     versions. Such tables (the newest closing commit without `state_versions`, the state tables gone) are taken
-    over: the checkpoint is set aside, the open sessions built once from bronze and the last sessions from
+    over: the open sessions are built once from bronze and the last sessions from
     customer_activity, and later deliveries give the outputs of runs that never changed version."""
     runs = Deliveries(spark, layout, SessionSettings(watermark_delay=DELAY, state_ttl=timedelta(hours=3)))
     landing.write(SPEC.name, "1.jsonl", [_payment("a1", "ann", "10:00"), _payment("a2", "ann", "10:20"),
