@@ -17,12 +17,11 @@ from decimal import Decimal
 from deltalake import DeltaTable as IndependentDeltaTable
 
 from pipelines import table_checks
-from pipelines.bronze import ingest_stream
 from pipelines.sessions import SessionSettings
-from pipelines.state import update_state_table
 from pipelines.streams import MOVIE_TICKET_SALES, PAYMENTS
 from tests.contract_oracle import expected_with_ttl
 from tests.pipelines import test_sessions, test_windows
+from tests.streams import advance
 
 UTC = timezone.utc
 
@@ -103,8 +102,7 @@ def test_state_ttl_checks_agree_at_exactly_the_ttl(spark, layout, landing):
         line % ("p1", "exactly_ttl", "2026-11-01T10:00:00.000000Z"),  # exactly 1 day behind the clock: kept
         line % ("p2", "ttl_and_1us", "2026-11-01T09:59:59.999999Z"),  # 1 µs more: expired
         line % ("p3", "clock", "2026-11-02T10:00:00.000000Z")])]
-    ingest_stream(spark, layout, spec)
-    update_state_table(spark, layout, spec, ttl=ttl)
+    advance(spark, layout, spec, event_time=False, ttl=ttl)
 
     rows = IndependentDeltaTable(str(layout.table(table.name))).to_pyarrow_table().to_pylist()
     assert sorted(r[table.key] for r in rows) == ["clock", "exactly_ttl"]
