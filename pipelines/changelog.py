@@ -15,9 +15,10 @@ from pyspark.sql import DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 from pyspark.sql.types import LongType, StringType, TimestampType
 
+from pipelines.errors import ChangelogError
 from pipelines.layout import StorageLayout
-from pipelines.state import state_schema
-from pipelines.streaming import commits_since, create_table_if_missing, rows_changed, table_version
+from pipelines.state import ensure_state_table, state_schema
+from pipelines.streaming import commits_since, create_table_if_missing, rows_changed, table_id, table_version
 from pipelines.streams import StateTableSpec
 
 def changelog_name(table: StateTableSpec) -> str:
@@ -25,6 +26,7 @@ def changelog_name(table: StateTableSpec) -> str:
 
 
 COVERS = "state_version"  # commit metadata: every state-table version up to this one is in the changelog
+STATE_TABLE_ID = "state_table_id"  # ... of the state table with this Delta id
 
 
 def changelog_schema(table: StateTableSpec):
@@ -38,8 +40,8 @@ class ChangelogStage:
     record travels with the rows, so whichever attempt of a batch commits, no change row is appended twice
     or missed; the txn id makes a replay of the same batch a no-op."""
 
-    def __init__(self, layout: StorageLayout, table: StateTableSpec, covers: int):
-        self.layout, self.table, self.covers = layout, table, covers
+    def __init__(self, layout: StorageLayout, table: StateTableSpec, covers: int, state_table_id: str):
+        self.layout, self.table, self.covers, self.state_table_id = layout, table, covers, state_table_id
 
     def advance(self, spark: SparkSession, app_id: str, batch_id: int) -> None:
         state_path = self.layout.table(self.table.name)
@@ -48,7 +50,8 @@ class ChangelogStage:
             return
         changes = rows_changed(spark, state_path, self.covers, now)
         (changes.write.format("delta").mode("append").option("txnAppId", app_id).option("txnVersion", batch_id)
-         .option("userMetadata", json.dumps({"app_id": app_id, "batch_id": batch_id, COVERS: now}))
+         .option("userMetadata", json.dumps({"app_id": app_id, "batch_id": batch_id, COVERS: now,
+                                             STATE_TABLE_ID: self.state_table_id}))
          .save(str(self.layout.table(changelog_name(self.table)))))
         self.covers = now
 
@@ -56,14 +59,24 @@ class ChangelogStage:
 def changelog_stage(spark: SparkSession, layout: StorageLayout, table: StateTableSpec) -> ChangelogStage:
     """The changelog step as the changelog's newest commits left it. A changelog written by an earlier
     statetables (a query of its own, without the record) covers the newest version its rows hold."""
-    path = layout.table(changelog_name(table))
+    path, state_path = layout.table(changelog_name(table)), layout.table(table.name)
+    ensure_state_table(spark, layout, table)
     create_table_if_missing(spark, path, changelog_schema(table), change_data_feed=False)
     latest = table_version(spark, path) or 0
-    for commit in reversed(commits_since(spark, path, max(-1, latest - 20))):
-        if commit["user"].get(COVERS) is not None:
-            return ChangelogStage(layout, table, int(commit["user"][COVERS]))
-    newest = spark.read.format("delta").load(str(path)).agg(F.max("_commit_version")).first()[0]
-    return ChangelogStage(layout, table, -1 if newest is None else int(newest))
+    newest = next((c["user"] for c in reversed(commits_since(spark, path, max(-1, latest - 20)))
+                   if c["user"].get(COVERS) is not None), None)
+    state_id = table_id(spark, state_path)
+    if newest is None:
+        highest = spark.read.format("delta").load(str(path)).agg(F.max("_commit_version")).first()[0]
+        covers, covered_id = (-1 if highest is None else int(highest)), state_id
+    else:
+        covers, covered_id = int(newest[COVERS]), newest.get(STATE_TABLE_ID, state_id)
+    if covered_id != state_id or covers > (table_version(spark, state_path) or 0):
+        raise ChangelogError(
+            f"{path.name} holds the changes of an earlier {table.name}: that table was deleted and created again, "
+            f"and its versions start over. Fix: move {path} aside (keep it: it is the old table's history); the "
+            f"next run publishes the new table's changes from its first version.")
+    return ChangelogStage(layout, table, covers, state_id)
 
 
 def table_from_changelog(changelog: DataFrame, table: StateTableSpec, version: int) -> DataFrame:

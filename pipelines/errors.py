@@ -23,3 +23,7 @@ class SavepointError(RuntimeError):
 
 class ExpiryHistoryError(RuntimeError):
     """A state table's expired rows can no longer be read back exactly; nothing was written."""
+
+
+class ChangelogError(RuntimeError):
+    """The changelog cannot follow its state table (the table was deleted and created again)."""

@@ -180,9 +180,10 @@ def advance_stream(spark: SparkSession, layout: StorageLayout, spec: StreamSpec,
     with writer_lock(layout.locks, spec.name, settings.lock_timeout_s), storage_errors():
         ensure_bronze_tables(spark, layout, spec)
         before = {name: table_version(spark, layout.table(name)) for name in names}
+        # The changelog first: it refuses to follow a state table created again before that table is rebuilt.
+        changelog = changelog_stage(spark, layout, spec.state_table)
         state = state_table_stage(spark, layout, spec, settings.ttl)
         event_time = _event_time_stage(spark, layout, spec, settings)
-        changelog = changelog_stage(spark, layout, spec.state_table)
         scan = scan_landing(spark, layout.landing(spec.name), ledger_path, staging_dir)
         record_units(spark, ledger_path, scan.units, settings.max_files_per_trigger)
         ledger_id = table_id(spark, ledger_path)

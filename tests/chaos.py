@@ -59,10 +59,8 @@ NAMED_KILLS = [
     (faults.INGEST_AFTER_BRONZE_COMMIT, {}),  # bronze committed, checkpoint not
     (faults.STATE_AFTER_MERGE_COMMIT, {}),  # MERGE committed, checkpoint not
     (faults.STATE_MERGE_START, {"delay": 0.4}),  # inside the MERGE
-    (faults.STATE_BATCH_END, {"delay": 0.05}),  # while Spark writes the checkpoint's commit file
+    (faults.STATE_BATCH_END, {"delay": 0.05}),  # the expiry written; inside the event-time step
     (faults.INGEST_AFTER_QUARANTINE_COMMIT, {}),  # between the two appends of an ingest batch
-    (faults.INGEST_BATCH_END, {"delay": 0.05}),
-    (faults.STATE_AFTER_REBUILD, {}),  # a rebuild committed, its fresh checkpoint not yet written
     (faults.WINDOWS_AFTER_LATE_COMMIT, {}),  # late_events written, nothing else of the windows batch
     (faults.WINDOWS_AFTER_TOP_COMMIT, {}),  # late_events and top_titles_hourly written
     (faults.WINDOWS_AFTER_OPEN_HOURS_COMMIT, {}),  # ... and the open hours; the closing commit not
@@ -71,6 +69,7 @@ NAMED_KILLS = [
     (faults.SESSIONS_AFTER_OPEN_SESSIONS_COMMIT, {}),  # ... and the open sessions
     (faults.SESSIONS_AFTER_LAST_SESSIONS_COMMIT, {}),  # ... and the last sessions; customer_activity not
     (faults.SESSIONS_BEFORE_CLOSING_COMMIT, {"delay": 0.3}),  # inside the closing commit
+    (faults.STREAM_BATCH_END, {"delay": 0.05}),  # the changelog written; while Spark writes the commit file
 ]
 
 
@@ -331,11 +330,6 @@ def run_chaos(home: Path, *, kills: int, seed: int, events: int = 600, random_sh
         # Every named point once first (KILLS >= len(NAMED_KILLS) kills at each), then named or random instants.
         if named_only or named < len(plan) or rng.random() >= random_share:
             point, options = plan[named % len(plan)]  # moves on only once this point has killed a run
-            if point == faults.STATE_AFTER_REBUILD:  # a rebuild happens when a state checkpoint is gone
-                for name in streams:
-                    shutil.rmtree(layout.checkpoint(STREAMS[name].state_query), ignore_errors=True)
-                note = (note + "; " if note else "") + "deleted the state checkpoints"
-                damaged = True
             shutil.rmtree(fault_dir, ignore_errors=True)
             faults.arm(fault_dir, point, "kill", **options)
             code, seconds = _run_pipeline(layout, fault_dir, log, None, job, ttl_days)
@@ -359,8 +353,6 @@ def run_chaos(home: Path, *, kills: int, seed: int, events: int = 600, random_sh
         kind, limit = "continuous random", rng.uniform(30.0, 2 * typical_run_s)
         if continuous_made % 2 == 0:
             point, options = plan[(named + continuous_made // 2) % len(plan)]
-            if point == faults.STATE_AFTER_REBUILD:
-                point, options = faults.STATE_AFTER_MERGE_COMMIT, {}
             faults.arm(fault_dir, point, "kill", **options)
             kind, limit = f"continuous {point}", 4 * typical_run_s
         code, seconds = _run_continuous(layout, fault_dir, log, rng, streams, events // 3, limit, ttl_days)

@@ -86,16 +86,17 @@ def run_embedded(landing: Path, home: Path) -> StorageLayout:
     checks = [e.event_specific_data for e in result.all_events if e.event_type_value == "ASSET_CHECK_EVALUATION"]
     assert len(checks) == 13 and all(c.passed for c in checks), [(c.check_name, c.metadata) for c in checks
                                                                  if not c.passed]
-    windows = result.asset_materializations_for_node("movie_ticket_sales_windows")
-    hourly = next(m.metadata for m in windows if m.asset_key.path == ["tickets_per_title_hourly"])
+    def materialized(node: str, asset: str):
+        return next(m.metadata for m in result.asset_materializations_for_node(node) if m.asset_key.path == [asset])
+
+    hourly = materialized("movie_ticket_sales", "tickets_per_title_hourly")
     assert hourly["windows_closed_this_run"].value > 0 and hourly["watermark"].value.startswith("2026-")
-    activity = next(m.metadata for m in result.asset_materializations_for_node("customer_activity")
-                    if m.asset_key.path == ["customer_activity"])
+    activity = materialized("payments", "customer_activity")
     assert activity["sessions_closed_this_run"].value > 0 and activity["operator_state_rows"].value > 0
-    bronze = result.asset_materializations_for_node("movie_ticket_sales_ingest")[0].metadata
+    bronze = materialized("movie_ticket_sales", "movie_ticket_sales_bronze")
     assert bronze["lines_read"].value == 1500
     assert hourly["bronze_rows_read"].value == bronze["rows_accepted"].value  # each bronze row read once
-    state = result.asset_materializations_for_node("movie_tickets_sold")[0].metadata
+    state = materialized("movie_ticket_sales", "movie_tickets_sold")
     assert state["events_counted"].value == bronze["rows_accepted"].value
     assert state["lines_read"].value == 1500 and state["rows_accepted"].value == bronze["rows_accepted"].value
     top = state["top_rows"]  # a real table in the UI: typed columns, the 10 titles with most tickets

@@ -45,6 +45,10 @@ def _job(name: str):
     return defs.resolve_job_def(name)
 
 
+def _materialized(result, node: str, asset: str):
+    return next(m.metadata for m in result.asset_materializations_for_node(node) if m.asset_key.path == [asset])
+
+
 def test_definitions_validate_with_the_dagster_cli():
     result = subprocess.run([Path(sys.executable).parent / "dagster", "definitions", "validate", "-w", "workspace.yaml"],
                             cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -70,7 +74,7 @@ def test_the_launchpad_documents_every_config_field_with_a_default():
                 config = getattr(field.config_type, "fields", {}).get("config")
                 for path, leaf in _config_fields(config.config_type if config else None, f"{section}.{owner}"):
                     seen[path] = leaf
-    assert {"ops.movie_ticket_sales_windows.watermark_delay_minutes", "ops.payments_ingest.dedup_horizon_days",
+    assert {"ops.movie_ticket_sales.watermark_delay_minutes", "ops.payments.dedup_horizon_days",
             "resources.state_policy.ttl_days", "resources.spark.remote",
             "ops.keep_streams_running.trigger_seconds"} <= set(seen)
     undocumented = sorted(path for path, leaf in seen.items() if not leaf.description or leaf.is_required)
@@ -94,7 +98,7 @@ def test_a_grown_landing_file_warns_and_a_ttl_set_in_run_config_expires_keys(spa
         ttl = {"resources": {"state_policy": {"config": {"ttl_days": {"payments_per_customer": 0.1}}}}}
         again = _job("advance_payments").execute_in_process(instance=instance, run_config=ttl)
         assert again.success
-        state = again.asset_materializations_for_node("payments_per_customer")[0].metadata
+        state = _materialized(again, "payments", "payments_per_customer")
         assert state["ttl_days"].value == "0.1" and state["keys_expired_this_run"].value > 0
         checked = [e.event_specific_data for e in again.all_events if e.event_type_value == "ASSET_CHECK_EVALUATION"
                    and e.event_specific_data.check_name == "totals_match_bronze"]
@@ -104,7 +108,7 @@ def test_a_grown_landing_file_warns_and_a_ttl_set_in_run_config_expires_keys(spa
         assert len(warned) == 1 and not warned[0].passed and warned[0].severity == dg.AssetCheckSeverity.WARN
         assert [(r.data["file"], r.data["change"]) for r in warned[0].metadata["files"].records] == [
             (str(grown), "appended")]
-        assert again.asset_materializations_for_node("payments_ingest")[0].metadata["rows_accepted"].value == 1
+        assert _materialized(again, "payments", "payments_bronze")["rows_accepted"].value == 1
 
 
 def test_a_failing_blocking_check_fails_the_run(spark, layout):
@@ -207,7 +211,7 @@ def test_failure_sensor_requests_a_bounded_recovery_run(spark, layout):
         assert [r.job_name for r in requests] == ["advance_payments"]
         assert requests[0].tags[RECOVERY_OF_TAG] == run.run_id
         assert requests[0].tags[RECOVERY_ATTEMPT_TAG] == "1"
-        assert requests[0].tags[RECOVERY_REASON_TAG].startswith(f"run {run.run_id} failed: payments_ingest: ")
+        assert requests[0].tags[RECOVERY_REASON_TAG].startswith(f"run {run.run_id} failed: payments: ")
 
         last, last_failure = _failed_run(instance, layout, tags={RECOVERY_ATTEMPT_TAG: "3", RECOVERY_OF_TAG: "x"})
         context = dg.build_run_status_sensor_context(

@@ -176,7 +176,7 @@ def test_an_operator_sees_every_asset_what_a_run_did_and_why_a_recovery_ran(layo
         expect(page.get_by_text("Success", exact=True).first).to_be_visible()
         page.get_by_role("button", name="View tags and config").click()
         expect(page.get_by_text(f"statetables/recovery_of: {failed_run}")).to_be_visible()
-        expect(page.get_by_text(re.compile(r"statetables/recovery_reason: run .* failed: payments_ingest: "
+        expect(page.get_by_text(re.compile(r"statetables/recovery_reason: run .* failed: payments: "
                                            r".*fault injected at ingest.after_bronze_commit"))).to_be_visible()
         shot(page, "7-recovery-run")
         page.keyboard.press("Escape")

@@ -8,11 +8,16 @@ is skipped. Not covered: Dagster (tests/assets).
 
 from __future__ import annotations
 
+import shutil
 from decimal import Decimal
 
+import pytest
 from deltalake import DeltaTable as IndependentDeltaTable
 
+from pipelines.changelog import changelog_name
+from pipelines.errors import ChangelogError
 from pipelines.generate import generate
+from pipelines.streaming import table_version
 from pipelines.streams import MOVIE_TICKET_SALES, PAYMENTS, STREAMS
 from tests.contract_oracle import expected_state, landing_files
 from tests.streams import advance
@@ -76,3 +81,21 @@ def test_replayed_merge_is_not_applied_twice(spark, layout, landing):
     landing.write("movie_ticket_sales", "b.jsonl", [good % "e3"])
     _advance(spark, layout, MOVIE_TICKET_SALES)
     assert _read_state(layout, MOVIE_TICKET_SALES) == {"Dune": (3, Decimal("30.75"))}
+
+
+def test_a_state_table_that_records_no_bronze_version_is_rebuilt_from_bronze(spark, layout):
+    """A state table deleted (with its changelog) is built again from all of bronze, exactly, in one commit that
+    records the bronze version; the changelog then starts from the new table's first version."""
+    spec = PAYMENTS
+    generate(spec, layout.landing(spec.name), events=600, malformed=0.02, duplicates=0.03, seed=5, events_per_file=300)
+    _advance(spark, layout, spec)
+    shutil.rmtree(layout.table(spec.state_table.name))
+    with pytest.raises(ChangelogError, match="deleted and created again.*Fix: move"):
+        _advance(spark, layout, spec)
+    shutil.rmtree(layout.table(changelog_name(spec.state_table)))
+    result = _advance(spark, layout, spec)
+    assert result.built_through_source_version == table_version(spark, layout.table(spec.bronze_table))
+    expected = expected_state(spec.name, landing_files(layout.landing(spec.name)))
+    assert _read_state(layout, spec) == {k: (expected.counts[k], expected.sums[k]) for k in expected.counts}
+    changelog = IndependentDeltaTable(str(layout.table(changelog_name(spec.state_table)))).to_pyarrow_table()
+    assert changelog.num_rows == len(expected.counts)  # the rebuild's inserts
