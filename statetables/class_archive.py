@@ -4,8 +4,8 @@
 
 A JVM started with `-XX:ArchiveClassesAtExit` records every class it loaded when it exits; a later JVM
 started with `-XX:SharedArchiveFile` maps them instead of reading, parsing and verifying them from the
-jars again (JDK 17 dynamic archives). The recording JVM runs one small pass of both streams (ingest,
-MERGE, changelog) over generated data in a temporary storage root, so the archive holds what a run
+jars again (JDK 17 dynamic archives). The recording JVM runs one small pass of both streams (every table
+of each stream's query) over generated data in a temporary storage root, so the archive holds what a run
 loads. pipelines/session.py adds the archive to every driver JVM it starts, when the file exists.
 
 The JVM writes the archive as it exits, after the Python process that started it has gone, so the
