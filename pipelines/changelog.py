@@ -56,12 +56,16 @@ class ChangelogStage:
         self.covers = now
 
 
+def ensure_changelog(spark: SparkSession, layout: StorageLayout, table: StateTableSpec) -> None:
+    create_table_if_missing(spark, layout.table(changelog_name(table)), changelog_schema(table), change_data_feed=False)
+
+
 def changelog_stage(spark: SparkSession, layout: StorageLayout, table: StateTableSpec) -> ChangelogStage:
     """The changelog step as the changelog's newest commits left it. A changelog written by an earlier
     statetables (a query of its own, without the record) covers the newest version its rows hold."""
     path, state_path = layout.table(changelog_name(table)), layout.table(table.name)
     ensure_state_table(spark, layout, table)
-    create_table_if_missing(spark, path, changelog_schema(table), change_data_feed=False)
+    ensure_changelog(spark, layout, table)
     latest = table_version(spark, path) or 0
     newest = next((c["user"] for c in reversed(commits_since(spark, path, max(-1, latest - 20)))
                    if c["user"].get(COVERS) is not None), None)

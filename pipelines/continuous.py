@@ -27,7 +27,9 @@ from pyspark.sql import SparkSession
 from pipelines.bronze import ensure_bronze_tables
 from pipelines.errors import ConfigurationError
 from pipelines.layout import StorageLayout
+from pipelines.changelog import ensure_changelog
 from pipelines.sessions import ensure_session_tables
+from pipelines.state import ensure_state_table
 from pipelines.streaming import Continuous, StreamRunResult
 from pipelines.streams import STREAMS
 from pipelines.windows import ensure_window_tables
@@ -41,10 +43,13 @@ class ContinuousStep:
 
 
 def create_tables(spark: SparkSession, layout: StorageLayout) -> None:
-    """The tables both streams write (late_events), created before the streams start: they would otherwise race
-    to create them, and Delta refuses the second creation (DELTA_PROTOCOL_CHANGED)."""
+    """Every table the streams write, created before they start: both write late_events, and would otherwise race
+    to create it (Delta refuses the second creation, DELTA_PROTOCOL_CHANGED); and the run's first report then
+    compares each table with its first version, not with nothing."""
     for spec in STREAMS.values():
         ensure_bronze_tables(spark, layout, spec)
+        ensure_state_table(spark, layout, spec.state_table)
+        ensure_changelog(spark, layout, spec.state_table)
     ensure_window_tables(spark, layout)
     ensure_session_tables(spark, layout)
 
