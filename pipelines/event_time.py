@@ -14,6 +14,7 @@ import datetime as dt
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
@@ -187,6 +188,25 @@ class EventTimeStage:
         fault_point(self.before_closing_fault)
         append_batch(folded.closed, closing, app_id, batch_id, progress)
         self.last = Progress(folded.watermark_ms, through, folded.state_versions, app_id, batch_id)
+
+
+def resumed_stage(stage_of: Callable[[Progress], EventTimeStage], last: Progress | None,
+                  first_state: Callable[[Progress | None], Progress], undone: list[str], *, kept: str,
+                  events: str) -> EventTimeStage:
+    """An event-time step as its last closing commit left it. Tables with no progress yet, or whose progress
+    records no state versions (an earlier statetables kept `kept` in RocksDB), get their first state from
+    `first_state`; `undone` says what the start undid of a batch that died before its closing commit."""
+    legacy = last is not None and last.state_versions is None
+    if last is None or legacy:
+        last = first_state(last)
+    stage = stage_of(last)
+    if legacy:
+        stage.recovered = {"problem": f"{stage.closing_table} was written by an earlier statetables, which kept "
+                                      f"{kept} in RocksDB", "action": f"{kept} built once from the tables"}
+    elif undone:
+        stage.recovered = {"problem": f"a micro-batch died before its {stage.closing_table} commit",
+                           "action": "; ".join(undone) + f"; its {events} folded again"}
+    return stage
 
 
 def rows_read(commits: list[dict]) -> int:

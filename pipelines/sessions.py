@@ -46,7 +46,8 @@ from pyspark.sql.types import ArrayType, LongType, StringType, StructField, Stru
 from pipelines import event_time
 from pipelines.checkpoints import new_app_id
 from pipelines.event_time import (
-    LATE, LATE_SCHEMA, EventTimeStage, FoldedBatch, Progress, append_batch, read_state, undo_late_rows, write_state,
+    LATE, LATE_SCHEMA, EventTimeStage, FoldedBatch, Progress, append_batch, read_state, resumed_stage, undo_late_rows,
+    write_state,
 )
 from pipelines.faults import (
     SESSIONS_AFTER_LAST_SESSIONS_COMMIT, SESSIONS_AFTER_LATE_COMMIT, SESSIONS_AFTER_OPEN_SESSIONS_COMMIT,
@@ -314,19 +315,9 @@ def sessions_stage(spark: SparkSession, layout: StorageLayout, settings: Session
     ensure_session_tables(spark, layout)
     undone = undo_late_rows(spark, layout, PAYMENTS.name, "activity_version",
                             table_version(spark, layout.table(ACTIVITY)) or 0)
-    last = last_progress(spark, layout)
-    legacy = last is not None and last.state_versions is None
-    if last is None or legacy:
-        last = _first_state(spark, layout, last, settings)
-    stage = SessionsStage(layout, last, settings)
-    if legacy:
-        stage.recovered = {"problem": f"{ACTIVITY} was written by an earlier statetables, which kept the sessions "
-                                      f"in RocksDB", "action": f"{OPEN_SESSIONS} and {LAST_SESSIONS} built once "
-                                                               f"from bronze and {ACTIVITY}"}
-    elif undone:
-        stage.recovered = {"problem": f"a micro-batch died before its {ACTIVITY} commit",
-                           "action": "; ".join(undone) + "; its payments folded again"}
-    return stage
+    return resumed_stage(lambda last: SessionsStage(layout, last, settings), last_progress(spark, layout),
+                         lambda last: _first_state(spark, layout, last, settings), undone,
+                         kept=f"the open sessions ({OPEN_SESSIONS}, {LAST_SESSIONS})", events="payments")
 
 
 def state_figures(spark: SparkSession, layout: StorageLayout) -> dict:

@@ -35,7 +35,8 @@ from pyspark.sql.types import LongType, StringType, StructField, StructType, Tim
 from pipelines import delta_sql, event_time
 from pipelines.checkpoints import new_app_id
 from pipelines.event_time import (
-    LATE, LATE_SCHEMA, EventTimeStage, FoldedBatch, Progress, append_batch, read_state, undo_late_rows, write_state,
+    LATE, LATE_SCHEMA, EventTimeStage, FoldedBatch, Progress, append_batch, read_state, resumed_stage, undo_late_rows,
+    write_state,
 )
 from pipelines.faults import (
     WINDOWS_AFTER_LATE_COMMIT, WINDOWS_AFTER_OPEN_HOURS_COMMIT, WINDOWS_AFTER_TOP_COMMIT,
@@ -238,18 +239,9 @@ def windows_stage(spark: SparkSession, layout: StorageLayout, delay: dt.timedelt
         raise ValueError(f"watermark delay {delay} is negative. Fix: give a delay of 0 or more.")
     ensure_window_tables(spark, layout)
     undone = _undo_unfinished_batch(spark, layout)
-    last = last_progress(spark, layout)
-    legacy = last is not None and last.state_versions is None
-    if last is None or legacy:
-        last = _first_state(spark, layout, last, delay)
-    stage = WindowsStage(layout, last, delay)
-    if legacy:
-        stage.recovered = {"problem": f"{HOURLY} was written by an earlier statetables, which kept the open hours "
-                                      f"in RocksDB", "action": f"{OPEN_HOURS} built once from bronze"}
-    elif undone:
-        stage.recovered = {"problem": f"a micro-batch died before its {HOURLY} commit",
-                           "action": "; ".join(undone) + "; its sales folded again"}
-    return stage
+    return resumed_stage(lambda last: WindowsStage(layout, last, delay), last_progress(spark, layout),
+                         lambda last: _first_state(spark, layout, last, delay), undone,
+                         kept=f"the open hours ({OPEN_HOURS})", events="sales")
 
 
 def state_figures(spark: SparkSession, layout: StorageLayout) -> dict:
