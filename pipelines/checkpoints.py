@@ -27,8 +27,7 @@ from pathlib import Path
 
 from pyspark.sql import SparkSession
 
-from pipelines import delta_sql
-from pipelines.streaming import table_version
+from pipelines.streaming import history_rows, table_version
 
 ORIGIN_FILE = "statetables_checkpoint.json"
 HISTORY_WINDOW = 1000  # newest table commits searched for this checkpoint's last batch
@@ -157,8 +156,7 @@ def table_batches(spark: SparkSession, table_path: Path, app_id: str) -> tuple[i
         return None, None
     # A healthy checkpoint's last batch is among the newest commits: most runs read only a few.
     for window in (RECENT_WINDOW, HISTORY_WINDOW):
-        rows = (delta_sql.history(spark, table_path, window).select("version", "operation", "operationParameters", "userMetadata")
-                .orderBy("version", ascending=False).collect())
+        rows = history_rows(spark, table_path, window)
         found = _last_batches(rows, app_id)
         if found[1] is not None or len(rows) < window:
             return found

@@ -23,7 +23,7 @@ from pyspark.sql.types import LongType, StringType, StructField, StructType, Tim
 from pipelines import delta_sql
 from pipelines.faults import fault_point
 from pipelines.layout import StorageLayout
-from pipelines.streaming import commits_since, retry_on_conflict, rows_added, table_version
+from pipelines.streaming import commits_since, kept_on_disk, retry_on_conflict, rows_added, table_version
 
 LATE = "late_events"
 LATE_SCHEMA = StructType([
@@ -104,7 +104,7 @@ def undo_late_rows(spark: SparkSession, layout: StorageLayout, stream: str, mark
     added = rows_at(unfinished[0]).subtract(rows_at(unfinished[0] - 1))
     for version in unfinished[1:]:
         added = added.union(rows_at(version).subtract(rows_at(version - 1)))
-    added = added.localCheckpoint()
+    added = kept_on_disk(added)
     count = added.count()
     # The stream name travels as a column of the source, not as SQL text.
     doomed = added.withColumn("stream", F.lit(stream))

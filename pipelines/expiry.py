@@ -38,7 +38,7 @@ from pyspark.sql import functions as F
 from pipelines import delta_sql
 from pipelines.delta_sql import ident
 from pipelines.errors import ExpiryHistoryError
-from pipelines.streaming import USER_METADATA, commit_confs
+from pipelines.streaming import USER_METADATA, commit_confs, history_rows
 from pipelines.streams import StateTableSpec
 
 EXPIRED = "expired"
@@ -97,9 +97,8 @@ def expired_totals(spark: SparkSession, table_path: str | Path, *, as_of: int | 
     restored. Zero for a table that never had a TTL."""
     if ttl_property(spark, table_path) is None:
         return ExpiredTotals()
-    columns = ("version", "operation", "operationParameters", "userMetadata")
-    for history in (delta_sql.history(spark, table_path, RECENT_COMMITS), delta_sql.history(spark, table_path)):
-        rows = sorted(history.select(*columns).collect(), key=lambda r: -r["version"])
+    for limit in (RECENT_COMMITS, None):
+        rows = history_rows(spark, table_path, limit)
         target = as_of
         for row in rows:
             if target is not None and row["version"] > target:
@@ -122,9 +121,7 @@ def expired_rows(spark: SparkSession, table_path: str | Path, table: StateTableS
     if ttl_property(spark, table_path) is None:
         return None
     path = str(table_path)
-    rows = sorted(delta_sql.history(spark, path)
-                  .select("version", "operation", "operationParameters", "userMetadata").collect(),
-                  key=lambda r: -r["version"])
+    rows = history_rows(spark, table_path)
     undone: list[tuple[int, int]] = []  # (went back to version, at version)
     expiries: dict[int, int] = {}  # commit version → ingested_through, epoch µs
     for row in rows:

@@ -52,7 +52,8 @@ LOCAL_DEFAULTS = {
     "spark.databricks.delta.snapshotPartitions": "2",
     "spark.ui.enabled": "false",
     "spark.ui.showConsoleProgress": "false",
-    "spark.driver.memory": "4g",
+    # Every batch keeps its frames on local disk (streaming.kept): 1 GiB of heap ran the 1M bulk run as fast as 4.
+    "spark.driver.memory": "1g",
     "spark.sql.streaming.stopGracefullyOnShutdown": "true",
     "spark.log.level": "ERROR",
 }

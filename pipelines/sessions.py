@@ -55,7 +55,7 @@ from pipelines.faults import (
 )
 from pipelines.layout import StorageLayout
 from pipelines.state import TOTAL_TYPE
-from pipelines.streaming import create_table_if_missing, table_version
+from pipelines.streaming import create_table_if_missing, kept_on_disk, table_version
 from pipelines.streams import PAYMENTS
 
 ACTIVITY = "customer_activity"
@@ -152,7 +152,7 @@ def fold_sessions(open_sessions: DataFrame, last_sessions: DataFrame, payments: 
     in_order = Window.partitionBy("customer_id").orderBy("session_start", "session_end")
     latest_end = F.max(_micros("session_end")).over(in_order.rowsBetween(Window.unboundedPreceding, -1))
     starts = F.when(latest_end.isNull() | (_micros("session_start") - latest_end >= gap_us), 1).otherwise(0)
-    sessions = (pieces.withColumn("_starts", starts)
+    sessions = kept_on_disk(pieces.withColumn("_starts", starts)
                 .withColumn("_session", F.sum("_starts").over(in_order.rowsBetween(Window.unboundedPreceding, 0)))
                 .groupBy("customer_id", "_session")
                 .agg(F.min("session_start").alias("session_start"), F.max("session_end").alias("session_end"),
@@ -160,15 +160,14 @@ def fold_sessions(open_sessions: DataFrame, last_sessions: DataFrame, payments: 
                      F.sum("total_amount").cast(TOTAL_TYPE).alias("total_amount"),
                      F.slice(F.sort_array(F.flatten(F.collect_list("last_payments")), asc=False), 1, LAST_PAYMENTS)
                      .alias("last_payments"))
-                .drop("_session")
-                .localCheckpoint())  # the closed rows, the open ones and the kept state all read it
+                .drop("_session"))  # the closed rows, the open ones and the kept state all read it
     # The newest on-time payment (or open session's end, which an earlier batch's watermark has allowed for);
     # a late payment is at or behind the watermark, so it could not move it.
     newest = sessions.agg(F.max(F.unix_millis("session_end"))).first()[0]
     after = (watermark_ms if newest is None
              else max(watermark_ms, newest - settings.watermark_delay // dt.timedelta(milliseconds=1)))
     closes = _micros("session_end") + gap_us <= F.lit(after * 1000)
-    closed = _closed_rows(sessions.where(closes), last_sessions, ttl_us).localCheckpoint()  # written; the kept state reads it
+    closed = kept_on_disk(_closed_rows(sessions.where(closes), last_sessions, ttl_us))  # written; the kept state reads it
     still_open = sessions.where(~closes)
     # The customer's newest closed session replaces the stored one; a customer idle for the TTL with nothing
     # open is forgotten (the rule above would forget them anyway: this only keeps the table small).
@@ -270,7 +269,7 @@ def _state_from_tables(spark: SparkSession, layout: StorageLayout, last: Progres
                            SessionSettings(dt.timedelta(days=366_000), settings.state_ttl, settings.gap))
     newest = payments.agg(F.max(F.unix_millis(spec.event_time_field))).first()[0] or 0
     # ... of which those the next watermark passes close now.
-    return fold_sessions(opened.open_sessions.localCheckpoint(), newest_session, open_payments.limit(0),
+    return fold_sessions(kept_on_disk(opened.open_sessions), newest_session, open_payments.limit(0),
                          max(last.watermark_ms, newest - settings.watermark_delay // dt.timedelta(milliseconds=1)),
                          settings)
 
@@ -285,7 +284,7 @@ def _first_state(spark: SparkSession, layout: StorageLayout, last: Progress | No
     closed, watermark = spark.createDataFrame([], ACTIVITY_SCHEMA), last.watermark_ms
     if last.bronze_version >= 0:
         fold = _state_from_tables(spark, layout, last, settings)
-        closed, watermark = fold.closed.localCheckpoint(), fold.watermark_ms
+        closed, watermark = kept_on_disk(fold.closed), fold.watermark_ms
         open_sessions, last_sessions = fold.open_sessions, fold.last_sessions
     else:
         open_sessions = spark.createDataFrame([], OPEN_SESSIONS_SCHEMA)

@@ -28,8 +28,8 @@ from pipelines.expiry import (
 )
 from pipelines.faults import STATE_AFTER_MERGE_COMMIT, STATE_AFTER_REBUILD, STATE_BATCH_END, STATE_MERGE_START, fault_point
 from pipelines.streaming import (
-    TXN_APP_ID, TXN_VERSION, USER_METADATA, commit_confs, commits_since, create_table_if_missing, retry_on_conflict,
-    rows_added, table_version,
+    TXN_APP_ID, TXN_VERSION, USER_METADATA, commit_confs, commits_since, create_table_if_missing, history_rows,
+    retry_on_conflict, rows_added, table_version,
 )
 from pipelines.streams import StateTableSpec, StreamSpec
 
@@ -82,10 +82,8 @@ def folded_through(spark: SparkSession, table_path: Path) -> Folded | None:
     latest = table_version(spark, table_path)
     if latest is None:
         return None
-    rows = (delta_sql.history(spark, table_path, NEWEST_COMMITS)
-            .select("version", "operation", "operationParameters", "userMetadata").collect())
     target, restored_to = latest, None
-    for row in sorted(rows, key=lambda r: -r["version"]):
+    for row in history_rows(spark, table_path, NEWEST_COMMITS):
         if row["version"] > target:
             continue
         if row["operation"] == "RESTORE":

@@ -44,7 +44,7 @@ from pipelines.faults import (
 )
 from pipelines.layout import StorageLayout
 from pipelines.state import TOTAL_TYPE
-from pipelines.streaming import commits_since, create_table_if_missing, table_version
+from pipelines.streaming import commits_since, create_table_if_missing, kept_on_disk, table_version
 from pipelines.streams import MOVIE_TICKET_SALES
 
 HOURLY = "tickets_per_title_hourly"
@@ -103,10 +103,9 @@ def fold_windows(open_hours: DataFrame, sales: DataFrame, watermark_ms: int, del
         (F.lit(watermark_ms) - F.unix_millis(at)).alias("late_by_ms"), "source_file", "line_number")
     # One pass over the batch, kept: what it adds per (title, hour), and its newest on-time sale. A late sale
     # is at or behind the watermark, so it could not move it: the newest on-time sale is the newest that counts.
-    on_time = (sales.where(~behind).groupBy("title", hour_of(at).alias("window_start"))
+    on_time = kept_on_disk(sales.where(~behind).groupBy("title", hour_of(at).alias("window_start"))
                .agg(F.count("*").alias("tickets_sold"), F.sum(spec.value_field).alias("total_ticket_value"),
-                    F.max(F.unix_millis(at)).alias("_newest"))
-               .localCheckpoint())
+                    F.max(F.unix_millis(at)).alias("_newest")))
     newest = on_time.agg(F.max("_newest")).first()[0]
     after = watermark_ms if newest is None else max(watermark_ms, newest - delay // dt.timedelta(milliseconds=1))
     counted = (open_hours.select("title", "window_start", "tickets_sold", "total_ticket_value")
@@ -162,7 +161,7 @@ class WindowsStage(EventTimeStage):
                             "line_number")
         before = read_state(spark, layout.table(OPEN_HOURS), self.last.state_versions[OPEN_HOURS])
         fold = fold_windows(before, sales, self.last.watermark_ms, self.delay)
-        closed = fold.closed.localCheckpoint()  # ranked, written and counted
+        closed = kept_on_disk(fold.closed)  # ranked, written and counted
         windows_closed, late_count = closed.count(), fold.late.count()
         if late_count:
             append_batch(fold.late, layout.table(LATE), app_id, batch_id, marker)
@@ -203,7 +202,7 @@ def _open_hours_from_bronze(spark: SparkSession, layout: StorageLayout, last: Pr
     still_open = every_hour.where(F.unix_millis("window_end") > F.lit(last.watermark_ms))
     newest = sales.agg(F.max(F.unix_millis(spec.event_time_field))).first()[0] or 0
     # ... of which those the next watermark passes close now.
-    return fold_windows(still_open.localCheckpoint(), on_time.limit(0),
+    return fold_windows(kept_on_disk(still_open), on_time.limit(0),
                         max(last.watermark_ms, newest - delay // dt.timedelta(milliseconds=1)), delay)
 
 
@@ -216,7 +215,7 @@ def _first_state(spark: SparkSession, layout: StorageLayout, last: Progress | No
     closed, watermark = spark.createDataFrame([], HOURLY_SCHEMA), last.watermark_ms
     fold = (_open_hours_from_bronze(spark, layout, last, delay) if last.bronze_version >= 0 else
             WindowsFold(spark.createDataFrame([], OPEN_HOURS_SCHEMA), closed, None, watermark))
-    closed, watermark = fold.closed.localCheckpoint(), fold.watermark_ms
+    closed, watermark = kept_on_disk(fold.closed), fold.watermark_ms
     # A txn id of its own: Delta commits an empty append only when it carries one.
     versions = {OPEN_HOURS: write_state(fold.open_hours, layout.table(OPEN_HOURS), start_id, 0)}
     if not closed.isEmpty():
