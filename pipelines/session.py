@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,8 +57,12 @@ LOCAL_DEFAULTS = {
     # Every batch keeps its frames on local disk (streaming.kept): 1 GiB of heap ran the 1M bulk run as fast as 4.
     "spark.driver.memory": "1g",
     "spark.sql.streaming.stopGracefullyOnShutdown": "true",
-    "spark.log.level": "ERROR",
 }
+# What a driver JVM prints at its start whatever it is asked: Spark's launcher always adds the Vector API's
+# incubator module (JavaModuleOptions), and the JVM warns about it, with no flag to silence that; Spark, started as
+# PySpark's shell, says it set the shell's log level even when log4j2.properties sets every level.
+JVM_START_NOISE = (b"WARNING: Using incubator modules:", b'Setting default log level to "',
+                   b"To adjust logging level use sc.setLogLevel(newLevel).")
 
 
 @dataclass(frozen=True)
@@ -132,6 +138,33 @@ def session_confs(settings: SparkSettings | None = None) -> dict[str, str]:
     return conf
 
 
+@contextmanager
+def jvm_start_noise_filtered():
+    """Start the driver JVM inside this block: its stderr passes through a filter that drops JVM_START_NOISE and
+    forwards every other line, for the JVM's whole life; this process's own stderr is back when the block ends.
+    Hand-written: pyspark starts the JVM with this process's stderr, and offers no hook for it."""
+    read_fd, write_fd = os.pipe()
+    target = os.dup(2)
+
+    def forward() -> None:
+        with os.fdopen(read_fd, "rb") as lines, os.fdopen(target, "wb", buffering=0) as out:
+            for line in lines:
+                if not line.startswith(JVM_START_NOISE):
+                    out.write(line)
+
+    threading.Thread(target=forward, name="jvm-stderr", daemon=True).start()
+    sys.stderr.flush()
+    saved = os.dup(2)
+    os.dup2(write_fd, 2)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(write_fd)  # the JVM holds its own copy; the filter ends when the JVM does
+
+
 def build_spark_session(settings: SparkSettings | None = None) -> SparkSession:
     """Return the process's SparkSession with Delta, creating it (and its JVM) once. The Dagster resource
     (resources/spark.py) builds the same session from `session_confs` through dagster-pyspark.
@@ -141,4 +174,5 @@ def build_spark_session(settings: SparkSettings | None = None) -> SparkSession:
     builder = SparkSession.builder
     for key, value in session_confs(settings).items():
         builder = builder.config(key, value)
-    return builder.getOrCreate()
+    with jvm_start_noise_filtered():
+        return builder.getOrCreate()

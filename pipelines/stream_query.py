@@ -234,15 +234,16 @@ def advance_stream(spark: SparkSession, layout: StorageLayout, spec: StreamSpec,
             recovery = {**event_time.recovered, "set_aside": None}
         if recovery is None and state.note:
             recovery = {"problem": state.note.split(":")[0], "set_aside": None, "action": state.note}
+        commits = {name: commits_since(spark, layout.table(name), before[name])
+                   for name in (spec.bronze_table, spec.state_table.name,
+                                *((event_time.closing_table,) if event_time is not None else ()))}
         return StreamRunResult(
             query_name=spec.name,
             micro_batches=batches + int(caught_up),
-            rows_read=sum(int(c["user"].get("lines", 0)) for c in commits_since(spark, bronze_path, before[spec.bronze_table])),
+            rows_read=sum(int(c["user"].get("lines", 0)) for c in commits[spec.bronze_table]),
             duration_s=time.monotonic() - started,
             versions={name: TableVersions(before[name], table_version(spark, layout.table(name))) for name in names},
-            commits={name: commits_since(spark, layout.table(name), before[name])
-                     for name in (spec.bronze_table, spec.state_table.name,
-                                  *((event_time.closing_table,) if event_time is not None else ()))},
+            commits=commits,
             recovery=recovery,
             changed_files=changed,
             built_through_source_version=state.rebuilt_through,

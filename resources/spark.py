@@ -8,7 +8,7 @@ from dagster_pyspark import LazyPySparkResource
 from dagster_pyspark.resources import spark_session_from_config
 from pydantic import Field
 
-from pipelines.session import SparkSettings, session_confs
+from pipelines.session import SparkSettings, jvm_start_noise_filtered, session_confs
 
 
 class SparkSessionResource(LazyPySparkResource):
@@ -36,4 +36,5 @@ class SparkSessionResource(LazyPySparkResource):
             settings = SparkSettings(master=self.master, remote=self.remote, jars_dir=self.jars_dir,
                                      conf={k: str(v) for k, v in self.spark_config.items()})
             # getOrCreate inside: every asset and check of a run shares the one session.
-            self._spark_session = spark_session_from_config(session_confs(settings))
+            with jvm_start_noise_filtered():
+                self._spark_session = spark_session_from_config(session_confs(settings))

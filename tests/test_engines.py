@@ -28,6 +28,7 @@ import dagster as dg
 import pytest
 from deltalake import DeltaTable as IndependentDeltaTable
 
+from pipelines.session import JVM_START_NOISE
 from pipelines.generate import generate
 from pipelines.layout import HOME_ENV, StorageLayout
 from pipelines.streams import STREAMS
@@ -61,6 +62,9 @@ def run_pipeline(landing: Path, home: Path, *engine: str) -> StorageLayout:
                           text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "SUCCESS" in done.stdout and "FAILED" not in done.stdout, done.stdout[-3000:]
+    # The product's output only: a driver JVM's start-up lines are filtered out (pipelines/session.py).
+    noise = [line for line in done.stderr.splitlines() if line.encode().startswith(JVM_START_NOISE)]
+    assert not noise, noise
     return StorageLayout.under(home)
 
 
