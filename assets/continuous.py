@@ -32,7 +32,7 @@ from pipelines import table_checks
 from pipelines.changelog import changelog_name
 from pipelines.continuous import ContinuousStep, create_tables, refuse_over_connect, run_steps_continuously
 from pipelines.layout import StorageLayout
-from pipelines.stream_query import advance_stream, event_time_tables
+from pipelines.stream_query import advance_stream, event_time_streams, event_time_tables
 from pipelines.streaming import Continuous, commits_since, table_version
 from pipelines.streams import STREAMS, StreamSpec
 from resources import CheckPolicyResource, SparkSessionResource, StatePolicyResource, StorageResource
@@ -44,7 +44,8 @@ class ContinuousConfig(dg.Config):
         "Processing-time trigger of each stream's query: how often it looks for new input. Freshness (landing "
         "file to state table) is a few of these."))
     event_time_steps: bool = Field(default=True, description=(
-        "Also keep the windows (movie_ticket_sales) and sessions (payments) in each micro-batch."))
+        "Also keep the windows (movie_ticket_sales) and sessions (payments) in each micro-batch, for the streams "
+        "that keep them ($STATETABLES_EVENT_TIME, default all)."))
     report_every_seconds: float = Field(default=30.0, gt=0, description=(
         "How often the run reports to Dagster: a materialization per table that committed since the last "
         "report, and the state tables' per-run checks."))
@@ -83,7 +84,7 @@ def continuous_steps(spark, layout: StorageLayout, config: ContinuousConfig,
     steps = []
     for spec in STREAMS.values():
         settings = replace(config.streams.settings(state_policy.ttl(spec.state_table.name)),
-                           event_time=config.event_time_steps)
+                           event_time=config.event_time_steps and spec.name in event_time_streams())
         steps.append(ContinuousStep(spec.name, lambda c, spec=spec, settings=settings: advance_stream(
             spark, layout, spec, settings, continuous=c)))
     return steps
@@ -103,7 +104,7 @@ class ContinuousReport:
             self.tables[quarantine_key(spec)] = (spec.quarantine_table, spec.name)
             self.tables[state_key(spec)] = (spec.state_table.name, spec.name)
             self.tables[changelog_key(spec)] = (changelog_name(spec.state_table), spec.name)
-            if event_time_steps:
+            if event_time_steps and spec.name in event_time_streams():
                 for name in event_time_tables(spec):
                     self.tables.setdefault(dg.AssetKey(name), (name, spec.name))
         self.versions = {key: table_version(spark, layout.table(name)) for key, (name, _) in self.tables.items()}

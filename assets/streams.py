@@ -6,6 +6,7 @@ The step is thin: it asks the resources for a Spark session and the storage layo
 """
 
 
+from dataclasses import replace
 from datetime import timedelta
 from decimal import Decimal
 
@@ -69,12 +70,13 @@ def _versions(result: StreamRunResult, name: str) -> dict:
 EVENT_TIME = {MOVIE_TICKET_SALES.name: windows_assets, PAYMENTS.name: sessions_assets}
 
 
-def build_stream_assets(spec: StreamSpec) -> list:
+def build_stream_assets(spec: StreamSpec, keeps_event_time: bool = True) -> list:
     """The stream's one step (a multi-asset: every table its streaming query writes) and the state table's
-    blocking checks."""
+    blocking checks. Without `keeps_event_time`, the stream has no windows or sessions assets and its runs do not
+    write them (pipelines/stream_query.py, `event_time_streams`)."""
     bronze, quarantine, state = bronze_key(spec), quarantine_key(spec), state_key(spec)
     table = spec.state_table
-    event_time = EVENT_TIME[spec.name]
+    event_time = EVENT_TIME[spec.name] if keeps_event_time else None
 
     @dg.multi_asset(
         name=stream_op_name(spec),
@@ -97,7 +99,7 @@ def build_stream_assets(spec: StreamSpec) -> list:
                 f"aggregated by key, whose commit records the bronze version folded; Change Data Feed on. Optional "
                 f"TTL (resource `state_policy`, `ttl_days`): keys with no event for that many days of event time are "
                 f"deleted, and show in the changelog as deletes." + RUNBOOK_LINE)),
-            *event_time.SPECS,
+            *(event_time.SPECS if event_time else ()),
             dg.AssetSpec(changelog_key(spec), deps=[state], kinds=KINDS, metadata=RUNBOOK_METADATA, description=(
                 f"The change stream of {table.name}: every row its Change Data Feed reports (`_change_type` insert, "
                 f"update_preimage, update_postimage, delete; `_commit_version`, `_commit_timestamp`), appended in "
@@ -113,7 +115,7 @@ def build_stream_assets(spec: StreamSpec) -> list:
                 "rewritten under the same name) or vanished before it could be read. Appended lines are "
                 "ingested; a rewritten file's content is ingested as its next version, re-deliveries in it "
                 "counted once. See docs/recovery.md, 'Landing files that change'.")),
-            *event_time.CHECK_SPECS,
+            *(event_time.CHECK_SPECS if event_time else ()),
         ],
         pool=pool(spec),
     )
@@ -121,7 +123,7 @@ def build_stream_assets(spec: StreamSpec) -> list:
                storage: StorageResource, state_policy: StatePolicyResource, check_policy: CheckPolicyResource):
         session, layout = spark.spark_session, storage.layout()
         ttl = state_policy.ttl(table.name)
-        result = advance_stream(session, layout, spec, config.settings(ttl))
+        result = advance_stream(session, layout, spec, replace(config.settings(ttl), event_time=event_time is not None))
         bronze_commits = result.commits[spec.bronze_table]
         counts = {k: sum(c["user"].get(k, 0) for c in bronze_commits)
                   for k in ("files", "lines", "accepted", "quarantined", "duplicates", "already_ingested",
@@ -157,7 +159,8 @@ def build_stream_assets(spec: StreamSpec) -> list:
             metadata={"quarantine_rate": round(rate, 6), "threshold": config.quarantine_warn_rate,
                       "lines_read": counts["lines"], "rows_quarantined": counts["quarantined"]})
         yield _state_result(session, layout, spec, result, ttl, counts, common)
-        yield from event_time.results(session, layout, result, check_policy)
+        if event_time is not None:
+            yield from event_time.results(session, layout, result, check_policy)
         name = changelog_name(table)
         path = layout.table(name)
         appended = sum(int(c["metrics"].get("numOutputRows", 0))

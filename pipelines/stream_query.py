@@ -43,6 +43,7 @@ from pipelines.checkpoints import (
 )
 from pipelines.event_time import LATE, EventTimeStage
 from pipelines.faults import STREAM_BATCH_END, fault_point
+from pipelines.errors import ConfigurationError
 from pipelines.layout import StorageLayout
 from pipelines.sessions import ACTIVITY, LAST_SESSIONS, OPEN_SESSIONS, SessionSettings, sessions_stage
 from pipelines.source import LedgerView, landing_listing, record_units, scan_landing
@@ -51,7 +52,7 @@ from pipelines.streaming import (
     Continuous, StreamRunResult, TableVersions, commits_since, require_writable, run_query, storage_errors,
     table_id, table_version, writer_lock,
 )
-from pipelines.streams import MOVIE_TICKET_SALES, PAYMENTS, StreamSpec
+from pipelines.streams import MOVIE_TICKET_SALES, PAYMENTS, STREAMS, StreamSpec
 from pipelines.validate import DEFAULT_MAX_AHEAD
 from pipelines.windows import DEFAULT_WATERMARK_DELAY, HOURLY, OPEN_HOURS, TOP, windows_stage
 
@@ -68,6 +69,26 @@ class StreamSettings:
     event_time: bool = True  # keep the stream's windows or sessions; False: they cost nothing
     watermark_delay: timedelta = DEFAULT_WATERMARK_DELAY  # the sales windows'
     sessions: SessionSettings = field(default_factory=SessionSettings)  # the payments sessions'
+
+
+EVENT_TIME_ENV = "STATETABLES_EVENT_TIME"
+
+
+def event_time_streams(value: str | None = None) -> frozenset[str]:
+    """The streams that keep their event-time outputs (windows for sales, sessions for payments), from
+    $STATETABLES_EVENT_TIME: `all` (the default), `none`, or stream names separated by commas. The code location
+    reads it once: a stream left out has no event-time assets, and its runs pay nothing for them."""
+    raw = (os.environ.get(EVENT_TIME_ENV, "all") if value is None else value).strip()
+    if raw in ("", "all"):
+        return frozenset(STREAMS)
+    if raw == "none":
+        return frozenset()
+    names = {name.strip() for name in raw.split(",") if name.strip()}
+    if unknown := sorted(names - set(STREAMS)):
+        raise ConfigurationError(
+            f"{EVENT_TIME_ENV}={raw!r} names no stream {', '.join(unknown)}. Fix: set it to all, none, or some of "
+            f"{', '.join(STREAMS)} separated by commas.")
+    return frozenset(names)
 
 
 def event_time_tables(spec: StreamSpec) -> tuple[str, ...]:

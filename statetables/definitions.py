@@ -8,11 +8,12 @@ from assets.automation import (
 )
 from assets.continuous import run_continuously
 from assets.streams import build_stream_assets
+from pipelines.stream_query import event_time_streams
 from pipelines.streams import STREAMS
 from resources import CheckPolicyResource, SparkSessionResource, StatePolicyResource, StorageResource
 
 defs = dg.Definitions(
-    assets=[a for spec in STREAMS.values() for a in build_stream_assets(spec)],
+    assets=[a for spec in STREAMS.values() for a in build_stream_assets(spec, spec.name in event_time_streams())],
     jobs=[advance_all, reconcile_state_tables, *stream_jobs.values(), run_continuously],
     schedules=[every_five_minutes, nightly_reconciliation],
     sensors=[landing_files_sensor, recover_failed_stream],

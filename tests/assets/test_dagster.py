@@ -21,12 +21,15 @@ from delta.tables import DeltaTable
 from pyspark.sql import functions as F
 
 from assets.automation import landing_files_sensor, recover_failed_stream
+from assets.streams import build_stream_assets
 from assets.keys import CONTINUOUS_JOB, blocking_check_names, RECOVERY_ATTEMPT_TAG, RECOVERY_OF_TAG, RECOVERY_REASON_TAG, STREAM_TAG
 from pipelines.continuous import refuse_over_connect
+from pipelines.event_time import LATE
 from pipelines.errors import ConfigurationError
 from pipelines.generate import generate
 from pipelines.layout import StorageLayout
 from pipelines.session import delta_jars, require_java
+from pipelines.stream_query import EVENT_TIME_ENV, event_time_streams, event_time_tables
 from pipelines.streaming import Continuous
 from pipelines.streams import PAYMENTS, stream_spec
 from resources import CheckPolicyResource, SparkSessionResource, StatePolicyResource, StorageResource
@@ -49,9 +52,11 @@ def _materialized(result, node: str, asset: str):
     return next(m.metadata for m in result.asset_materializations_for_node(node) if m.asset_key.path == [asset])
 
 
-def test_definitions_validate_with_the_dagster_cli():
+@pytest.mark.parametrize("event_time", ["all", "movie_ticket_sales"])
+def test_definitions_validate_with_the_dagster_cli(event_time):
     result = subprocess.run([Path(sys.executable).parent / "dagster", "definitions", "validate", "-w", "workspace.yaml"],
-                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+                            cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, EVENT_TIME_ENV: event_time})
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -258,6 +263,29 @@ def test_bad_configuration_fails_fast_with_the_fix(tmp_path, monkeypatch):
         StatePolicyResource(ttl_days={"payments": 30}).ttl("payments_per_customer")
     with pytest.raises(ConfigurationError, match="positive number of days"):
         StatePolicyResource(ttl_days={"payments_per_customer": 0}).ttl("payments_per_customer")
+    with pytest.raises(ConfigurationError, match="names no stream refunds.*Fix: set it to all, none, or some of"):
+        event_time_streams("payments, refunds")
+
+
+def test_a_stream_configured_without_event_time_has_no_such_assets_and_writes_no_such_tables(spark, layout):
+    """$STATETABLES_EVENT_TIME=movie_ticket_sales: payments keeps no sessions. Its step materializes bronze,
+    quarantine, the state table and the changelog only, and creates none of the sessions' tables."""
+    assert event_time_streams("movie_ticket_sales") == {"movie_ticket_sales"}
+    assert event_time_streams("none") == set() and event_time_streams("all") == {"movie_ticket_sales", "payments"}
+    sessions_tables = set(event_time_tables(PAYMENTS)) - {LATE}
+    stream, *checks = build_stream_assets(PAYMENTS, keeps_event_time=False)
+    assert not {key.path[-1] for key in stream.keys} & sessions_tables
+    assert {key.path[-1] for key in build_stream_assets(PAYMENTS)[0].keys} >= sessions_tables
+    generate(PAYMENTS, layout.landing("payments"), events=300, seed=5, events_per_file=300)
+    with dg.DagsterInstance.ephemeral() as instance:
+        result = dg.materialize([stream, *checks], instance=instance, resources={
+            "spark": SparkSessionResource(), "storage": StorageResource(), "state_policy": StatePolicyResource(),
+            "check_policy": CheckPolicyResource()})
+    assert result.success
+    assert {event.asset_key.path[-1] for event in result.get_asset_materialization_events()} == {
+        "payments_bronze", "payments_quarantine", "payments_per_customer", "payments_per_customer_changelog"}
+    assert not any(layout.table(name).exists() for name in sessions_tables | {LATE})
+    assert spark.read.format("delta").load(str(layout.table("payments_per_customer"))).count() > 0
 
 
 def test_cli_refuses_an_unknown_stream_before_touching_data(tmp_path):
