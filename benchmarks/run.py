@@ -41,10 +41,12 @@ def _peak_memory(pid: int, stop: threading.Event, peak: dict) -> None:
             jvm = py = 0
             for p in procs:
                 try:
-                    rss = p.memory_info().rss
-                    if "java" in p.name():
+                    rss, name = p.memory_info().rss, p.name()
+                    # Helpers a JVM spawns (jspawnhelper, shells) share its pages for an instant: counting them
+                    # counted the JVM twice (docs/performance.md, session 14).
+                    if name == "java":
                         jvm += rss
-                    else:
+                    elif name.startswith("python") or name in ("statetables", "dagster"):
                         py += rss
                 except psutil.Error:
                     pass
