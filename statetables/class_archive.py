@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pipelines.session import CLASS_ARCHIVE, DEFAULT_JARS_DIR, JARS_ENV, PARALLEL_GC
+from pipelines.session import CLASS_ARCHIVE, DEFAULT_JARS_DIR, JARS_ENV, LOG4J_CONFIG, PARALLEL_GC
 
 WRITE_TIMEOUT_S = 300
 
@@ -38,7 +38,9 @@ def record_one_pass(home: Path, archive: Path) -> None:
     layout = StorageLayout.under(home)
     spark = build_spark_session(SparkSettings(conf={
         "spark.driver.extraJavaOptions":
-            f"-XX:ArchiveClassesAtExit={archive} {PARALLEL_GC} -Xlog:cds=off -Xlog:cds+dynamic=off"}))
+            # The runs' logging too: the same classes load, and set-up prints no Spark WARN lines.
+            f"-XX:ArchiveClassesAtExit={archive} {PARALLEL_GC} -Xlog:cds=off -Xlog:cds+dynamic=off "
+            f"-Dlog4j2.configurationFile=file:{LOG4J_CONFIG}"}))
     for spec in STREAMS.values():
         generate(spec, layout.landing(spec.name), events=2_000, seed=7)
         for _ in range(2):  # the second pass takes the paths of a run with a checkpoint and history
