@@ -51,6 +51,10 @@ class ContinuousConfig(dg.Config):
         "report, and the state tables' per-run checks."))
     streams: StreamConfig = Field(default_factory=StreamConfig, description="As in the streams' assets.")
 
+    def event_time_kept(self) -> frozenset[str]:
+        """The streams whose windows or sessions this run keeps."""
+        return event_time_streams() if self.event_time_steps else frozenset()
+
 
 class QueryProgress:
     """Batches, rows and watermark per query since the last report, from the queries' progress reports
@@ -84,7 +88,7 @@ def continuous_steps(spark, layout: StorageLayout, config: ContinuousConfig,
     steps = []
     for spec in STREAMS.values():
         settings = replace(config.streams.settings(state_policy.ttl(spec.state_table.name)),
-                           event_time=config.event_time_steps and spec.name in event_time_streams())
+                           event_time=spec.name in config.event_time_kept())
         steps.append(ContinuousStep(spec.name, lambda c, spec=spec, settings=settings: advance_stream(
             spark, layout, spec, settings, continuous=c)))
     return steps
@@ -95,7 +99,7 @@ class ContinuousReport:
     version moved, and the state tables' per-run checks (pinned to the table's newest batch, so a MERGE
     committing meanwhile cannot make them fail)."""
 
-    def __init__(self, spark, layout: StorageLayout, progress: QueryProgress, event_time_steps: bool,
+    def __init__(self, spark, layout: StorageLayout, progress: QueryProgress, event_time_kept: frozenset[str],
                  check_policy: CheckPolicyResource):
         self.spark, self.layout, self.progress, self.check_policy = spark, layout, progress, check_policy
         self.tables: dict[dg.AssetKey, tuple[str, str]] = {}  # asset → (table folder, query writing it)
@@ -104,7 +108,7 @@ class ContinuousReport:
             self.tables[quarantine_key(spec)] = (spec.quarantine_table, spec.name)
             self.tables[state_key(spec)] = (spec.state_table.name, spec.name)
             self.tables[changelog_key(spec)] = (changelog_name(spec.state_table), spec.name)
-            if event_time_steps and spec.name in event_time_streams():
+            if spec.name in event_time_kept:
                 for name in event_time_tables(spec):
                     self.tables.setdefault(dg.AssetKey(name), (name, spec.name))
         self.versions = {key: table_version(spark, layout.table(name)) for key, (name, _) in self.tables.items()}
@@ -180,7 +184,7 @@ def keep_streams_running(context: dg.OpExecutionContext, config: ContinuousConfi
     progress = QueryProgress()
     continuous = Continuous(trigger_interval_s=config.trigger_seconds, on_progress=progress.add)
     steps = continuous_steps(session, layout, config, state_policy)
-    report = ContinuousReport(session, layout, progress, config.event_time_steps, check_policy)
+    report = ContinuousReport(session, layout, progress, config.event_time_kept(), check_policy)
     context.log.info(f"{len(steps)} queries running: {', '.join(s.name for s in steps)}")
     with closing(run_steps_continuously(steps, continuous, tick_s=config.report_every_seconds)) as ticks:
         for _ in ticks:

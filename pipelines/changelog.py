@@ -72,7 +72,8 @@ def changelog_stage(spark: SparkSession, layout: StorageLayout, table: StateTabl
     state_id = table_id(spark, state_path)
     if newest is None:
         # Version 0 is the table's creation: no rows to read.
-        highest = None if latest == 0 else spark.read.format("delta").load(str(path)).agg(F.max("_commit_version")).first()[0]
+        highest = (None if latest == 0
+                   else spark.read.format("delta").load(str(path)).agg(F.max("_commit_version")).first()[0])
         covers, covered_id = (-1 if highest is None else int(highest)), state_id
     else:
         covers, covered_id = int(newest[COVERS]), newest.get(STATE_TABLE_ID, state_id)

@@ -34,7 +34,6 @@ TXN_VERSION = "spark.databricks.delta.write.txnVersion"
 USER_METADATA = "spark.databricks.delta.commitInfo.userMetadata"
 
 
-
 def kept_on_disk(frame: DataFrame) -> DataFrame:
     """`frame` computed once and kept for the batch's later reads, its plan cut off (a local checkpoint).
 
