@@ -53,12 +53,16 @@ demo: install jars class-archive
 run: install jars class-archive
 	$(BIN)/statetables run
 
+# The Dagster UI + daemon beside a warm Spark Connect engine (127.0.0.1:15002) that every run uses and that is
+# started again if it dies; Ctrl-C stops both. ENGINE=embedded: no engine, a JVM per run.
+ENGINE ?= connect
+ENGINE_FLAG = $(if $(filter embedded,$(ENGINE)),--embedded,--engine-port 15002)
 dev: install jars class-archive
-	DAGSTER_HOME=$$($(BIN)/statetables instance) $(BIN)/dagster dev -w workspace.yaml -h 127.0.0.1 -p 3000
+	$(BIN)/statetables dev --port 3000 $(ENGINE_FLAG)
 
-# Always on: the Dagster UI + daemon with the continuous job running (assets/continuous.py); Ctrl-C cancels it.
+# Always on: as `make dev`, with the continuous job running in the engine (assets/continuous.py); Ctrl-C cancels it.
 serve: install jars class-archive
-	$(BIN)/statetables serve --port 3000
+	$(BIN)/statetables serve --port 3000 $(ENGINE_FLAG)
 
 # Other engines on 127.0.0.1 (docs/deploy.md): then `statetables run --remote sc://127.0.0.1:15002` or `--master spark://127.0.0.1:7077`.
 connect-server: install jars

@@ -7,11 +7,14 @@
   from its checkpoint; bounded by MAX_RECOVERY_ATTEMPTS so a persistent fault cannot loop. A failed
   `run_continuously` (assets/continuous.py) is started again with its own config.
 - While a continuous run is in progress it advances every stream: neither sensor starts an orchestrated run.
+- `spark_engine_health`: whether the warm Spark Connect engine the runs use answers (`make dev`, `make serve`).
 """
 
 
 import json
+import os
 import re
+import time
 from pathlib import Path
 
 import dagster as dg
@@ -21,9 +24,11 @@ from assets.keys import (
     CONTINUOUS_JOB, ADVANCE_ALL_JOB, DEEP_CHECK_JOB, MAX_RECOVERY_ATTEMPTS, RECOVERY_ATTEMPT_TAG, RECOVERY_OF_TAG, RECOVERY_REASON_TAG, STREAM_TAG,
     deep_check_keys, stream_job_name, stream_of_step,
 )
+from pipelines.errors import ConfigurationError, EngineUnavailableError
+from pipelines.session import REMOTE_ENV, engine_answers
 from pipelines.source import landing_files
 from pipelines.streams import STREAMS, StreamSpec
-from resources import StorageResource
+from resources import SparkSessionResource, StorageResource
 
 DEEP_CHECKS = dg.AssetSelection.checks(*deep_check_keys())
 
@@ -55,12 +60,36 @@ every_five_minutes = dg.ScheduleDefinition(
 RECOVERY_CHAIN_RESET_S = 600
 
 
+IN_PROGRESS = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.STARTING,
+               dg.DagsterRunStatus.STARTED]
+
+
 def continuous_run_in_progress(instance: dg.DagsterInstance) -> str | None:
     """The id of a `run_continuously` run that is queued, starting or running, if any."""
-    records = instance.get_run_records(dg.RunsFilter(job_name=CONTINUOUS_JOB, statuses=[
-        dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.STARTING,
-        dg.DagsterRunStatus.STARTED]), limit=1)
+    records = instance.get_run_records(dg.RunsFilter(job_name=CONTINUOUS_JOB, statuses=IN_PROGRESS), limit=1)
     return records[0].dagster_run.run_id if records else None
+
+
+def stream_run_in_progress(instance: dg.DagsterInstance, stream: str) -> str | None:
+    """The id of a queued or running run that advances `stream` (its own job, or advance_all), if any."""
+    for runs in (dg.RunsFilter(tags={STREAM_TAG: stream}, statuses=IN_PROGRESS),
+                 dg.RunsFilter(job_name=ADVANCE_ALL_JOB, statuses=IN_PROGRESS)):
+        if records := instance.get_run_records(runs, limit=1):
+            return records[0].dagster_run.run_id
+    return None
+
+
+LANDING_SENSOR_ENV = "STATETABLES_LANDING_SENSOR_SECONDS"
+
+
+def landing_sensor_interval() -> int:
+    """The landing sensor's `minimum_interval_seconds`: $STATETABLES_LANDING_SENSOR_SECONDS, default 5. A tick
+    lists the landing folders only, so it is cheap; the wait for it is part of a file's freshness."""
+    value = os.environ.get(LANDING_SENSOR_ENV, "5")
+    if not value.isdigit() or int(value) < 1:
+        raise ConfigurationError(f"{LANDING_SENSOR_ENV}={value!r}: it must be a whole number of seconds >= 1. "
+                                 f"Fix: e.g. {LANDING_SENSOR_ENV}=5 (or unset it).")
+    return int(value)
 
 
 def _newest_landing_file(folder: Path) -> tuple[int, str] | None:
@@ -75,18 +104,23 @@ def _newest_landing_file(folder: Path) -> tuple[int, str] | None:
     return newest
 
 
-@dg.sensor(jobs=list(stream_jobs.values()), minimum_interval_seconds=30,
+@dg.sensor(jobs=list(stream_jobs.values()), minimum_interval_seconds=landing_sensor_interval(),
            default_status=dg.DefaultSensorStatus.RUNNING,
-           description="Starts `advance_<stream>` when a new landing file appears for that stream.")
+           description="Starts `advance_<stream>` when a new landing file appears for that stream, unless a run of "
+                       f"that stream is already queued or running (interval: ${LANDING_SENSOR_ENV}).")
 def landing_files_sensor(context: dg.SensorEvaluationContext, storage: StorageResource):
     # The cursor only decides *when* to run; which files are new is tracked by each stream's own
     # checkpoint, so a file the cursor misses (an old mtime) is still ingested by the next run.
     cursor = json.loads(context.cursor) if context.cursor else {}
     layout = storage.layout()
-    requests = []
+    requests, busy = [], []
     for name, spec in STREAMS.items():
         newest = _newest_landing_file(layout.landing(name))
         if newest is None or list(newest) <= cursor.get(name, [0, ""]):
+            continue
+        if running := stream_run_in_progress(context.instance, name):
+            # The cursor stays: the first tick after that run asks for one more, for what it may have missed.
+            busy.append(f"{name}: run {running} is queued or running")
             continue
         cursor[name] = list(newest)
         requests.append(dg.RunRequest(job_name=stream_job_name(spec), run_key=f"{name}:{newest[0]}:{newest[1]}",
@@ -96,8 +130,23 @@ def landing_files_sensor(context: dg.SensorEvaluationContext, storage: StorageRe
         return dg.SensorResult(skip_reason=f"{CONTINUOUS_JOB} run {continuous} is advancing every stream",
                                cursor=json.dumps(cursor))
     if not requests:
-        return dg.SensorResult(skip_reason="no new landing files", cursor=json.dumps(cursor))
+        return dg.SensorResult(skip_reason="; ".join(busy) or "no new landing files", cursor=json.dumps(cursor))
     return dg.SensorResult(run_requests=requests, cursor=json.dumps(cursor))
+
+
+@dg.sensor(minimum_interval_seconds=30, default_status=dg.DefaultSensorStatus.RUNNING,
+           description="Whether the Spark Connect engine the runs use answers: each tick says so, and a tick fails "
+                       "(red in the sensor's history) while it does not. Nothing to watch on the embedded engine.")
+def spark_engine_health(context: dg.SensorEvaluationContext, spark: SparkSessionResource):
+    if not spark.remote:
+        return dg.SkipReason(f"runs use an embedded JVM of their own (no ${REMOTE_ENV}): nothing to watch")
+    started = time.monotonic()
+    if not engine_answers(spark.remote):
+        raise EngineUnavailableError(
+            f"The Spark engine at {spark.remote} does not answer: runs wait {spark.engine_wait_seconds:.0f}s for "
+            f"it, then fail. Fix: `make dev` and `make serve` restart it by themselves (see logs/spark-connect.log "
+            f"under the storage root); alone, `make connect-server`.")
+    return dg.SkipReason(f"{spark.remote} answers ({(time.monotonic() - started) * 1000:.0f} ms to connect)")
 
 
 def failed_streams(context: dg.RunFailureSensorContext) -> list[StreamSpec]:

@@ -1,5 +1,5 @@
-"""The always-on job `run_continuously`: every stream's query kept running in one warm JVM, reported to
-Dagster as it goes.
+"""The always-on job `run_continuously`: every stream's query kept running in one warm engine (the run's embedded
+JVM, or the Connect server of `make serve`), reported to Dagster as it goes.
 
 Each stream runs its one streaming query (pipelines/stream_query.py) with a processing-time trigger
 (pipelines/continuous.py). Every `report_every_seconds` the op yields an
@@ -30,7 +30,7 @@ from assets.metadata import event_time_metadata
 from assets.streams import StreamConfig
 from pipelines import table_checks
 from pipelines.changelog import changelog_name
-from pipelines.continuous import ContinuousStep, create_tables, refuse_over_connect, run_steps_continuously
+from pipelines.continuous import ContinuousStep, create_tables, run_steps_continuously
 from pipelines.layout import StorageLayout
 from pipelines.stream_query import advance_stream, event_time_streams, event_time_tables
 from pipelines.streaming import Continuous, commits_since, table_version
@@ -82,15 +82,16 @@ class QueryProgress:
             return taken
 
 
-def continuous_steps(spark, layout: StorageLayout, config: ContinuousConfig,
+def continuous_steps(spark: SparkSessionResource, layout: StorageLayout, config: ContinuousConfig,
                      state_policy: StatePolicyResource) -> list[ContinuousStep]:
-    """Each stream's query; each runs in its own thread."""
+    """Each stream's query, on a session of its own (`session_of_its_own`); each runs in its own thread."""
     steps = []
     for spec in STREAMS.values():
         settings = replace(config.streams.settings(state_policy.ttl(spec.state_table.name)),
                            event_time=spec.name in config.event_time_kept())
-        steps.append(ContinuousStep(spec.name, lambda c, spec=spec, settings=settings: advance_stream(
-            spark, layout, spec, settings, continuous=c)))
+        session = spark.session_of_its_own()
+        steps.append(ContinuousStep(spec.name, lambda c, spec=spec, settings=settings, session=session: advance_stream(
+            session, layout, spec, settings, continuous=c)))
     return steps
 
 
@@ -178,12 +179,11 @@ class ContinuousReport:
 def keep_streams_running(context: dg.OpExecutionContext, config: ContinuousConfig, spark: SparkSessionResource,
                          storage: StorageResource, state_policy: StatePolicyResource,
                          check_policy: CheckPolicyResource):
-    refuse_over_connect(spark.remote)
     session, layout = spark.spark_session, storage.layout()
     create_tables(session, layout)
     progress = QueryProgress()
     continuous = Continuous(trigger_interval_s=config.trigger_seconds, on_progress=progress.add)
-    steps = continuous_steps(session, layout, config, state_policy)
+    steps = continuous_steps(spark, layout, config, state_policy)
     report = ContinuousReport(session, layout, progress, config.event_time_kept(), check_policy)
     context.log.info(f"{len(steps)} queries running: {', '.join(s.name for s in steps)}")
     with closing(run_steps_continuously(steps, continuous, tick_s=config.report_every_seconds)) as ticks:

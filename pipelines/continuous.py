@@ -2,10 +2,10 @@
 
 A step is a stream's `advance_stream` (pipelines/stream_query.py), called with a `Continuous`: it takes the
 stream's writer lock, verifies its checkpoint exactly as an orchestrated run does, then keeps its query
-running with a processing-time trigger. Spark runs concurrent streaming queries of one
-session side by side, and in the embedded and standalone engines each query's foreachBatch gets a session of
-its own, so the per-batch transaction confs of one query never reach another's commit. Over Spark Connect
-foreachBatch shares the client's session (the confs would race), so a continuous run there is refused.
+running with a processing-time trigger. Spark runs concurrent streaming queries side by side; each query's
+foreachBatch must have a session of its own, so the per-batch transaction confs of one query never reach another's
+commit. The embedded and standalone engines give it one; over Spark Connect foreachBatch runs in the session that
+started the query, so each step is given its own Connect session (resources/spark.py, `session_of_its_own`).
 
 A stop (a cancel in Dagster arrives as an exception in the calling thread) lets each query finish its current
 micro-batch, then stops it; whatever the stop interrupts is replayed by the next run from the checkpoint.
@@ -52,15 +52,6 @@ def create_tables(spark: SparkSession, layout: StorageLayout) -> None:
         ensure_changelog(spark, layout, spec.state_table)
     ensure_window_tables(spark, layout)
     ensure_session_tables(spark, layout)
-
-
-def refuse_over_connect(remote: str | None) -> None:
-    if remote:
-        raise ConfigurationError(
-            f"A continuous run cannot use Spark Connect ({remote}): its queries run side by side, and over Connect "
-            f"every foreachBatch shares the client's session, so one query's transaction confs would reach another "
-            f"query's commit. Fix: run the continuous job on the embedded JVM or a standalone cluster (`master`), "
-            f"or use orchestrated runs (`advance_all`) over Connect.")
 
 
 def run_steps_continuously(steps: list[ContinuousStep], continuous: Continuous, *, tick_s: float) -> Iterator[None]:

@@ -27,3 +27,7 @@ class ExpiryHistoryError(RuntimeError):
 
 class ChangelogError(RuntimeError):
     """The changelog cannot follow its state table (the table was deleted and created again)."""
+
+
+class EngineUnavailableError(RuntimeError):
+    """The Spark Connect server a run is configured for does not answer; nothing was written."""

@@ -10,17 +10,23 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import sys
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlparse
 
 from pyspark.sql import SparkSession
 
-from pipelines.errors import ConfigurationError
+from pipelines.errors import ConfigurationError, EngineUnavailableError
 
 JARS_ENV = "STATETABLES_JARS_DIR"
+# The warm engine every run of the code location connects to when set (`make dev`, `make serve` set it to the
+# Spark Connect server they supervise); unset, a run starts its own embedded JVM.
+REMOTE_ENV = "STATETABLES_SPARK_REMOTE"
 DEFAULT_JARS_DIR = Path(__file__).resolve().parent.parent / ".jars"
 DELTA_JAR_PREFIX = "delta-spark_"
 # JVM class-data sharing (AppCDS): the classes a pipeline run loads, parsed and verified once by
@@ -73,6 +79,50 @@ class SparkSettings:
     jars_dir: str | None = None
     app_name: str = "statetables"
     conf: dict[str, str] = field(default_factory=dict)
+
+
+def default_remote() -> str | None:
+    """The Spark Connect URL in $STATETABLES_SPARK_REMOTE, checked; None when unset (the embedded engine)."""
+    remote = os.environ.get(REMOTE_ENV, "").strip()
+    if remote:
+        engine_address(remote)
+    return remote or None
+
+
+def engine_address(remote: str) -> tuple[str, int]:
+    """(host, port) of a Spark Connect URL `sc://host:port[/;params]`; a malformed URL fails naming the fix."""
+    url = urlparse(remote)
+    try:
+        port = url.port or 15002
+    except ValueError:
+        port = None
+    if url.scheme != "sc" or not url.hostname or port is None:
+        raise ConfigurationError(f"Spark Connect URL {remote!r} is not sc://HOST:PORT. Fix: e.g. sc://127.0.0.1:15002 "
+                                 f"(the `spark` resource's `remote`, or ${REMOTE_ENV}).")
+    return url.hostname, port
+
+
+def engine_answers(remote: str, timeout_s: float = 2.0) -> bool:
+    """Whether something accepts connections at the Connect server's address."""
+    try:
+        with socket.create_connection(engine_address(remote), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def wait_for_engine(remote: str, wait_s: float) -> None:
+    """Return once the Connect server at `remote` accepts connections; wait up to `wait_s` for a supervisor
+    (`make dev`, `make serve`) to bring a dead one back, then fail naming the fix."""
+    deadline = time.monotonic() + wait_s
+    while not engine_answers(remote):
+        if time.monotonic() >= deadline:
+            raise EngineUnavailableError(
+                f"The Spark engine at {remote} does not answer (waited {wait_s:.0f}s); nothing was written. Fix: "
+                f"start it (`make dev` and `make serve` start and restart it by themselves; alone: `make "
+                f"connect-server`), or run on the embedded engine: unset {REMOTE_ENV}, or set the `spark` "
+                f"resource's `remote` to null in the launchpad.")
+        time.sleep(0.5)
 
 
 def delta_jars(jars_dir: str | os.PathLike | None = None) -> list[Path]:

@@ -1,20 +1,30 @@
-"""The Spark session as a Dagster resource: one session, one JVM, per run."""
+"""The Spark session as a Dagster resource: a thin client of a warm engine, or one embedded JVM per run."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import dagster as dg
 from dagster_pyspark import LazyPySparkResource
 from dagster_pyspark.resources import spark_session_from_config
 from pydantic import Field
+from pyspark.sql import SparkSession
 
-from pipelines.session import SparkSettings, jvm_start_noise_filtered, session_confs
+from pipelines.session import (
+    REMOTE_ENV, SparkSettings, engine_address, jvm_start_noise_filtered, session_confs, wait_for_engine,
+)
+
+# The run tag that shows, on every run in the UI, which engine the run used.
+ENGINE_TAG = "statetables/spark_engine"
 
 
 class SparkSessionResource(LazyPySparkResource):
-    """Spark with Delta Lake: dagster-pyspark's lazy session, built on first use of `spark_session`, so runs and
-    checks that never touch Spark do not start a JVM. Local JVM by default; a standalone cluster with `master`,
-    a Spark Connect server with `remote`.
+    """Spark with Delta: dagster-pyspark's lazy session, built on first use of `spark_session`, so runs and
+    checks that never touch Spark start nothing. Three engines:
+    - `remote` (sc://host:15002): a thin client of a warm Spark Connect server; what `make dev` and `make serve`
+      configure (statetables/definitions.py takes it from $STATETABLES_SPARK_REMOTE);
+    - otherwise an embedded JVM of the run's own (`master` local[2]), or a standalone cluster (`master`
+      spark://host:7077).
 
     dagster-pyspark builds the session from a flat dict of confs; pipelines/session.py (the one place that knows
     them) supplies that dict after checking Java and the Delta jars, adds the class archive and Delta's extension,
@@ -22,7 +32,11 @@ class SparkSessionResource(LazyPySparkResource):
     `spark_session` only: the inherited `spark_context` does not exist over Spark Connect."""
 
     master: str = Field(default="local[2]", description="spark.master: local[N] or spark://host:7077.")
-    remote: str | None = Field(default=None, description="Spark Connect URL (sc://host:15002); overrides master.")
+    remote: str | None = Field(default=None, description=(
+        f"Spark Connect URL (sc://host:15002) of a warm engine; overrides master. Default: ${REMOTE_ENV}."))
+    engine_wait_seconds: float = Field(default=45.0, description=(
+        "Over Connect: how long a run waits for a server that does not answer (a supervisor restarting it) before "
+        "it fails, naming the fix."))
     jars_dir: str | None = Field(default=None, description="Folder with the Delta jars; default .jars/ from `make jars`.")
     spark_config: dict[str, Any] = Field(default_factory=dict, description=(
         "Extra Spark confs, over the project's defaults (pipelines/session.py), e.g. spark.driver.memory."))
@@ -31,8 +45,35 @@ class SparkSessionResource(LazyPySparkResource):
     def _is_dagster_maintained(cls) -> bool:
         return False  # a project resource built on dagster-pyspark's, not dagster-pyspark's own
 
+    def engine(self) -> str:
+        """What the run's Spark is, as the UI shows it: the Connect URL, or the embedded/cluster master."""
+        if self.remote:
+            return self.remote
+        return f"embedded {self.master}" if self.master.startswith("local") else self.master
+
+    def setup_for_execution(self, context: dg.InitResourceContext) -> None:
+        if self.remote:
+            engine_address(self.remote)  # a malformed URL fails the run before any step
+        if context.instance is not None and context.run is not None:
+            context.instance.add_run_tags(context.run.run_id, {ENGINE_TAG: self.engine()})
+
+    def session_of_its_own(self) -> Any:
+        """A session for one of several streaming queries running side by side (the continuous job). In the embedded
+        and standalone engines that is the run's session: each query's foreachBatch gets a session of its own.
+        Over Connect, foreachBatch runs in the session that started the query, so queries sharing one would share
+        the per-batch transaction confs (pipelines/streaming.py): each gets a new Connect session, same confs."""
+        if not self.remote:
+            return self.spark_session
+        settings = SparkSettings(remote=self.remote, conf={k: str(v) for k, v in self.spark_config.items()})
+        builder = SparkSession.builder
+        for key, value in session_confs(settings).items():
+            builder = builder.config(key, value)
+        return builder.create()
+
     def _init_session(self) -> None:
         if self._spark_session is None:
+            if self.remote:
+                wait_for_engine(self.remote, self.engine_wait_seconds)
             settings = SparkSettings(master=self.master, remote=self.remote, jars_dir=self.jars_dir,
                                      conf={k: str(v) for k, v in self.spark_config.items()})
             # getOrCreate inside: every asset and check of a run shares the one session.

@@ -7,7 +7,8 @@ print the state tables, prepare the Dagster instance.
     statetables cluster [--port 7077]             # a standalone master + worker on 127.0.0.1, until Ctrl-C
     statetables savepoint create|list|restore [NAME]
     statetables restore-changelog --table movie_tickets_sold --version 12 [--into NAME]
-    statetables serve [--port 3000]                # Dagster UI + daemon with the continuous job running, until Ctrl-C
+    statetables dev [--port 3000] [--engine-port 15002 | --embedded]   # Dagster UI + daemon + a warm Spark Connect engine
+    statetables serve [--port 3000] [--engine-port 15002 | --embedded] # the same, with the continuous job running
     statetables instance            # prints DAGSTER_HOME after writing its dagster.yaml
 """
 
@@ -32,6 +33,9 @@ concurrency:
 run_coordinator:
   module: dagster.core.run_coordinator
   class: QueuedRunCoordinator
+  # A queued run starts within a second (default 5 s): the wait is part of a landing file's freshness.
+  config:
+    dequeue_interval_seconds: 1
 # A run stuck starting or cancelling is marked failed (and recovered by the run-failure sensor). A run
 # worker that dies (kill -9) is reported failed by the code server that launched it.
 run_monitoring:
@@ -77,14 +81,16 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_state_tables(layout: StorageLayout) -> None:
+def _print_state_tables(layout: StorageLayout, engine: dict) -> None:
     from pyspark.sql import functions as F
 
-    from pipelines.session import build_spark_session
+    from pipelines.session import SparkSettings, build_spark_session, default_remote
     from pipelines.sessions import ACTIVITY
     from pipelines.windows import TOP, TOP_N
 
-    spark = build_spark_session()  # the run's session, still alive in this process
+    # The run's session, still alive in this process (getOrCreate), on the run's engine.
+    spark = build_spark_session(SparkSettings(remote=engine.get("remote", default_remote()),
+                                              master=engine.get("master", "local[2]")))
     for spec in STREAMS.values():
         table = spec.state_table
         frame = spark.read.format("delta").load(str(layout.table(table.name)))
@@ -142,7 +148,8 @@ def _run(args: argparse.Namespace) -> int:
 
         CheckPolicyResource(warn_only=args.warn_only_check).severity("", "")  # an unknown name fails here, not mid-run
         run_config["resources"]["check_policy"] = {"config": {"warn_only": args.warn_only_check}}
-    engine = {k: v for k, v in (("remote", args.remote), ("master", args.master)) if v}
+    # --master means that engine even where $STATETABLES_SPARK_REMOTE names a Connect server.
+    engine = {"remote": args.remote} if args.remote else {"master": args.master, "remote": None} if args.master else {}
     if engine:
         run_config["resources"]["spark"] = {"config": engine}
     with dg.DagsterInstance.get() as instance:
@@ -163,7 +170,7 @@ def _run(args: argparse.Namespace) -> int:
         elif event.event_type_value == "STEP_FAILURE":
             print(f"  step {event.step_key} FAILED: {event.event_specific_data.error.message.strip()}")
     if args.show and result.success:
-        _print_state_tables(layout)
+        _print_state_tables(layout, engine)
     return 0 if result.success else 1
 
 
@@ -215,7 +222,7 @@ def _connect_server(args: argparse.Namespace) -> int:
     from statetables.servers import spark_connect_server
 
     layout = StorageLayout.under()
-    with spark_connect_server(port=args.port, log=layout.home / "logs" / "spark-connect.log") as url:
+    with spark_connect_server(port=args.port, log=layout.home / "logs" / "spark-connect.log", supervise=True) as url:
         return _serve_until_interrupted("Spark Connect server (Delta)", f"{url}   e.g. statetables run --remote {url}")
 
 
@@ -228,26 +235,47 @@ def _cluster(args: argparse.Namespace) -> int:
         return _serve_until_interrupted("Spark standalone master + worker", f"{url}   e.g. statetables run --master {url}")
 
 
+def _stop_on_signals() -> None:
+    """Ctrl-C and `kill` (SIGTERM) end the command through its `finally` blocks, which stop every server it started;
+    a shell that starts it in the background leaves SIGINT ignored, so the handlers are set here, not inherited."""
+    import signal
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
+
+
+def _engine_port(args: argparse.Namespace) -> int | None:
+    return None if args.embedded else args.engine_port
+
+
+def _dev(args: argparse.Namespace) -> int:
+    """`dagster dev` on 127.0.0.1 beside a supervised Spark Connect server that every run uses; Ctrl-C stops both."""
+    from statetables.servers import dagster_dev
+
+    _stop_on_signals()
+    layout = StorageLayout.under()
+    engine = _engine_port(args)
+    with dagster_dev(layout, port=args.port, engine_port=engine, log=layout.home / "logs" / "dagster-dev.log") as url:
+        where = f"the Spark Connect engine sc://127.0.0.1:{engine}" if engine else "an embedded JVM per run"
+        return _serve_until_interrupted(f"Dagster (runs use {where}; logs in {layout.home / 'logs'})", url)
+
+
 def _serve(args: argparse.Namespace) -> int:
     """`dagster dev` on 127.0.0.1, and the continuous job launched in it; Ctrl-C cancels the job (the current
     micro-batches commit first), then stops Dagster."""
-    import signal
     import time
 
     from assets.keys import CONTINUOUS_JOB
     from statetables.servers import dagster_dev, launch_run, terminate_run, wait_for_run_end
 
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
-
-    # Ctrl-C, and `kill` (SIGTERM) too, cancel the run cleanly; a shell that starts this in the background
-    # leaves SIGINT ignored, so the handlers are set here rather than inherited.
-    signal.signal(signal.SIGINT, interrupt)
-    signal.signal(signal.SIGTERM, interrupt)
-
+    _stop_on_signals()  # Ctrl-C, and `kill` too, cancel the run cleanly
     layout = StorageLayout.under()
     config = {"trigger_seconds": args.trigger_seconds, "report_every_seconds": args.report_every_seconds}
-    with dagster_dev(layout, port=args.port, log=layout.home / "logs" / "dagster-dev.log") as url:
+    with dagster_dev(layout, port=args.port, engine_port=_engine_port(args),
+                     log=layout.home / "logs" / "dagster-dev.log") as url:
         run_id = launch_run(url, CONTINUOUS_JOB, {"ops": {"keep_streams_running": {"config": config}}})
         print(f"Dagster UI: {url}   {CONTINUOUS_JOB} run {run_id}: {url}/runs/{run_id}\n"
               f"Drop *.jsonl files into {layout.landing('<stream>')}/ and follow the tables in the UI. "
@@ -317,8 +345,14 @@ def main(argv: list[str] | None = None) -> int:
     restore.add_argument("--into", help="table name under tables/ to write (default <table>_restored_v<version>)")
     restore.set_defaults(func=_restore_changelog)
 
-    serve = commands.add_parser("serve", help="Dagster UI + daemon on 127.0.0.1 with the continuous job running")
-    serve.add_argument("--port", type=int, default=3000)
+    dev = commands.add_parser("dev", help="Dagster UI + daemon on 127.0.0.1 beside a warm Spark Connect engine")
+    serve = commands.add_parser("serve", help="as `dev`, with the continuous job running")
+    for command in (dev, serve):
+        command.add_argument("--port", type=int, default=3000)
+        command.add_argument("--engine-port", type=int, default=15002, help="the Spark Connect server's port")
+        command.add_argument("--embedded", action="store_true",
+                             help="no engine: every run starts an embedded JVM of its own")
+    dev.set_defaults(func=_dev)
     serve.add_argument("--trigger-seconds", type=float, default=2.0, help="processing-time trigger of the queries")
     serve.add_argument("--report-every-seconds", type=float, default=30.0, help="how often tables are reported")
     serve.set_defaults(func=_serve)

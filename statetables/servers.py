@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -109,9 +110,29 @@ def wait_for_run_end(url: str, run_id: str, timeout_s: float) -> str:
 
 
 @contextmanager
-def dagster_dev(layout: StorageLayout, *, port: int, extra_env: dict[str, str] | None = None,
-                log: Path | None = None, ready_timeout_s: float = 180) -> Iterator[str]:
-    """`dagster dev` (webserver, daemon, code server) in its own process group; stopped on exit."""
+def dagster_dev(layout: StorageLayout, *, port: int, engine_port: int | None = None,
+                extra_env: dict[str, str] | None = None, log: Path | None = None,
+                ready_timeout_s: float = 180) -> Iterator[str]:
+    """`dagster dev` (webserver, daemon, code server) in its own process group; stopped on exit. With
+    `engine_port`, a supervised Spark Connect server on that port first, which every run uses
+    ($STATETABLES_SPARK_REMOTE), stopped after Dagster."""
+    if engine_port is None:
+        with _dagster_dev(layout, port=port, extra_env=extra_env, log=log, ready_timeout_s=ready_timeout_s) as url:
+            yield url
+        return
+    from pipelines.session import REMOTE_ENV
+
+    _require_free_port(port, "dagster dev")
+    engine_log = (log.parent if log else layout.home / "logs") / "spark-connect.log"
+    with spark_connect_server(port=engine_port, log=engine_log, extra_env=extra_env, supervise=True) as remote, \
+            _dagster_dev(layout, port=port, extra_env={**(extra_env or {}), REMOTE_ENV: remote}, log=log,
+                         ready_timeout_s=ready_timeout_s) as url:
+        yield url
+
+
+@contextmanager
+def _dagster_dev(layout: StorageLayout, *, port: int, extra_env: dict[str, str] | None,
+                 log: Path | None, ready_timeout_s: float) -> Iterator[str]:
     _require_free_port(port, "dagster dev")
     saved = os.environ.get("DAGSTER_HOME")
     os.environ.pop("DAGSTER_HOME", None)
@@ -211,19 +232,48 @@ def connect_server_command(port: int, *, jars_dir: str | None = None, conf: dict
 
 @contextmanager
 def spark_connect_server(*, port: int, log: Path, jars_dir: str | None = None, conf: dict[str, str] | None = None,
+                         extra_env: dict[str, str] | None = None, supervise: bool = False,
                          ready_timeout_s: float = 120) -> Iterator[str]:
-    """A Spark Connect server with Delta on 127.0.0.1:`port`, in its own process group; yields its
-    `sc://` URL and stops it on exit."""
+    """A Spark Connect server with Delta on 127.0.0.1:`port`, in its own process group; yields its `sc://` URL and
+    stops it on exit. With `supervise`, a server that dies (a crash, kill -9) is started again at once, on the same
+    port: the runs that were using it fail and are recovered (assets/automation.py), the next ones wait for it
+    (`SparkSessionResource.engine_wait_seconds`)."""
     _require_free_port(port, "the Spark Connect server")
     log.parent.mkdir(parents=True, exist_ok=True)
     out = open(log, "ab")
-    proc = subprocess.Popen(connect_server_command(port, jars_dir=jars_dir, conf=conf), cwd=REPO_ROOT,
-                            env=_engine_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    command = connect_server_command(port, jars_dir=jars_dir, conf=conf)
+    env = {**_engine_env(), **(extra_env or {})}
+
+    def start() -> subprocess.Popen:
+        return subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+    server = {"proc": start(), "started": time.monotonic()}
+    stopping = threading.Event()
+
+    def restart_when_dead() -> None:
+        while not stopping.wait(1.0):
+            if server["proc"].poll() is None:
+                continue
+            code = server["proc"].returncode
+            _stop(server["proc"])  # what is left of its process group: the engine's Python workers
+            if time.monotonic() - server["started"] < 30 and stopping.wait(5):
+                return  # it died young: do not restart it in a tight loop
+            print(f"statetables: the Spark Connect server on 127.0.0.1:{port} exited ({code}); starting it again "
+                  f"(log: {log})", file=sys.stderr, flush=True)
+            server.update(proc=start(), started=time.monotonic())
+
+    supervisor = threading.Thread(target=restart_when_dead, name="engine-supervisor", daemon=True)
     try:
-        _wait_for_port(proc, port, "the Spark Connect server", log, ready_timeout_s)
+        _wait_for_port(server["proc"], port, "the Spark Connect server", log, ready_timeout_s)
+        if supervise:
+            supervisor.start()
         yield f"sc://127.0.0.1:{port}"
     finally:
-        _stop(proc)
+        stopping.set()
+        if supervisor.is_alive():
+            supervisor.join()
+        _stop(server["proc"])
         out.close()
 
 

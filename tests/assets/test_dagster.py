@@ -20,20 +20,23 @@ import pytest
 from delta.tables import DeltaTable
 from pyspark.sql import functions as F
 
-from assets.automation import landing_files_sensor, recover_failed_stream
+from assets.automation import (
+    LANDING_SENSOR_ENV, landing_files_sensor, landing_sensor_interval, recover_failed_stream, spark_engine_health,
+)
 from assets.streams import build_stream_assets
 from assets.keys import CONTINUOUS_JOB, blocking_check_names, RECOVERY_ATTEMPT_TAG, RECOVERY_OF_TAG, RECOVERY_REASON_TAG, STREAM_TAG
-from pipelines.continuous import refuse_over_connect
 from pipelines.event_time import LATE
-from pipelines.errors import ConfigurationError
+from pipelines.errors import ConfigurationError, EngineUnavailableError
 from pipelines.generate import generate
 from pipelines.layout import StorageLayout
-from pipelines.session import delta_jars, require_java
+from pipelines.session import delta_jars, engine_address, require_java, wait_for_engine
 from pipelines.stream_query import EVENT_TIME_ENV, event_time_streams, event_time_tables
 from pipelines.streaming import Continuous
 from pipelines.streams import PAYMENTS, stream_spec
 from resources import CheckPolicyResource, SparkSessionResource, StatePolicyResource, StorageResource
+from resources.spark import ENGINE_TAG
 from statetables.definitions import defs
+from statetables.servers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -192,7 +195,46 @@ def test_landing_sensor_requests_one_run_per_stream_with_new_files(layout, landi
     instance.report_run_failed(continuous)
     landing.write("payments", "after.jsonl", ["{}"])
     with dg.build_sensor_context(instance=instance, resources={"storage": storage}, cursor=during.cursor) as context:
+        after = landing_files_sensor(context)
+    assert [r.job_name for r in after.run_requests] == ["advance_payments"]
+
+    # While a run of a stream is queued or running, no other is requested for it; the cursor waits for its end.
+    queued = instance.create_run_for_job(_job("advance_payments"), tags={STREAM_TAG: "payments"},
+                                         status=dg.DagsterRunStatus.STARTED)
+    landing.write("payments", "while_queued.jsonl", ["{}"])
+    landing.write("movie_ticket_sales", "other_stream.jsonl", ["{}"])
+    with dg.build_sensor_context(instance=instance, resources={"storage": storage}, cursor=after.cursor) as context:
+        busy = landing_files_sensor(context)
+    assert [r.job_name for r in busy.run_requests] == ["advance_movie_ticket_sales"]
+    assert json.loads(busy.cursor)["payments"] == json.loads(after.cursor)["payments"]
+    instance.report_run_failed(queued)
+    with dg.build_sensor_context(instance=instance, resources={"storage": storage}, cursor=busy.cursor) as context:
         assert [r.job_name for r in landing_files_sensor(context).run_requests] == ["advance_payments"]
+
+
+def test_a_run_whose_engine_does_not_answer_fails_naming_the_fix_and_shows_its_engine(layout):
+    """The `spark` resource configured for a Spark Connect server that is down: the run says which engine it used
+    (a run tag, in the runs list), waits `engine_wait_seconds`, then fails naming the fix, having written nothing;
+    the health sensor's tick fails the same way."""
+    remote = f"sc://127.0.0.1:{free_port()}"
+    generate(PAYMENTS, layout.landing("payments"), events=50, seed=3, events_per_file=50)
+    with dg.DagsterInstance.ephemeral() as instance:
+        result = _job("advance_payments").execute_in_process(instance=instance, raise_on_error=False, run_config={
+            "resources": {"spark": {"config": {"remote": remote, "engine_wait_seconds": 1}}}})
+        assert instance.get_run_by_id(result.run_id).tags[ENGINE_TAG] == remote
+    assert not result.success
+    failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
+    error = failure.event_specific_data.error
+    assert f"The Spark engine at {remote} does not answer (waited 1s); nothing was written. Fix: start it" in \
+        error.cause.message
+    assert not layout.tables_root.exists() or not any(layout.tables_root.iterdir())
+    with pytest.raises(EngineUnavailableError, match="does not answer"):
+        wait_for_engine(remote, 0.5)
+    with dg.build_sensor_context(resources={"spark": SparkSessionResource(remote=remote)}) as context, \
+            pytest.raises(EngineUnavailableError, match=f"{remote} does not answer.*Fix: `make dev`"):
+        spark_engine_health(context)
+    with dg.build_sensor_context(resources={"spark": SparkSessionResource()}) as context:
+        assert "embedded JVM" in spark_engine_health(context).skip_message
 
 
 def _failed_run(instance, layout, tags=None):
@@ -251,8 +293,11 @@ def test_bad_configuration_fails_fast_with_the_fix(tmp_path, monkeypatch):
         StorageLayout.under(tmp_path, tables="../elsewhere")
     with pytest.raises(ConfigurationError, match="make jars"):
         delta_jars(tmp_path / "no-jars")
-    with pytest.raises(ConfigurationError, match="continuous run cannot use Spark Connect.*Fix: run the continuous"):
-        refuse_over_connect("sc://127.0.0.1:15002")
+    with pytest.raises(ConfigurationError, match="'http://127.0.0.1:15002' is not sc://HOST:PORT. Fix: e.g. sc://"):
+        engine_address("http://127.0.0.1:15002")
+    monkeypatch.setenv(LANDING_SENSOR_ENV, "0")
+    with pytest.raises(ConfigurationError, match="STATETABLES_LANDING_SENSOR_SECONDS='0'.*Fix: e.g."):
+        landing_sensor_interval()
     with pytest.raises(ConfigurationError, match="trigger interval 0s.*Fix"):
         Continuous(trigger_interval_s=0)
     monkeypatch.setenv("PATH", str(tmp_path))
