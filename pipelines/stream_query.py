@@ -39,7 +39,7 @@ from pipelines.bronze import (
 )
 from pipelines.changelog import ChangelogStage, changelog_name, changelog_stage
 from pipelines.checkpoints import (
-    checkpoint_for_run, new_app_id, planned_source_version, start_checkpoint, write_origin,
+    checkpoint_for_run, new_app_id, planned_source_version, read_through, start_checkpoint, write_origin,
 )
 from pipelines.event_time import LATE, EventTimeStage
 from pipelines.faults import STREAM_BATCH_END, fault_point
@@ -244,8 +244,11 @@ def advance_stream(spark: SparkSession, layout: StorageLayout, spec: StreamSpec,
                                              changed))
             scanner.start()
         try:
-            batches, _ = run_query(units, query_name=spec.name, checkpoint_dir=checkpoint, on_batch=batch,
-                                   continuous=continuous)
+            if continuous is None and read_through(checkpoint, table_version(spark, ledger_path)):
+                batches = 0  # no new ledger commit since the last committed batch
+            else:
+                batches, _ = run_query(units, query_name=spec.name, checkpoint_dir=checkpoint, on_batch=batch,
+                                       continuous=continuous)
         finally:
             if scanner is not None:
                 continuous.stop.set()

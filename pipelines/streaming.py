@@ -121,12 +121,19 @@ def create_table_if_missing(spark: SparkSession, path: Path, schema: StructType,
     A process killed while creating a table can leave `_delta_log/` without its first commit; Delta
     then refuses to create the table there and refuses to read it. Nothing was committed in that
     case, so the empty log is moved aside (kept, like everything this project sets aside).
+
+    Two first runs may create a table they share (late_events) at once: Delta lets one commit version 0 and fails
+    the other (DELTA_PROTOCOL_CHANGED). The loser finds the table there, made by the same code, and goes on.
     """
     log = path / "_delta_log"
     if log.is_dir() and not any(p.suffix == ".json" or ".checkpoint" in p.name for p in log.iterdir()):
         os.replace(log, path / f"_delta_log.uncommitted-{time.time_ns()}")
-    delta_sql.create_table_if_missing(spark, path, schema,
-                                      {"delta.enableChangeDataFeed": "true"} if change_data_feed else None)
+    try:
+        delta_sql.create_table_if_missing(spark, path, schema,
+                                          {"delta.enableChangeDataFeed": "true"} if change_data_feed else None)
+    except Exception:
+        if table_version(spark, path) is None:
+            raise
 
 
 def table_version(spark: SparkSession, path: Path) -> int | None:

@@ -215,9 +215,10 @@ def _engine_env() -> dict[str, str]:
 def connect_server_command(port: int, *, jars_dir: str | None = None, conf: dict[str, str] | None = None) -> list[str]:
     """`spark-submit` of Spark's SparkConnectServer carrying Delta's jars, SQL extension and catalog,
     bound to 127.0.0.1 (Spark binds every interface unless told)."""
-    from pipelines.session import LOCAL_DEFAULTS, PARALLEL_GC, SESSION_CONFS, delta_jars
+    from pipelines.session import LOCAL_DEFAULTS, LOG4J_CONFIG, PARALLEL_GC, SESSION_CONFS, delta_jars
 
-    confs = {**SESSION_CONFS, **LOCAL_DEFAULTS, "spark.driver.extraJavaOptions": PARALLEL_GC,
+    confs = {**SESSION_CONFS, **LOCAL_DEFAULTS,
+             "spark.driver.extraJavaOptions": f"{PARALLEL_GC} -Dlog4j2.configurationFile=file:{LOG4J_CONFIG}",
              "spark.connect.grpc.binding.address": "127.0.0.1",
              "spark.connect.grpc.binding.port": str(port), "spark.driver.host": "127.0.0.1",
              "spark.driver.bindAddress": "127.0.0.1", **(conf or {})}
