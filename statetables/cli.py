@@ -269,7 +269,7 @@ def _serve(args: argparse.Namespace) -> int:
     import time
 
     from assets.keys import CONTINUOUS_JOB
-    from statetables.servers import dagster_dev, launch_run, terminate_run, wait_for_run_end
+    from statetables.servers import RUN_ENDED, dagster_dev, launch_run, list_runs, terminate_run, wait_for_run_end
 
     _stop_on_signals()  # Ctrl-C, and `kill` too, cancel the run cleanly
     layout = StorageLayout.under()
@@ -285,9 +285,12 @@ def _serve(args: argparse.Namespace) -> int:
                 time.sleep(3600)
         except KeyboardInterrupt:
             pass
-        print(f"cancelling {run_id} ...", flush=True)
-        terminate_run(url, run_id)
-        print(f"run {run_id}: {wait_for_run_end(url, run_id, timeout_s=300)}")
+        # The run launched above, or the recovery run that replaced it after a failure.
+        for run in list_runs(url):
+            if run["jobName"] == CONTINUOUS_JOB and run["status"] not in RUN_ENDED:
+                print(f"cancelling {run['runId']} ...", flush=True)
+                terminate_run(url, run["runId"])
+                print(f"run {run['runId']}: {wait_for_run_end(url, run['runId'], timeout_s=300)}")
     return 0
 
 

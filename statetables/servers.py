@@ -195,14 +195,25 @@ def _wait_for_port(proc: subprocess.Popen, port: int, what: str, log: Path, time
 
 
 def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM to the process group, then SIGKILL to whatever of it is left after a grace period: what the leader
+    leaves behind (dagster dev's code servers, an engine's Python workers) must not outlive it."""
     try:
         os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
         proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
+        pass
+    deadline = time.monotonic() + 10
+    try:
+        while time.monotonic() < deadline:
+            os.killpg(proc.pid, 0)  # raises once no process of the group is left
+            time.sleep(0.2)
         os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
     except ProcessLookupError:
         pass
+    proc.wait()
 
 
 def _engine_env() -> dict[str, str]:

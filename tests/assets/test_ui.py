@@ -1,7 +1,8 @@
 """The Dagster UI as an operator's cockpit, in a real headless Chromium driven by Playwright, over `dagster dev`
 (webserver + daemon) on 127.0.0.1 and a storage root with generated landing files.
 
-What a person does and sees, in the browser only (clicks, no GraphQL mutation):
+As `make dev` runs it: every run a thin client of a warm Spark Connect engine beside Dagster. What a person does
+and sees, in the browser only (clicks, no GraphQL mutation):
 1. the asset graph, both streams' groups expanded: every asset;
 2. the landing sensor switched off on its page, so runs are launched by hand; then advance_payments launched
    with the job page's "Materialize all";
@@ -40,6 +41,7 @@ from assets.keys import RECOVERY_OF_TAG
 from pipelines import faults
 from pipelines.generate import generate
 from pipelines.streams import PAYMENTS, STREAMS
+from resources.spark import ENGINE_TAG
 from statetables.definitions import defs
 from statetables.servers import RUN_ENDED, dagster_dev, free_port, graphql, list_runs, wait_for_run_end
 from tests.contract_oracle import expected_state, landing_files
@@ -110,8 +112,12 @@ def test_an_operator_sees_every_asset_what_a_run_did_and_why_a_recovery_ran(layo
         toast.click()
         return run_id
 
+    # As `make dev`: every run is a thin client of a warm Spark Connect engine (the faults fire in its foreachBatch).
     dagster_env = {faults.FAULTS_ENV: str(fault_dir), **FRESHNESS_INTERVAL_ENV}
-    with dagster_dev(layout, port=free_port(), extra_env=dagster_env) as url, chromium() as page:
+    engine_port = free_port()
+    remote = f"sc://127.0.0.1:{engine_port}"
+    with dagster_dev(layout, port=free_port(), engine_port=engine_port, extra_env=dagster_env) as url, \
+            chromium() as page:
         # 1. The asset graph, grouped by stream (a tall window: the graph draws only the nodes in view).
         page.set_viewport_size({"width": 1600, "height": 1500})
         page.goto(f"{url}/asset-groups")
@@ -176,6 +182,7 @@ def test_an_operator_sees_every_asset_what_a_run_did_and_why_a_recovery_ran(layo
         expect(page.get_by_text("Success", exact=True).first).to_be_visible()
         page.get_by_role("button", name="View tags and config").click()
         expect(page.get_by_text(f"statetables/recovery_of: {failed_run}")).to_be_visible()
+        expect(page.get_by_text(f"{ENGINE_TAG}: {remote}")).to_be_visible()  # the engine the run used
         expect(page.get_by_text(re.compile(r"statetables/recovery_reason: run .* failed: payments: "
                                            r".*fault injected at ingest.after_bronze_commit"))).to_be_visible()
         shot(page, "7-recovery-run")
@@ -197,6 +204,7 @@ def test_an_operator_sees_every_asset_what_a_run_did_and_why_a_recovery_ran(layo
         expect(page.get_by_text("lines_read", exact=True).first).to_be_visible()
         shot(page, "9-state-table-plots")
         assert first_run != failed_run
+        assert {run["tags"].get(ENGINE_TAG) for run in list_runs(url)} == {remote}
 
     assert not (fault_dir / faults.INGEST_AFTER_BRONZE_COMMIT).exists()  # the fault really fired
     expected = expected_state(PAYMENTS.name, landing_files(landing))
