@@ -109,11 +109,13 @@ bench-full: install jars class-archive
 	$(BIN)/python -m benchmarks.run --full
 
 # kill -9 the real pipeline KILLS times (named fault points and random instants), then compare every key.
-# Then CONTINUOUS_KILLS kills of the continuous job (run_continuously) while files land.
+# Then CONTINUOUS_KILLS kills of the continuous job (run_continuously) while files land, then ENGINE_KILLS kills of a
+# warm Spark Connect server while a run goes through it.
 KILLS ?= 24
 CONTINUOUS_KILLS ?= 4
+ENGINE_KILLS ?= 4
 chaos: install jars class-archive
-	$(BIN)/python -m tests.chaos --kills $(KILLS) --continuous-kills $(CONTINUOUS_KILLS)
+	$(BIN)/python -m tests.chaos --kills $(KILLS) --continuous-kills $(CONTINUOUS_KILLS) --engine-kills $(ENGINE_KILLS)
 
 clean:
 	rm -rf data

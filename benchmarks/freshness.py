@@ -2,7 +2,9 @@
 read with the independent `deltalake` reader, under the real `dagster dev` (webserver + daemon).
 
 - continuous: the `run_continuously` job, launched once through the webserver, keeps the queries running;
-- orchestrated: the landing sensor (30 s) starts `advance_payments` runs, one JVM each.
+- orchestrated: the landing sensor (every 5 s) starts `advance_payments` runs.
+
+Each mode runs on an embedded JVM per run, or through a warm Spark Connect server beside Dagster (`make dev`).
 
 Each file holds the payments of one new customer id, so the file is visible when that key appears in
 payments_per_customer. Files arrive at a steady rate. The throughput part raises the arrival rate step by
@@ -131,14 +133,17 @@ def rates(layout: StorageLayout, steps: list[int], seconds: float) -> list[dict]
     return out
 
 
-def run_mode(home: Path, mode: str, *, files: int, every_s: float, rate_steps: list[int], rate_seconds: float) -> dict:
-    """One mode under a fresh `dagster dev` over `home` (which already holds a little history)."""
+def run_mode(home: Path, mode: str, *, files: int, every_s: float, rate_steps: list[int], rate_seconds: float,
+             engine: bool = False) -> dict:
+    """One mode under a fresh `dagster dev` over `home` (which already holds a little history); with `engine`,
+    beside a warm Spark Connect server that every run uses."""
     from assets.keys import CONTINUOUS_JOB
     from statetables.servers import dagster_dev, free_port, launch_run, terminate_run, wait_for_run_end
 
     layout = StorageLayout.under(home)
     result: dict = {}
-    with dagster_dev(layout, port=free_port(), log=home / "logs" / f"dagster-{mode}.log") as url:
+    with dagster_dev(layout, port=free_port(), engine_port=free_port() if engine else None,
+                     log=home / "logs" / f"dagster-{mode}.log") as url:
         run_id = None
         if mode == "continuous":
             run_id = launch_run(url, CONTINUOUS_JOB, {"ops": {"keep_streams_running": {"config": {}}}})

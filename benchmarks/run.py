@@ -363,17 +363,24 @@ def only_event_time_paths(sizes: list[int], repeat: int, work: Path, *, keep: bo
 
 
 def engine_runs(repeat: int, work: Path, *, history: int, increment: int) -> dict:
-    """The whole-process time of `statetables run` (job advance_payments) on each engine, over a storage
-    root that already holds `history` events, each run bringing `increment` new events: the orchestrated
-    run's usual work. The Connect server and the standalone master + worker are started once and stay
-    warm, as a deployment keeps them; the embedded engine starts its JVM in every run. Runs alternate
-    between engines so that drift on the machine spreads over all three."""
+    """The whole-process time of `statetables run` (job advance_payments) on each engine, over a storage root that
+    already holds `history` events: a run bringing `increment` new events (the orchestrated run's usual work), and a
+    run with no new file. The Connect server and the standalone master + worker are started once and stay warm, as
+    `make dev` and a deployment keep them; the embedded engine starts its JVM in every run. (e), the smallest
+    embedded Spark + Delta process, is measured in every repetition too: the no-new-files target is a ratio to it.
+    Runs alternate between engines so that drift on the machine spreads over all of them."""
     from statetables.servers import spark_connect_server, spark_standalone
 
     data = Data(work / "data", INCREMENT_FILE_LINES)
-    engines = {"embedded": [], "connect": ["--remote"], "standalone": ["--master"]}
+    small = work / "small_table"
+    if not small.is_dir():
+        import pyarrow as pa
+        from deltalake import write_deltalake
+        write_deltalake(str(small), pa.table({"id": list(range(10))}))
+    engines = ("embedded", "connect", "standalone")
     homes = {name: work / f"engine-{name}" for name in engines}
-    runs: dict[str, list[dict]] = {name: [] for name in engines}
+    runs: dict[str, list[dict]] = {f"{name}_{kind}": [] for name in engines for kind in ("increment", "no_new_files")}
+    minimal: list[dict] = []
     with spark_connect_server(port=15402, log=work / "connect.log") as remote, \
             spark_standalone(port=17402, log_dir=work / "standalone", worker_memory="4g") as master:
         urls = {"embedded": [], "connect": ["--remote", remote], "standalone": ["--master", master]}
@@ -381,21 +388,30 @@ def engine_runs(repeat: int, work: Path, *, history: int, increment: int) -> dic
             link_into(data.history(history), home / "landing" / "payments")
             measure(project_run(home) + urls[name], home)  # not timed: the history, once
         for i in range(repeat):
+            minimal.append(measure(case("minimal", out=small)))
             for name, home in homes.items():
                 link_into(data.increment(increment, 50 + i, customers=2000), home / "landing" / "payments", f"inc{i}-")
-                run = measure(project_run(home) + urls[name], home)
-                runs[name].append(run)
-                print(f"engine {name:10s} run {i + 1}: {run['wall_s']:6.1f} s", flush=True)
-    results = {name: {"runs": [round(r["wall_s"], 2) for r in rs], "wall_s": median(rs),
-                      "client_peak_rss_mb": max(r["peak_rss_mb"]["total"] for r in rs)} for name, rs in runs.items()}
+                for kind in ("increment", "no_new_files"):
+                    run = measure(project_run(home) + urls[name], home)
+                    runs[f"{name}_{kind}"].append(run)
+                    print(f"engine {name:10s} {kind:12s} run {i + 1}: {run['wall_s']:6.1f} s, "
+                          f"client peak {run['peak_rss_mb']['total']:.0f} MB", flush=True)
+    results = {key: {"runs": [round(r["wall_s"], 2) for r in rs], "wall_s": median(rs),
+                     "client_peak_rss_mb": max(r["peak_rss_mb"]["total"] for r in rs)} for key, rs in runs.items()}
+    results["e_minimal_spark_delta_process"] = {"runs": [round(r["wall_s"], 2) for r in minimal],
+                                                "wall_s": median(minimal)}
     for name in ("connect", "standalone"):
-        results[name]["vs_embedded"] = round(results[name]["wall_s"] / results["embedded"]["wall_s"], 2)
+        for kind in ("increment", "no_new_files"):
+            results[f"{name}_{kind}"]["vs_embedded"] = round(
+                results[f"{name}_{kind}"]["wall_s"] / results[f"embedded_{kind}"]["wall_s"], 2)
+        results[f"{name}_no_new_files"]["vs_e"] = round(
+            results[f"{name}_no_new_files"]["wall_s"] / results["e_minimal_spark_delta_process"]["wall_s"], 2)
     return results
 
 
 def only_engines(repeat: int, work: Path, *, keep: bool, quick: bool) -> None:
     started = time.monotonic()
-    sizes = (2_000, 200) if quick else (20_000, 1_000)
+    sizes = (2_000, 200) if quick else (20_000, 10_000)
     try:
         results = {"engines": engine_runs(repeat, work, history=sizes[0], increment=sizes[1])}
     finally:
@@ -421,14 +437,16 @@ def only_freshness(work: Path, *, keep: bool, quick: bool) -> None:
     started = time.monotonic()
     files, every_s = (10, 2.0) if quick else (60, 2.0)
     results: dict = {}
+    # (name, mode, through a warm Connect server beside Dagster as `make dev` runs it, arrival rates to try)
+    modes = [("orchestrated_connect", "orchestrated", True, []), ("orchestrated", "orchestrated", False, []),
+             ("continuous_connect", "continuous", True, [1_000, 5_000, 20_000])]
     try:
-        for mode in ("continuous", "orchestrated"):
-            home = work / f"freshness-{mode}"
+        for name, mode, engine, steps in modes:
+            home = work / f"freshness-{name}"
             generate(PAYMENTS, home / "landing" / "payments" / "history", events=2_000, seed=3, events_per_file=1_000)
             measure(project_run(home), home)  # not timed: the tables and checkpoints exist, as in production
-            results[mode] = run_mode(home, mode, files=files, every_s=every_s,
-                                     rate_steps=[] if quick or mode == "orchestrated" else [200, 1_000, 2_000, 5_000, 20_000],
-                                     rate_seconds=60)
+            results[name] = run_mode(home, mode, files=files, every_s=every_s, rate_steps=[] if quick else steps,
+                                     rate_seconds=40, engine=engine)
     finally:
         if not keep:
             shutil.rmtree(work, ignore_errors=True)

@@ -14,10 +14,11 @@ table is compared by accounting: per key, its row plus every expired row of it i
 equals the oracle's count and sum, and the running totals in the table's newest commit equal the
 changelog's expired rows.
 
-    python -m tests.chaos --kills 30 --continuous-kills 4    # make chaos
+    python -m tests.chaos --kills 30 --continuous-kills 4 --engine-kills 4    # make chaos
 
 The continuous rounds run `statetables run --job run_continuously` (every query kept running, files landing
-while it runs) and kill it at a named point or a random instant; the clean run after them is orchestrated.
+while it runs) and kill it at a named point or a random instant. The engine rounds kill -9 a warm Spark Connect
+server while a thin client's run goes through it. The clean run after them all is orchestrated and embedded.
     tests/test_chaos.py                         # the quick variant in the test suite
 """
 
@@ -147,6 +148,36 @@ def _run_continuous(layout: StorageLayout, fault_dir: Path, log: Path, rng: rand
                 code = proc.wait()
     _wait_group_gone(proc.pid)
     return code, time.monotonic() - started
+
+
+def engine_pid(port: int) -> int | None:
+    """The pid of the Connect server JVM listening on `port` (its command line names the port)."""
+    found = subprocess.run(["pgrep", "-f", f"spark.connect.grpc.binding.port={port}"], capture_output=True, text=True)
+    pids = [int(pid) for pid in found.stdout.split()]
+    return min(pids) if pids else None
+
+
+def _run_through_engine(layout: StorageLayout, fault_dir: Path, log: Path, port: int, kill_after: float | None,
+                        job: str, ttl_days: dict[str, float]) -> tuple[int, float, bool]:
+    """`statetables run --remote` against the supervised Connect server on `port`; the server is killed with
+    SIGKILL after `kill_after` s, or by an armed fault point in its foreachBatch (which kills its whole process
+    group: the server's). Returns the client's exit code, the seconds and whether the server died."""
+    started = time.monotonic()
+    ttl = [arg for name, days in ttl_days.items() for arg in ("--ttl-days", f"{name}={days}")]
+    server = engine_pid(port)
+    with open(log, "ab") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "statetables.cli", "run", "--job", job, "--log-level", "WARNING",
+                                 "--remote", f"sc://127.0.0.1:{port}", *ttl],
+                                env=_env(layout, fault_dir), stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            code = proc.wait(timeout=kill_after)
+        except subprocess.TimeoutExpired:
+            if server is not None:
+                os.kill(server, signal.SIGKILL)
+            code = proc.wait()
+    _wait_group_gone(proc.pid)
+    return code, time.monotonic() - started, server is not None and engine_pid(port) != server
 
 
 def _wait_group_gone(pgid: int, timeout: float = 30) -> None:
@@ -305,11 +336,15 @@ def compare(layout: StorageLayout, report: ChaosReport, streams: list[str], ttl_
 def run_chaos(home: Path, *, kills: int, seed: int, events: int = 600, random_share: float = 0.4,
               damage_share: float = 0.15, typical_run_s: float = 60.0, named_only: bool = False,
               plan: list[tuple[str, dict]] | None = None, streams: list[str] | None = None,
-              ttl_days: dict[str, float] | None = None, continuous_kills: int = 0, say=print) -> ChaosReport:
+              ttl_days: dict[str, float] | None = None, continuous_kills: int = 0, engine_kills: int = 0,
+              say=print) -> ChaosReport:
     """`plan`: the named kills to make, in order (default: NAMED_KILLS, cycled); `streams`: default all;
     `ttl_days`: the state tables' TTL in every run (default CHAOS_TTL_DAYS); `continuous_kills`: then as
     many kills of the continuous job (`run_continuously`), every other one at a named point (every query
-    runs in it, so each point is on its path), the others at a random instant, files landing meanwhile."""
+    runs in it, so each point is on its path), the others at a random instant, files landing meanwhile;
+    `engine_kills`: then as many kills of a supervised Spark Connect server (statetables/servers.py) while a thin
+    client's run goes through it, every other one at a named point (in the server's foreachBatch), the others at
+    a random instant; the supervisor starts it again, and the next round's run waits for it."""
     ttl_days = CHAOS_TTL_DAYS if ttl_days is None else ttl_days
     streams = streams or list(STREAMS)
     job = "advance_all" if len(streams) == len(STREAMS) else f"advance_{streams[0]}"
@@ -363,6 +398,9 @@ def run_chaos(home: Path, *, kills: int, seed: int, events: int = 600, random_sh
         r = report.rounds[-1]
         say(f"round {len(report.rounds):>3}: {kind:<32} {'killed' if r.killed else f'exit {code}':<8} "
             f"after {seconds:5.1f} s  {r.note}")
+    if engine_kills:
+        _engine_rounds(layout, fault_dir, log, rng, report, engine_kills, plan, named, events, streams, job, ttl_days,
+                       typical_run_s, say)
     code, seconds = _run_pipeline(layout, fault_dir, log, None, job, ttl_days)
     report.rounds.append(Round("clean", seconds, False, f"exit {code}"))
     say(f"clean run: exit {code} after {seconds:.1f} s")
@@ -370,6 +408,35 @@ def run_chaos(home: Path, *, kills: int, seed: int, events: int = 600, random_sh
         raise RuntimeError(f"the clean run after the kills failed (exit {code}); see {log}")
     compare(layout, report, streams, ttl_days)
     return report
+
+
+def _engine_rounds(layout: StorageLayout, fault_dir: Path, log: Path, rng: random.Random, report: ChaosReport,
+                   engine_kills: int, plan: list, named: int, events: int, streams: list[str], job: str,
+                   ttl_days: dict[str, float], typical_run_s: float, say) -> None:
+    from statetables.servers import free_port, spark_connect_server
+
+    port = free_port()
+    made = attempts = 0
+    with spark_connect_server(port=port, log=layout.home / "spark-connect.log", supervise=True,
+                              extra_env={faults.FAULTS_ENV: str(fault_dir)}):
+        while made < engine_kills:
+            attempts += 1
+            if attempts > 4 * engine_kills + 4:
+                raise RuntimeError(f"only {made} of {engine_kills} engine kills landed; see {log}")
+            _deliver(layout, rng, events // 3, streams)
+            kind, kill_after = "engine random", rng.uniform(3.0, typical_run_s / 2)
+            if made % 2 == 0:
+                point, options = plan[(named + made // 2) % len(plan)]
+                faults.arm(fault_dir, point, "kill", **options)
+                kind, kill_after = f"engine {point}", None
+            code, seconds, died = _run_through_engine(layout, fault_dir, log, port, kill_after, job, ttl_days)
+            shutil.rmtree(fault_dir, ignore_errors=True)
+            made += died
+            report.rounds.append(Round(kind, seconds, died, f"client exit {code}" if died
+                                       else f"engine not killed (client exit {code})"))
+            r = report.rounds[-1]
+            say(f"round {len(report.rounds):>3}: {kind:<32} {'killed' if r.killed else 'alive':<8} "
+                f"after {seconds:5.1f} s  {r.note}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -380,12 +447,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--random-share", type=float, default=0.4, help="share of kills at random instants")
     parser.add_argument("--continuous-kills", type=int, default=4,
                         help="then kills of the continuous job (run_continuously), named points and random instants")
+    parser.add_argument("--engine-kills", type=int, default=4,
+                        help="then kills of a warm Spark Connect server while a run goes through it")
     parser.add_argument("--home", help="storage root to use (default: a new temporary folder, kept)")
     args = parser.parse_args(argv)
     home = Path(args.home or tempfile.mkdtemp(prefix="statetables-chaos-")).resolve()
     print(f"chaos: {args.kills} kills, seed {args.seed}, storage root {home}")
     report = run_chaos(home, kills=args.kills, seed=args.seed, events=args.events, random_share=args.random_share,
-                       continuous_kills=args.continuous_kills)
+                       continuous_kills=args.continuous_kills, engine_kills=args.engine_kills)
     by_kind: dict[str, int] = {}
     for r in report.rounds:
         if r.killed:
