@@ -7,7 +7,7 @@ worker: the run-failure sensor starts it again, tagged with why, and it resumes 
 files, still equal to the oracle (nothing counted twice) → a cancel stops it, CANCELED, tables intact.
 
 Not covered here: the windows and sessions queries in continuous mode (`event_time_steps` off to keep the test
-short; `make chaos` runs them), Spark Connect (refused for continuous runs) and freshness figures (`make bench`).
+short; `make chaos` runs them) and freshness figures (`make bench-freshness`).
 """
 
 from __future__ import annotations
@@ -75,8 +75,12 @@ def _drop(layout, seed: int, sub: str) -> None:
                  seed=seed, events_per_file=150)
 
 
-def test_continuous_job_follows_landing_survives_kill_9_and_cancels(layout):
-    with dagster_dev(layout, port=free_port()) as url:
+@pytest.mark.parametrize("engine", ["embedded", "connect"])
+def test_continuous_job_follows_landing_survives_kill_9_and_cancels(layout, engine):
+    """`embedded`: the run's own JVM. `connect`: as `make serve` runs it, every query in a warm Spark Connect server
+    beside Dagster, each from a Connect session of its own; the kill -9 then kills the client only, and the
+    recovery run's queries take over the checkpoints from the queries the dead client left running."""
+    with dagster_dev(layout, port=free_port(), engine_port=free_port() if engine == "connect" else None) as url:
         dagster_home = Path(layout.dagster_home)
         run_id = launch_run(url, CONTINUOUS_JOB, CONFIG)
         _drop(layout, seed=11, sub="first")  # while the run starts: the files land during the run
