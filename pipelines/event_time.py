@@ -23,7 +23,9 @@ from pyspark.sql.types import LongType, StringType, StructField, StructType, Tim
 from pipelines import delta_sql
 from pipelines.faults import fault_point
 from pipelines.layout import StorageLayout
-from pipelines.streaming import commits_since, kept_on_disk, retry_on_conflict, rows_added, table_version
+from pipelines.streaming import (
+    commits_since, history_rows, kept_on_disk, retry_on_conflict, rows_added, table_version,
+)
 
 LATE = "late_events"
 LATE_SCHEMA = StructType([
@@ -73,9 +75,17 @@ def write_state(frame: DataFrame, path: Path, app_id: str, batch_id: int) -> int
     return table_version(frame.sparkSession, path)
 
 
-def table_bytes(spark: SparkSession, path: Path) -> int:
-    """The size of a table's current files (DESCRIBE DETAIL)."""
-    return int(delta_sql.detail(spark, path)["sizeInBytes"] or 0)
+def state_table_figures(spark: SparkSession, path: Path) -> dict:
+    """Rows and bytes of an operator-state table (`write_state` replaces it whole). When its newest commit is such
+    a replacement, its metrics are the table's figures, read from the log's commit file (`history_rows`): two Spark
+    jobs fewer per table and run, ~0.5 s over Connect. Otherwise (a first, empty version), asked of Spark."""
+    newest = history_rows(spark, path, 1)
+    if newest and newest[0]["operation"] == "WRITE" and newest[0]["operationParameters"].get("mode") == "Overwrite":
+        metrics = newest[0]["operationMetrics"]
+        if "numOutputRows" in metrics and "numOutputBytes" in metrics:
+            return {"rows": int(metrics["numOutputRows"]), "bytes": int(metrics["numOutputBytes"])}
+    return {"rows": spark.read.format("delta").load(str(path)).count(),
+            "bytes": int(delta_sql.detail(spark, path)["sizeInBytes"] or 0)}
 
 
 def late_rows(emitted: DataFrame, stream: str) -> DataFrame:

@@ -320,6 +320,7 @@ def sessions_stage(spark: SparkSession, layout: StorageLayout, settings: Session
 
 
 def state_figures(spark: SparkSession, layout: StorageLayout) -> dict:
-    rows = sum(spark.read.format("delta").load(str(layout.table(name))).count() for name in (OPEN_SESSIONS, LAST_SESSIONS))
-    size = sum(int(event_time.table_bytes(spark, layout.table(name))) for name in (OPEN_SESSIONS, LAST_SESSIONS))
-    return {"rows": rows, "bytes": size}
+    """Rows and bytes of the sessions' state, per table and in all."""
+    tables = {name: event_time.state_table_figures(spark, layout.table(name)) for name in (OPEN_SESSIONS, LAST_SESSIONS)}
+    return {"rows": sum(t["rows"] for t in tables.values()), "bytes": sum(t["bytes"] for t in tables.values()),
+            **tables}

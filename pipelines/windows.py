@@ -244,6 +244,4 @@ def windows_stage(spark: SparkSession, layout: StorageLayout, delay: dt.timedelt
 
 
 def state_figures(spark: SparkSession, layout: StorageLayout) -> dict:
-    detail = delta_sql.detail(spark, layout.table(OPEN_HOURS))
-    rows = spark.read.format("delta").load(str(layout.table(OPEN_HOURS))).count()
-    return {"rows": rows, "bytes": int(detail["sizeInBytes"] or 0)}
+    return event_time.state_table_figures(spark, layout.table(OPEN_HOURS))
