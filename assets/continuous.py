@@ -84,14 +84,17 @@ class QueryProgress:
 
 def continuous_steps(spark: SparkSessionResource, layout: StorageLayout, config: ContinuousConfig,
                      state_policy: StatePolicyResource) -> list[ContinuousStep]:
-    """Each stream's query, on a session of its own (`session_of_its_own`); each runs in its own thread."""
+    """Each stream's query, on a session of its own (`session_of_its_own`); each runs in its own thread.
+
+    The session is made in the step's thread: pyspark's Connect client binds a local checkpoint's frame to the
+    thread's active session, not to the session that made it, and a Connect session becomes active in the thread
+    that creates it. Made elsewhere, the step's kept frames would be looked up in another session and not found."""
     steps = []
     for spec in STREAMS.values():
         settings = replace(config.streams.settings(state_policy.ttl(spec.state_table.name)),
                            event_time=spec.name in config.event_time_kept())
-        session = spark.session_of_its_own()
-        steps.append(ContinuousStep(spec.name, lambda c, spec=spec, settings=settings, session=session: advance_stream(
-            session, layout, spec, settings, continuous=c)))
+        steps.append(ContinuousStep(spec.name, lambda c, spec=spec, settings=settings: advance_stream(
+            spark.session_of_its_own(), layout, spec, settings, continuous=c)))
     return steps
 
 

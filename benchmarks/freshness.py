@@ -147,9 +147,10 @@ def run_mode(home: Path, mode: str, *, files: int, every_s: float, rate_steps: l
         run_id = None
         if mode == "continuous":
             run_id = launch_run(url, CONTINUOUS_JOB, {"ops": {"keep_streams_running": {"config": {}}}})
-            # Warm: the queries are running once a first file is visible.
-            warm = steady(layout, "warmup", 3, 2.0, 5, timeout_s=300)
-            result["warmup"] = warm
+        if mode == "continuous" or engine:
+            # Warm, as a deployment is: the queries are running, or the engine has compiled its first runs' code,
+            # once the first files are visible.
+            result["warmup"] = steady(layout, "warmup", 3, 2.0, 5, timeout_s=300)
         result["steady"] = steady(layout, mode, files, every_s, 10, timeout_s=600)
         if rate_steps:
             result["rates"] = rates(layout, rate_steps, rate_seconds)

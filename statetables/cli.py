@@ -221,6 +221,7 @@ def _serve_until_interrupted(what: str, url: str) -> int:
 def _connect_server(args: argparse.Namespace) -> int:
     from statetables.servers import spark_connect_server
 
+    _stop_on_signals()
     layout = StorageLayout.under()
     with spark_connect_server(port=args.port, log=layout.home / "logs" / "spark-connect.log", supervise=True) as url:
         return _serve_until_interrupted("Spark Connect server (Delta)", f"{url}   e.g. statetables run --remote {url}")
@@ -229,6 +230,7 @@ def _connect_server(args: argparse.Namespace) -> int:
 def _cluster(args: argparse.Namespace) -> int:
     from statetables.servers import spark_standalone
 
+    _stop_on_signals()
     layout = StorageLayout.under()
     with spark_standalone(port=args.port, log_dir=layout.home / "logs" / "spark-standalone", worker_cores=args.cores,
                           worker_memory=args.memory) as url:

@@ -149,7 +149,8 @@ def _dagster_dev(layout: StorageLayout, *, port: int, extra_env: dict[str, str] 
     proc = subprocess.Popen(
         [str(Path(sys.executable).parent / "dagster"), "dev", "-w", str(REPO_ROOT / "workspace.yaml"),
          "-h", "127.0.0.1", "-p", str(port)],
-        cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        preexec_fn=_die_with_parent)
     try:
         deadline = time.monotonic() + ready_timeout_s
         while True:
@@ -216,6 +217,14 @@ def _stop(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: the kernel sends it SIGTERM when the process (thread) that started it dies, even by
+    kill -9, so a killed `statetables dev` leaves no server behind (Linux prctl PR_SET_PDEATHSIG; kept across exec)."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
 def _engine_env() -> dict[str, str]:
     # The engine's Python workers (foreachBatch over Connect) import the project
     # from this interpreter's environment; on loopback only.
@@ -258,7 +267,7 @@ def spark_connect_server(*, port: int, log: Path, jars_dir: str | None = None, c
 
     def start() -> subprocess.Popen:
         return subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=_die_with_parent)
 
     server = {"proc": start(), "started": time.monotonic()}
     stopping = threading.Event()
