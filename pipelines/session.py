@@ -216,6 +216,15 @@ def jvm_start_noise_filtered():
         os.close(write_fd)  # the JVM holds its own copy; the filter ends when the JVM does
 
 
+def new_connect_session(settings: SparkSettings) -> SparkSession:
+    """A new Spark Connect session to `settings.remote`, with the project's confs, beside the process's others: a
+    session's confs are its own (resources/spark.py, `session_of_its_own`, says why that matters)."""
+    builder = SparkSession.builder
+    for key, value in session_confs(settings).items():
+        builder = builder.config(key, value)
+    return builder.create()
+
+
 def build_spark_session(settings: SparkSettings | None = None) -> SparkSession:
     """Return the process's SparkSession with Delta, creating it (and its JVM) once. The Dagster resource
     (resources/spark.py) builds the same session from `session_confs` through dagster-pyspark.

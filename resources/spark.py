@@ -8,10 +8,10 @@ import dagster as dg
 from dagster_pyspark import LazyPySparkResource
 from dagster_pyspark.resources import spark_session_from_config
 from pydantic import Field
-from pyspark.sql import SparkSession
 
 from pipelines.session import (
-    REMOTE_ENV, SparkSettings, engine_address, jvm_start_noise_filtered, session_confs, wait_for_engine,
+    REMOTE_ENV, SparkSettings, engine_address, jvm_start_noise_filtered, new_connect_session, session_confs,
+    wait_for_engine,
 )
 
 # The run tag that shows, on every run in the UI, which engine the run used.
@@ -64,11 +64,8 @@ class SparkSessionResource(LazyPySparkResource):
         the per-batch transaction confs (pipelines/streaming.py): each gets a new Connect session, same confs."""
         if not self.remote:
             return self.spark_session
-        settings = SparkSettings(remote=self.remote, conf={k: str(v) for k, v in self.spark_config.items()})
-        builder = SparkSession.builder
-        for key, value in session_confs(settings).items():
-            builder = builder.config(key, value)
-        return builder.create()
+        return new_connect_session(SparkSettings(remote=self.remote,
+                                                 conf={k: str(v) for k, v in self.spark_config.items()}))
 
     def _init_session(self) -> None:
         if self._spark_session is None:
