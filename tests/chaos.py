@@ -416,7 +416,7 @@ def _engine_rounds(layout: StorageLayout, fault_dir: Path, log: Path, rng: rando
     from statetables.servers import free_port, spark_connect_server
 
     port = free_port()
-    made = attempts = 0
+    made = attempts = named_rounds = 0
     with spark_connect_server(port=port, log=layout.home / "spark-connect.log", supervise=True,
                               extra_env={faults.FAULTS_ENV: str(fault_dir)}):
         while made < engine_kills:
@@ -426,13 +426,18 @@ def _engine_rounds(layout: StorageLayout, fault_dir: Path, log: Path, rng: rando
             _deliver(layout, rng, events // 3, streams)
             kind, kill_after = "engine random", rng.uniform(3.0, typical_run_s / 2)
             if made % 2 == 0:
-                point, options = plan[(named + made // 2) % len(plan)]
+                # The next point each time: after a kill mid-batch, the next run's catch-up (in the client, before
+                # its query starts) may reach a point first, and kill the client instead of the engine.
+                point, options = plan[(named + named_rounds) % len(plan)]
+                named_rounds += 1
                 faults.arm(fault_dir, point, "kill", **options)
                 kind, kill_after = f"engine {point}", None
             code, seconds, died = _run_through_engine(layout, fault_dir, log, port, kill_after, job, ttl_days)
             shutil.rmtree(fault_dir, ignore_errors=True)
             made += died
-            report.rounds.append(Round(kind, seconds, died, f"client exit {code}" if died
+            client_killed = code == -signal.SIGKILL
+            report.rounds.append(Round(kind, seconds, died or client_killed, f"client exit {code}" if died else
+                                       "the client killed in its catch-up" if client_killed
                                        else f"engine not killed (client exit {code})"))
             r = report.rounds[-1]
             say(f"round {len(report.rounds):>3}: {kind:<32} {'killed' if r.killed else 'alive':<8} "
