@@ -5,6 +5,8 @@ BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 JARS := .jars/.resolved
 CLASS_ARCHIVE := .jars/statetables.jsa
+JVM_JAR := .jars/statetables-jvm.jar
+JVM_SOURCES := $(wildcard jvm/src/statetables/jvm/*.java)
 BROWSER := $(VENV)/.browser
 export STATETABLES_HOME ?= $(CURDIR)/data
 
@@ -18,8 +20,9 @@ $(INSTALLED): setup.py
 	$(BIN)/pip install -q -e '.[test,bench]'
 	@touch $@
 
-# Delta's jars, resolved once with Maven into .jars/; runs and tests load them from there, offline.
-jars: $(JARS)
+# Delta's jars, resolved once with Maven into .jars/, and the project's own JVM code (jvm/) compiled beside them;
+# runs and tests load every jar there, offline, on every engine.
+jars: $(JARS) $(JVM_JAR)
 $(JARS): build/delta-jars.pom.xml
 	@command -v mvn >/dev/null || { echo "mvn not found: install Maven (apt-get install maven) to fetch the Delta jars once"; exit 2; }
 	@command -v java >/dev/null || { echo "java not found: install Java 17 (apt-get install openjdk-17-jdk-headless)"; exit 2; }
@@ -30,10 +33,19 @@ $(JARS): build/delta-jars.pom.xml
 	  -DexcludeGroupIds=org.apache.hadoop,org.apache.parquet,org.scala-lang,com.fasterxml.jackson.core,org.apache.logging.log4j,org.slf4j,org.xerial.snappy,com.github.luben,org.roaringbitmap,commons-logging,io.airlift,org.locationtech.jts,com.google.code.findbugs
 	@touch $@
 
+# jvm/: compiled with javac against the jars pyspark ships (Spark, Jackson); no dependency of its own.
+$(JVM_JAR): $(JVM_SOURCES) $(JARS) $(INSTALLED)
+	@command -v javac >/dev/null || { echo "javac not found: install a Java 17 JDK (apt-get install openjdk-17-jdk-headless)"; exit 2; }
+	rm -rf .jars/jvm-classes && mkdir -p .jars/jvm-classes
+	javac --release 17 -Xlint:all,-path -Werror -d .jars/jvm-classes \
+	  -cp "$$($(BIN)/python -c 'import os, pyspark; print(os.path.join(os.path.dirname(pyspark.__file__), "jars"))')/*" \
+	  $(JVM_SOURCES)
+	jar --create --file $@ -C .jars/jvm-classes .
+
 # JVM class-data sharing: the classes a run loads, recorded once by a small pass of both streams;
 # every later driver JVM maps them (pipelines/session.py). Rebuilt when the jars or the install change.
 class-archive: $(CLASS_ARCHIVE)
-$(CLASS_ARCHIVE): $(JARS) $(INSTALLED)
+$(CLASS_ARCHIVE): $(JARS) $(JVM_JAR) $(INSTALLED)
 	$(BIN)/python -m statetables.class_archive
 
 # A headless Chromium for the browser test (tests/assets/test_ui.py), once: Debian's package where there is apt and

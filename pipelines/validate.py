@@ -1,184 +1,110 @@
-"""Raw lines → typed events, or a machine-readable reason why the line is malformed.
+"""Landing lines → typed events or a reason, by the JVM validator `statetables_validate` (jvm/, ValidateLine).
 
-Spark's JSON reader coerces types silently (a number read into a string column, a string into a
-number), so lines are parsed to VARIANT instead: `schema_of_variant` tells the JSON type of every
-field exactly, and each contract rule is checked against it.
+One pass per line in the JVM: the UTF-8 check, a Jackson streaming parse (the JSON Spark's parse_json accepts,
+duplicate keys refused), exact JSON types, every rule of the stream's fields, decimals read exactly from their text
+whatever the spelling, the event-time range. The stream's rules travel as data (`line_rules`), so one function
+serves every stream, on every engine the project starts (.jars/ is on each one's classpath).
 
-Reasons (column `reason`, with the offending field in `reason_field`):
-    invalid_utf8, not_json, not_object, missing_field, wrong_type, empty_field, too_long,
-    out_of_range, too_many_decimals, invalid_timestamp
+Reasons (column `reason`, with the offending field in `reason_field`), first failing rule first:
+    invalid_utf8, not_json, not_object, then per field in the stream's order: missing_field, wrong_type,
+    empty_field, too_long, out_of_range, too_many_decimals, invalid_timestamp
 and, decided later against bronze, conflicting_duplicate.
 """
 
 from __future__ import annotations
 
+import json
 from datetime import datetime, timedelta, timezone
+from functools import lru_cache
 
-from pyspark.sql import Column, DataFrame
+from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
+from pyspark.sql.types import (
+    ArrayType, BooleanType, DecimalType, LongType, StringType, StructField, StructType,
+)
 
 from pipelines.streams import FieldRule, StreamSpec
 
-VALUE_TYPE = "decimal(18,2)"
-NUMERIC_JSON_TYPES = ("BIGINT", "INT", "SMALLINT", "TINYINT", "DOUBLE", "FLOAT")
+VALIDATOR = "statetables_validate"
+VALIDATOR_CLASS = "statetables.jvm.ValidateLine"
+VALUE_TYPE = DecimalType(18, 2)
+# What the function returns: the first failing rule, or the typed values, each in the array of its kind in the
+# order of the stream's fields. `type_of`: the field whose JSON type the detail names ("" the whole line), spelled
+# here by schema_of_variant; `id_needs_variant`: an id that is not a JSON string, read here as Spark casts it.
+VERDICT_TYPE = StructType([
+    StructField("reason", StringType()),
+    StructField("reason_field", StringType()),
+    StructField("detail", StringType()),
+    StructField("type_of", StringType()),
+    StructField("record_id", StringType()),
+    StructField("id_needs_variant", BooleanType()),
+    StructField("strings", ArrayType(StringType())),
+    StructField("decimals", ArrayType(VALUE_TYPE)),
+    StructField("timestamps", ArrayType(LongType())),
+])
+_ARRAY_OF_KIND = {"string": "strings", "decimal": "decimals", "timestamp": "timestamps"}
 # Contract: event time lies between the epoch and one day (configurable) after ingestion. An event from
 # the far past or the future would push watermarks and dedup horizons away from every real event.
 EARLIEST_EVENT_TIME = datetime(1970, 1, 1, tzinfo=timezone.utc)
 DEFAULT_MAX_AHEAD = timedelta(days=1)
-# What "trimmed" removes: JSON's own whitespace, both ends (Spark's trim() alone removes only spaces).
+# What "trimmed" removes: JSON's own whitespace, both ends.
 TRIMMED = " \t\n\r"
-# A numeric string: sign, digits with an optional point, optional exponent. ASCII digits only.
-NUMBER_TEXT = r"^([+-]?)([0-9]*)(?:\.([0-9]*))?(?:[eE]([+-]?[0-9]+))?\z"  # \z: `$` would allow a final newline
-# At most 16 integer digits and 1-2 decimals, unsigned: in range and exact as DECIMAL(18,2), no more to check.
-PLAIN_NUMBER = r"^[0-9]{1,16}(\.[0-9]{1,2})?\z"
-MAX_INTEGER_DIGITS = 16  # DECIMAL(18,2): |value| <= 9999999999999999.99
-MAX_DECIMALS = 2
-END_OF_LINE = "statetables:end-of-line"
-# ISO-8601 date-time with an explicit offset or Z; Spark's cast alone also accepts local times.
-ISO_TIMESTAMP = r"^[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}(:[0-9]{2}(\.[0-9]{1,6})?)?(Z|[+-][0-9]{2}:?[0-9]{2})\z"
 MAX_VALUE = "9999999999999999.99"
+MAX_DECIMALS = 2
 
 
-def trimmed(text: Column) -> Column:
-    return F.trim(text, F.lit(TRIMMED))
-
-
-def _decimal_text_facts(col) -> list[dict[str, Column]]:
-    """Stages of columns `_is_number`, `_negative`, `_too_big`, `_too_precise`, `_is_zero` for the trimmed
-    numeric text in column `_text` (`col(name)` reads one of the field's columns).
-
-    Decided on the digits of the text, exactly, with no cast that could overflow: a value
-    d1..dn x 10^k (trailing zeros folded into k) has n + k integer digits and max(0, -k) decimals.
-    """
-    text = col("_text")
-    # Nearly every value is plain (`12`, `12.5`, `"12.50"`): decided by one regex. The exact analysis
-    # below runs for the others only.
-    plain = {"_plain": text.rlike(PLAIN_NUMBER)}
-    slow = ~col("_plain")
-    parts = {f"_p{i}": F.when(slow, F.regexp_extract(text, NUMBER_TEXT, i)) for i in (1, 2, 3, 4)}
-    parts["_matches"] = F.when(slow, text.rlike(NUMBER_TEXT))
-    p1, p2, p3, exponent_text = (col(f"_p{i}") for i in (1, 2, 3, 4))
-    digits = {"_digits": F.concat(p2, p3)}
-    # trim, not a regex: `0+$` backtracks quadratically on a long run of zeros (a hostile line)
-    trailing = {"_without_trailing": F.rtrim(col("_digits"), F.lit("0"))}
-    # Up to 9 exponent digits fit a BIGINT sum below; longer exponents are "enormous" either way.
-    exponent = F.when(exponent_text == "", F.lit(0)).otherwise(
-        F.when(F.length(F.regexp_replace(exponent_text, "^[+-]?0*", "")) <= 9, exponent_text.try_cast("bigint")))
-    shape = {
-        "_is_number": col("_matches") & ((F.length(p2) + F.length(p3)) > 0),
-        "_significant": F.length(F.ltrim(col("_without_trailing"), F.lit("0"))),
-        "_k": exponent - F.length(p3) + (F.length(col("_digits")) - F.length(col("_without_trailing"))),
-    }
-    is_zero, k = col("_significant") == 0, col("_k")
-    enormous = k.isNull()
-    integer_digits = col("_significant") + k
-    # 16 integer digits can still exceed 9999999999999999.99 in the decimals (…99.994): compared exactly
-    # at 22 decimals, which DECIMAL(38,22) holds for 16 integer digits.
-    fast = col("_plain")
-    facts = {
-        "_is_number": fast | col("_is_number"),
-        "_is_zero": F.when(fast, F.trim(text, F.lit("0.")) == "").otherwise(is_zero),
-        "_negative": ~fast & ~is_zero & (p1 == "-"),
-        "_too_big": ~fast & ~is_zero & F.when(enormous, ~exponent_text.startswith("-")).otherwise(
-            (integer_digits > MAX_INTEGER_DIGITS) | ((integer_digits == MAX_INTEGER_DIGITS)
-                                                     & (text.try_cast("decimal(38,22)")
-                                                        > F.lit(MAX_VALUE).cast("decimal(38,22)")))),
-        "_too_precise": ~fast & ~is_zero & F.when(enormous, exponent_text.startswith("-")).otherwise(-k > MAX_DECIMALS),
-    }
-    return [plain, parts, digits, trailing, shape, facts]
-
-
-def _field_stages(rule: FieldRule, col) -> list[dict[str, Column]]:
-    """Columns computed once per line for `rule`, stage by stage, from the field's variant `_v`
-    (`col(name)` reads one of the field's columns; names are prefixed with the field by `_prefixed`).
-
-    Each value used by several checks is its own column: a column expression written inline is
-    evaluated again wherever it appears, while Spark's optimizer keeps a projection whose non-trivial
-    columns are used more than once.
-    """
-    v = col("_v")
-    stages = [{"_json_type": F.schema_of_variant(v), "_as_string": F.try_variant_get(v, "$", "string")}]
-    if rule.kind == "decimal":
-        stages.append({"_text": trimmed(col("_as_string"))})
-        stages.extend(_decimal_text_facts(col))
-    elif rule.kind == "timestamp":
-        with_seconds = F.regexp_replace(col("_as_string"), r"^([0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2})(Z|[+-])",
-                                        "$1:00$2")
-        stages.append({"_parsed": with_seconds.try_cast("timestamp"), "_iso": col("_as_string").rlike(ISO_TIMESTAMP)})
-    elif rule.trim:
-        stages.append({"_trimmed": trimmed(col("_as_string"))})
-    return stages
-
-
-def _prefixed(rule: FieldRule, name: str) -> str:
-    return f"_{rule.name}{name}"
-
-
-def _field_column(rule: FieldRule):
-    return lambda name: F.col(_prefixed(rule, name))
-
-
-def _field_checks(col, rule: FieldRule, ingested_at: Column,
-                  max_ahead: timedelta) -> tuple[list[tuple[Column, str, Column]], Column]:
-    """(condition, reason, detail) triples in the order they are tested, and the typed value, over the
-    columns of `_field_stages` (`col(name)` reads this field's column `name`).
-
-    Nothing here may throw on any input (a throw would stop the stream on every run): only try_*
-    casts and text arithmetic; the typed value is produced only where every check passed.
-    """
-    json_type, as_string = col("_json_type"), col("_as_string")
-    missing = col("_v").isNull() | (json_type == "VOID")
-    checks: list[tuple[Column, str, Column]] = []
-    if rule.required:
-        checks.append((missing, "missing_field", F.lit(f"{rule.name} is required")))
-    present = ~missing
-
+def _field_details(rule: FieldRule, max_ahead: timedelta) -> dict[str, str]:
+    """The detail of each reason a field can have; a wrong_type's is completed with the JSON type found."""
+    name = rule.name
+    details = {"missing_field": f"{name} is required", "empty_field": f"{name} is empty"}
     if rule.kind == "string":
-        stripped = col("_trimmed") if rule.trim else trimmed(as_string)
-        value = stripped if rule.trim else as_string
-        checks.append((present & (json_type != "STRING"),
-                       "wrong_type", F.concat(F.lit(f"{rule.name} must be a JSON string, got "), json_type)))
-        checks.append((present & (stripped == ""), "empty_field", F.lit(f"{rule.name} is empty")))
+        details["wrong_type"] = f"{name} must be a JSON string, got "
         if rule.max_length:
-            checks.append((present & (F.char_length(value) > rule.max_length), "too_long",
-                           F.lit(f"{rule.name} is longer than {rule.max_length} characters")))
-        return checks, F.when(present, value)
-
-    if rule.kind == "decimal":
-        # A JSON number's text as Spark's parser kept it: exact for plain literals of up to 38 digits,
-        # an IEEE double (e.g. "1.0E30", "Infinity") for exponents and longer literals.
-        is_string = json_type == "STRING"
-        numeric_type = json_type.isin(*NUMERIC_JSON_TYPES) | json_type.startswith("DECIMAL")
-        text = col("_text")
-        is_number, negative, is_zero = col("_is_number"), col("_negative"), col("_is_zero")
-        too_big, too_precise = col("_too_big"), col("_too_precise")
-        checks.append((present & ~numeric_type & ~is_string, "wrong_type",
-                       F.concat(F.lit(f"{rule.name} must be a JSON number or numeric string, got "), json_type)))
-        checks.append((present & is_string & (text == ""), "empty_field", F.lit(f"{rule.name} is empty")))
-        checks.append((present & is_string & ~is_number, "wrong_type",
-                       F.lit(f"{rule.name} is a string that is not a number")))
-        below = negative if rule.min_inclusive else (negative | is_zero)
+            details["too_long"] = f"{name} is longer than {rule.max_length} characters"
+    elif rule.kind == "decimal":
         bound = ">=" if rule.min_inclusive else ">"
-        checks.append((present & (~is_number | below | too_big), "out_of_range",
-                       F.lit(f"{rule.name} must be {bound} {rule.min_value} and at most 9999999999999999.99")))
-        checks.append((present & too_precise, "too_many_decimals",
-                       F.lit(f"{rule.name} has more than {MAX_DECIMALS} decimals")))
-        valid = is_number & ~below & ~too_big & ~too_precise
-        # A zero with an enormous exponent ("0e999999999999") is 0, which no cast would say.
-        return checks, F.when(present & valid, F.when(is_zero, F.lit(0).cast(VALUE_TYPE))
-                              .otherwise(text.try_cast(VALUE_TYPE)))
+        details.update({
+            "wrong_type": f"{name} must be a JSON number or numeric string, got ",
+            "not_a_number": f"{name} is a string that is not a number",
+            "out_of_range": f"{name} must be {bound} {rule.min_value} and at most {MAX_VALUE}",
+            "too_many_decimals": f"{name} has more than {MAX_DECIMALS} decimals",
+        })
+    else:
+        details.update({
+            "wrong_type": f"{name} must be an ISO-8601 string, got ",
+            "invalid_timestamp": f"{name} is not an ISO-8601 timestamp with offset or Z",
+            "out_of_range": f"{name} must lie between 1970-01-01T00:00:00Z and "
+                            f"{max_ahead.total_seconds() / 3600:g} h after ingestion",
+        })
+    return details
 
-    # timestamp; ISO-8601 allows leaving out the seconds, Spark's cast does not: they were added.
-    parsed = col("_parsed")
-    checks.append((present & (json_type != "STRING"), "wrong_type",
-                   F.concat(F.lit(f"{rule.name} must be an ISO-8601 string, got "), json_type)))
-    checks.append((present & (~col("_iso") | parsed.isNull()), "invalid_timestamp",
-                   F.lit(f"{rule.name} is not an ISO-8601 timestamp with offset or Z")))
-    latest = ingested_at + F.make_dt_interval(secs=F.lit(max_ahead.total_seconds()))
-    checks.append((present & ((parsed < F.lit(EARLIEST_EVENT_TIME)) | (parsed > latest)), "out_of_range",
-                   F.lit(f"{rule.name} must lie between 1970-01-01T00:00:00Z and "
-                         f"{max_ahead.total_seconds() / 3600:g} h after ingestion")))
-    return checks, F.when(present, parsed)
+
+@lru_cache(maxsize=None)
+def line_rules(spec: StreamSpec, max_ahead: timedelta = DEFAULT_MAX_AHEAD) -> str:
+    """The stream's rules as the JVM validator reads them (jvm/src/statetables/jvm/LineRules.java)."""
+    return json.dumps({
+        "id": spec.id_field,
+        "fields": [{"name": r.name, "kind": r.kind, "required": r.required, "trim": r.trim,
+                    "max_length": r.max_length, "min": r.min_value, "min_inclusive": r.min_inclusive,
+                    "details": _field_details(r, max_ahead)} for r in spec.fields],
+        "line_details": {"invalid_utf8": "line is not valid UTF-8", "not_json": "line is not a JSON document",
+                         "not_object": "line is JSON but not an object: "},
+    }, sort_keys=True)
+
+
+def register_validator(spark: SparkSession) -> None:
+    """Make `statetables_validate` callable in `spark`'s SQL and DataFrames (a session's functions are its own; over
+    Spark Connect this is one call to the server). Fails naming the fix when the engine lacks the project's jar."""
+    try:
+        spark.udf.registerJavaFunction(VALIDATOR, VALIDATOR_CLASS, VERDICT_TYPE)
+    except Exception as exc:
+        if "ClassNotFound" in str(exc) or "CANNOT_LOAD_FUNCTION_CLASS" in str(exc) or VALIDATOR_CLASS in str(exc):
+            from pipelines.errors import ConfigurationError
+            raise ConfigurationError(
+                f"The Spark engine has no {VALIDATOR_CLASS} (the project's own jar, .jars/statetables-jvm.jar). "
+                f"Fix: run `make jars` once, and start the engine with every jar in .jars/ (`make connect-server`, "
+                f"`make cluster` and the embedded engine do).") from exc
+        raise
 
 
 def content_identity(spec: StreamSpec) -> Column:
@@ -193,6 +119,28 @@ def content_identity(spec: StreamSpec) -> Column:
     return F.sha2(F.to_json(F.struct(*parts)), 256)
 
 
+def _typed_values(spec: StreamSpec) -> dict[str, Column]:
+    slots: dict[str, int] = {}
+    values = {}
+    for rule in spec.fields:
+        array = _ARRAY_OF_KIND[rule.kind]
+        value = F.col(f"_verdict.{array}")[slots.setdefault(array, 0)]
+        slots[array] += 1
+        values[rule.name] = F.timestamp_micros(value) if rule.kind == "timestamp" else value
+    return values
+
+
+def _detail(spec: StreamSpec, text: Column) -> Column:
+    """The verdict's detail; for the rare wrong JSON type, completed with the type as schema_of_variant names it
+    (the line is parsed to VARIANT for those lines only: a CASE branch is evaluated only where it is taken)."""
+    doc = F.try_parse_json(text)
+    type_of = F.col("_verdict.type_of")
+    named = F.when(type_of == "", F.schema_of_variant(doc))
+    for rule in spec.fields:
+        named = named.when(type_of == rule.name, F.schema_of_variant(F.variant_get(doc, f"$.{rule.name}", "variant")))
+    return F.when(type_of.isNull(), F.col("_verdict.detail")).otherwise(F.concat(F.col("_verdict.detail"), named))
+
+
 def validate_lines(lines: DataFrame, spec: StreamSpec, *, ingested_at: datetime,
                    max_ahead: timedelta = DEFAULT_MAX_AHEAD) -> DataFrame:
     """Add the stream's typed fields, `reason`/`reason_field`/`detail` (NULL when valid),
@@ -204,66 +152,21 @@ def validate_lines(lines: DataFrame, spec: StreamSpec, *, ingested_at: datetime,
     >>> validated = validate_lines(split_lines(files), MOVIE_TICKET_SALES, ingested_at=now)
     >>> accepted = validated.where("reason IS NULL")
     """
+    register_validator(lines.sparkSession)
+    latest = ingested_at + max_ahead
+    latest_micros = (latest - EARLIEST_EVENT_TIME) // timedelta(microseconds=1)
+    judged = lines.withColumn("_verdict", F.call_function(VALIDATOR, F.col("raw_bytes"), F.lit(line_rules(spec, max_ahead)),
+                                                          F.lit(latest_micros).cast("bigint")))
     text = F.col("raw_bytes").cast("string")
-    # parse_json stops after the first complete value and ignores what follows (`{...} trailing`).
-    # Parsing `[<line>,"<sentinel>"]` instead makes trailing content either a syntax error or an
-    # array that is not exactly [value, sentinel], so only a line holding one JSON value passes.
-    # Each stage below is its own projection: every value several checks use is computed once per line.
-    frame = lines.withColumns({
-        "_utf8": F.is_valid_utf8(text),
-        "_wrapped": F.try_parse_json(F.concat(F.lit("["), text, F.lit(f',"{END_OF_LINE}"]'))),
-    })
-    wrapped = F.col("_wrapped")
-    single_value = (F.try_variant_get(wrapped, "$[1]", "string") == END_OF_LINE) & F.variant_get(
-        wrapped, "$[2]", "variant").isNull()
-    frame = frame.withColumn("_doc", F.when(F.col("_utf8") & single_value, F.variant_get(wrapped, "$[0]", "variant")))
-    doc = F.col("_doc")
-    # A single JSON value whose text starts with `{` is an object; only other lines need the (costly,
-    # whole-document) schema_of_variant to say what they are.
-    starts_as_object = F.ltrim(text, F.lit(TRIMMED)).startswith("{")
-    frame = frame.withColumns({"_is_object": starts_as_object | F.schema_of_variant(doc).startswith("OBJECT"), **{
-        _prefixed(rule, "_v"): F.variant_get(doc, f"$.{rule.name}", "variant") for rule in spec.fields}})
-    # Every field's stages run side by side: stage i of all fields is one projection.
-    field_stages = {rule.name: _field_stages(rule, _field_column(rule)) for rule in spec.fields}
-    for depth in range(max(len(stages) for stages in field_stages.values())):
-        frame = frame.withColumns({
-            _prefixed(rule, name): column
-            for rule in spec.fields if depth < len(field_stages[rule.name])
-            for name, column in field_stages[rule.name][depth].items()})
-
-    ordered: list[tuple[Column, str, str | None, Column]] = [
-        (~F.col("_utf8"), "invalid_utf8", None, F.lit("line is not valid UTF-8")),
-        (doc.isNull(), "not_json", None, F.lit("line is not a JSON document")),
-        (~F.col("_is_object"), "not_object", None,
-         F.concat(F.lit("line is JSON but not an object: "), F.schema_of_variant(doc))),
-    ]
-    typed: dict[str, Column] = {}
-    for rule in spec.fields:
-        checks, value = _field_checks(_field_column(rule), rule, F.lit(ingested_at), max_ahead)
-        ordered.extend((cond, reason, rule.name, detail) for cond, reason, detail in checks)
-        typed[rule.name] = value
-
-    verdict = None
-    for cond, reason, field, detail in ordered:
-        outcome = F.struct(F.lit(reason).alias("reason"), F.lit(field).cast("string").alias("reason_field"),
-                           detail.alias("detail"))
-        verdict = F.when(cond, outcome) if verdict is None else verdict.when(cond, outcome)
-
-    checked = frame.select(
-        "*",
-        *[value.alias(name) for name, value in typed.items()],
-        verdict.alias("_verdict"),
-    )
-    id_col = spec.id_field
-    typed_only = F.col("_verdict").isNull()
-    return checked.select(
+    typed = judged.select(
         *lines.columns,
         F.make_valid_utf8(text).alias("raw_line"),
-        F.try_variant_get(F.col("_doc"), f"$.{id_col}", "string").alias("record_id"),
-        *[F.when(typed_only, F.col(name)).alias(name) for name in spec.field_names],
+        F.when(F.col("_verdict.id_needs_variant"),
+               F.try_variant_get(F.try_parse_json(text), f"$.{spec.id_field}", "string"))
+        .otherwise(F.col("_verdict.record_id")).alias("record_id"),
+        *[value.alias(name) for name, value in _typed_values(spec).items()],
         F.col("_verdict.reason").alias("reason"),
         F.col("_verdict.reason_field").alias("reason_field"),
-        F.col("_verdict.detail").alias("detail"),
-        F.when(typed_only, content_identity(spec)).alias("content_hash"),
+        _detail(spec, text).alias("detail"),
     )
-
+    return typed.withColumn("content_hash", F.when(F.col("reason").isNull(), content_identity(spec)))

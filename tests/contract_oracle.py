@@ -14,9 +14,8 @@ The validation rules it reads, in the order they are applied to a line:
   the title is kept trimmed, the other strings as given;
 - the value: missing_field; wrong_type (bool, object, array, or a string that is not a number);
   empty_field (blank string); out_of_range (< 0 for tickets, <= 0 for payments,
-  > 9999999999999999.99, not finite); too_many_decimals; kept as DECIMAL(18,2). A JSON number
-  literal is exact when it has no exponent and at most 38 digits, otherwise it is read as an
-  IEEE double first (what Spark's JSON parser does with it);
+  > 9999999999999999.99); too_many_decimals; kept as DECIMAL(18,2). Every value is read exactly
+  from its text, a JSON number literal as a numeric string, whatever its exponent or length;
 - the event time: missing_field; wrong_type (not a string); invalid_timestamp (not
   `YYYY-MM-DDTHH:MM[:SS[.ffffff]](Z|±HH[:]MM)`, not a real date-time, offset beyond ±18:00);
   out_of_range (in UTC, before 1970-01-01T00:00:00Z or after ingestion time + 1 day).
@@ -46,7 +45,6 @@ EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 JSON_WHITESPACE = " \t\n\r"
 TITLE_MAX = 500
 NESTING_LIMIT = 20_000  # deeper lines are not judged (RecursionError → not_json): tests stay below
-EXACT_DIGITS = 38  # a JSON number literal that does not fit DECIMAL(38) (or has an exponent) is read as a double
 # Limits of Spark's JSON parser (Jackson's StreamReadConstraints), which the implementation inherits:
 # a number literal longer than 1000 characters, or a line nested more than 999 levels deep (the implementation
 # wraps each line in one array), is not readable JSON.
@@ -174,8 +172,8 @@ def _value(raw, rules: StreamRules) -> Decimal:
     name = rules.value
     if raw is None:
         raise _Invalid("missing_field", name)
-    if isinstance(raw, str):
-        text = trim(raw)
+    if isinstance(raw, (str, Number)):
+        text = trim(raw) if isinstance(raw, str) else raw.text
         if not text:
             raise _Invalid("empty_field", name)
         match = NUMERIC_STRING.fullmatch(text)
@@ -184,14 +182,6 @@ def _value(raw, rules: StreamRules) -> Decimal:
         sign, whole, fraction, only_fraction, exponent = match.groups()
         value = _exact_decimal(sign, whole or "", (fraction if whole is not None else only_fraction) or "",
                                exponent or "0")
-    elif isinstance(raw, Number):
-        literal = raw.text
-        exact = Decimal(literal) if "e" not in literal and "E" not in literal else None
-        places = exact.as_tuple() if exact is not None else None
-        if places is None or max(len(places.digits), -places.exponent) > EXACT_DIGITS:
-            value = Decimal(repr(float(literal)))  # overflow gives inf, underflow 0.0
-        else:
-            value = exact
     else:  # bool, object, array
         raise _Invalid("wrong_type", name)
     if isinstance(value, str):
