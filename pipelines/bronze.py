@@ -105,32 +105,38 @@ def _outcomes(marked: DataFrame, bronze: DataFrame, spec: StreamSpec, lo: Column
     An id already in bronze keeps the content it was accepted with; otherwise the first arrival in the batch
     wins. Bronze is searched among events whose event time lies between `lo` and `hi` (the batch's event times
     widened by the dedup horizon). Content is compared by `content_identity`, computed from bronze's typed
-    columns, so rows of any earlier version compare the same way. One projection, not a union of one filter
-    per outcome: a union evaluated the window and the lookup once per branch (3x the sort of the batch).
+    columns, so rows of any earlier version compare the same way.
+
+    No sort of the batch: ids are counted by a hash aggregation, and only the lines of ids the batch holds more
+    than once (re-deliveries, a few in a hundred) are ranked by arrival; every other line is its id's first. Both
+    lookups join the whole batch with a small side (those lines; bronze's rows of the batch's ids), which the
+    adaptive planner broadcasts: a hash join, not a sort-merge of every line.
     """
     id_col, ts_col = spec.id_field, spec.event_time_field
     candidate = F.col("reason").isNull() & F.col("_done").isNull()
-    # Only candidates are ranked by id; every other line shares the NULL key and is never compared.
+    # Only candidates have a key; every other line has NULL and is never compared.
     keyed = marked.withColumn("_key", F.when(candidate, F.col(id_col)))
+    candidates = keyed.where(candidate).select("_key", "unit", "line_number", "content_hash")
+    repeated = candidates.groupBy("_key").agg(F.count("*").alias("_n")).where(F.col("_n") > 1).select("_key")
     by_arrival = Window.partitionBy("_key").orderBy(*arrival_order())
-    ranked = keyed.withColumns({
-        "_rank": F.row_number().over(by_arrival),
-        "_first_hash": F.first("content_hash").over(by_arrival),
-    })
+    ranked_repeats = (candidates.join(repeated, "_key", "left_semi")
+                      .select("unit", "line_number", F.row_number().over(by_arrival).alias("_rank"),
+                              F.first("content_hash").over(by_arrival).alias("_first_hash")))
+    ranked = keyed.join(ranked_repeats, ["unit", "line_number"], "left")
     # Only bronze rows of the batch's ids are hashed: the event-time range skips files by their
     # statistics, the semi join skips every other id before the (costly) content hash.
     prior = (
         bronze.where(F.col(ts_col).between(lo, hi))
-        .join(keyed.where(candidate).select(F.col(id_col).alias("_key")).distinct(),
-              F.col(id_col) == F.col("_key"), "left_semi")
+        .join(candidates.select(F.col("_key")).distinct(), F.col(id_col) == F.col("_key"), "left_semi")
         .groupBy(F.col(id_col).alias("_prior_id"))
         .agg(F.collect_set(content_identity(spec)).alias("_prior_hashes"))
     )
     looked_up = ranked.join(prior, ranked["_key"] == prior["_prior_id"], "left")
     seen = F.col("_prior_id").isNotNull()
+    first_hash = F.coalesce(F.col("_first_hash"), F.col("content_hash"))
     known_content = F.when(seen, F.array_contains("_prior_hashes", F.col("content_hash"))).otherwise(
-        F.col("content_hash") == F.col("_first_hash"))
-    is_new = ~seen & (F.col("_rank") == 1)
+        F.col("content_hash") == first_hash)
+    is_new = ~seen & (F.coalesce(F.col("_rank"), F.lit(1)) == 1)
     conflict = candidate & ~is_new & ~known_content
     outcome = (F.when(F.col("_done"), F.lit("already_ingested"))
                .when(F.col("reason").isNotNull(), F.lit("quarantined"))

@@ -74,11 +74,16 @@ _RUN = """query Run($runId: ID!) { runOrError(runId: $runId) { __typename ... on
 _LOCATION = """{ repositoriesOrError { ... on RepositoryConnection { nodes { name location { name } } } } }"""
 
 
+def repository(url: str) -> dict:
+    """The code location's one repository as the webserver names it: {"name", "location": {"name"}}."""
+    return graphql(url, _LOCATION)["repositoriesOrError"]["nodes"][0]
+
+
 def launch_run(url: str, job: str, run_config: dict | None = None, tags: dict[str, str] | None = None) -> str:
     """Launch `job` through the webserver, as the launchpad does; returns the run id."""
-    repository = graphql(url, _LOCATION)["repositoriesOrError"]["nodes"][0]
-    params = {"selector": {"repositoryLocationName": repository["location"]["name"],
-                           "repositoryName": repository["name"], "jobName": job},
+    located = repository(url)
+    params = {"selector": {"repositoryLocationName": located["location"]["name"],
+                           "repositoryName": located["name"], "jobName": job},
               "runConfigData": run_config or {},
               "executionMetadata": {"tags": [{"key": k, "value": v} for k, v in (tags or {}).items()]}}
     answer = graphql(url, _LAUNCH, {"params": params})["launchRun"]

@@ -37,13 +37,14 @@ from typing import Iterator
 from deltalake import DeltaTable as IndependentDeltaTable
 from playwright.sync_api import Page, expect, sync_playwright
 
+from assets.automation import LANDING_SENSOR_ENV
 from assets.keys import RECOVERY_OF_TAG
 from pipelines import faults
 from pipelines.generate import generate
 from pipelines.streams import PAYMENTS, STREAMS
 from resources.spark import ENGINE_TAG
 from statetables.definitions import defs
-from statetables.servers import RUN_ENDED, dagster_dev, free_port, graphql, list_runs, wait_for_run_end
+from statetables.servers import RUN_ENDED, repository, dagster_dev, free_port, graphql, list_runs, wait_for_run_end
 from tests.contract_oracle import expected_state, landing_files
 
 SHOTS_ENV = "STATETABLES_UI_SHOTS"
@@ -54,6 +55,8 @@ RUN_TIMEOUT_MS = 300_000
 LOCATION = "statetables.definitions:defs"
 # The daemon evaluates freshness policies every 30 s by default; every 5 s here, so the test waits less.
 FRESHNESS_INTERVAL_ENV = {"FRESHNESS_DAEMON_INTERVAL_SECONDS": "5"}
+_SENSOR_TICKS = """query Ticks($selector: SensorSelector!) { sensorOrError(sensorSelector: $selector) {
+  ... on Sensor { sensorState { ticks(limit: 1) { status } } } } }"""
 _FRESHNESS = """query Fresh($key: AssetKeyInput!) { assetNodeOrError(assetKey: $key) {
   ... on AssetNode { freshnessStatusInfo { freshnessStatus } } } }"""
 
@@ -85,6 +88,15 @@ def wait_for(condition, what: str, timeout_s: float = RUN_TIMEOUT_MS / 1000):
     return answer
 
 
+def first_tick_ended(url: str, sensor: str) -> bool:
+    """Whether the sensor's first tick (the daemon evaluates it when it starts) has ended."""
+    located = repository(url)
+    selector = {"repositoryLocationName": located["location"]["name"], "repositoryName": located["name"],
+                "sensorName": sensor}
+    ticks = graphql(url, _SENSOR_TICKS, {"selector": selector})["sensorOrError"]["sensorState"]["ticks"]
+    return bool(ticks) and ticks[0]["status"] != "STARTED"
+
+
 def open_finished_run(page: Page, url: str, run_id: str) -> None:
     """Wait for a run to end with the browser on a blank page, then open the run's page. A running run's page
     redraws its timeline many times a second: watching it cost Chromium a third of this test's CPU."""
@@ -113,7 +125,9 @@ def test_an_operator_sees_every_asset_what_a_run_did_and_why_a_recovery_ran(layo
         return run_id
 
     # As `make dev`: every run is a thin client of a warm Spark Connect engine (the faults fire in its foreachBatch).
-    dagster_env = {faults.FAULTS_ENV: str(fault_dir), **FRESHNESS_INTERVAL_ENV}
+    # The landing sensor ticks once when the daemon starts (landing is empty then) and not again for an hour: a tick
+    # already under way when the test switches it off would otherwise take the files the test's own run reads.
+    dagster_env = {faults.FAULTS_ENV: str(fault_dir), LANDING_SENSOR_ENV: "3600", **FRESHNESS_INTERVAL_ENV}
     engine_port = free_port()
     remote = f"sc://127.0.0.1:{engine_port}"
     with dagster_dev(layout, port=free_port(), engine_port=engine_port, extra_env=dagster_env) as url, \
@@ -134,6 +148,7 @@ def test_an_operator_sees_every_asset_what_a_run_did_and_why_a_recovery_ran(layo
         page.set_viewport_size({"width": 1600, "height": 1000})
 
         # 2. Runs by hand: the landing sensor off (its page's switch), files in landing, "Materialize all".
+        wait_for(lambda: first_tick_ended(url, "landing_files_sensor"), "the landing sensor's first tick")
         page.goto(f"{url}/locations/{LOCATION}/sensors/landing_files_sensor")
         switch = page.get_by_role("checkbox")
         expect(switch).to_be_checked()
