@@ -10,7 +10,7 @@ JVM_SOURCES := $(wildcard jvm/src/statetables/jvm/*.java)
 BROWSER := $(VENV)/.browser
 export STATETABLES_HOME ?= $(CURDIR)/data
 
-.PHONY: install jars class-archive browser ui-screenshots demo run dev serve connect-server cluster test test-long bench bench-quick bench-event-time bench-engines bench-freshness bench-full chaos clean
+.PHONY: install jars class-archive browser ui-screenshots demo run dev serve connect-server cluster test test-long bench bench-core bench-quick bench-event-time bench-engines bench-freshness bench-full chaos clean
 
 install: $(INSTALLED)
 $(INSTALLED): setup.py
@@ -104,6 +104,10 @@ bench: install jars class-archive
 
 bench-quick: install jars class-archive
 	$(BIN)/python -m benchmarks.run --quick
+
+# the incremental and bulk targets alone: Spark's floor, the bulk run, +100k as a process and warm, a full recompute
+bench-core: install jars class-archive
+	$(BIN)/python -m benchmarks.run --only core
 
 # only case (g): the windows and sessions steps against the all-time step, 1M events of each stream
 bench-event-time: install jars class-archive

@@ -123,15 +123,20 @@ def warm(args) -> dict:
     runs = []
     with dg.DagsterInstance.ephemeral() as instance:
         job.execute_in_process(instance=instance)  # catch up, and warm the JVM and the code paths
+        from benchmarks.run import counts, delta_commits, spark_jobs
         for increment in args.increment:
             for source in sorted(Path(increment).glob("*.jsonl")):
                 os.link(source, landing / f"{Path(increment).name}-{source.name}")
+            commits_before, jobs_before = delta_commits(Path(args.home)), spark_jobs(Path(args.home) / "event-log")
             started = time.monotonic()
             result = job.execute_in_process(instance=instance)
             elapsed = time.monotonic() - started
+            counted = counts(Path(args.home), commits_before)
+            counted["spark_jobs"] -= jobs_before
+            counted["jobs_per_batch"] = round(counted["spark_jobs"] / max(counted["micro_batches"], 1), 1)
             # One step: the stream's query through every table.
             steps = {"payments": result.asset_materializations_for_node("payments")[0].metadata["duration_s"].value}
-            runs.append({"run_s": elapsed, "steps_s": steps, "success": result.success})
+            runs.append({"run_s": elapsed, "steps_s": steps, "success": result.success, **counted})
     return {"work_s": sum(r["run_s"] for r in runs), "runs": runs}
 
 

@@ -57,9 +57,44 @@ def _peak_memory(pid: int, stop: threading.Event, peak: dict) -> None:
         stop.wait(0.1)
 
 
+def delta_commits(home: Path) -> dict[str, int]:
+    """Commits per table under `home` (files of each `_delta_log`, checkpoints left out)."""
+    tables = home / "tables"
+    return {t.name: len(list((t / "_delta_log").glob("*.json"))) for t in sorted(tables.iterdir())} \
+        if tables.is_dir() else {}
+
+
+def spark_jobs(event_log: Path) -> int:
+    """The Spark jobs a process's JVM ran, from its event log."""
+    return sum(line.startswith('{"Event":"SparkListenerJobStart"')
+               for path in event_log.glob("*") for line in path.open(errors="replace"))
+
+
+def counted(home: Path) -> dict:
+    """Environment that makes the project's driver JVM write its event log under `home` (read by `counts`)."""
+    log = home / "event-log"
+    shutil.rmtree(log, ignore_errors=True)
+    log.mkdir(parents=True)
+    return {"PYSPARK_SUBMIT_ARGS": f"--conf spark.eventLog.enabled=true --conf spark.eventLog.dir=file:{log} "
+                                   f"pyspark-shell"}
+
+
+def counts(home: Path, before: dict[str, int], stream: str = "payments") -> dict:
+    """Spark jobs and Delta commits of a project run, in all and per micro-batch (a bronze commit each)."""
+    after = delta_commits(home)
+    commits = sum(after.values()) - sum(before.values())
+    batches = after.get(f"{stream}_bronze", 0) - before.get(f"{stream}_bronze", 0)
+    jobs = spark_jobs(home / "event-log")
+    return {"spark_jobs": jobs, "delta_commits": commits, "micro_batches": batches,
+            "jobs_per_batch": round(jobs / batches, 1) if batches else None,
+            "commits_per_batch": round(commits / batches, 1) if batches else None}
+
+
 def measure(args: list[str], home: Path | None = None, env: dict | None = None) -> dict:
-    """Run one process; its wall time, peak RSS and the RESULT line it printed."""
-    env = {**os.environ, **({"STATETABLES_HOME": str(home)} if home else {}), **(env or {})}
+    """Run one process; its wall time, peak RSS and the RESULT line it printed. With `home` (a project run), also
+    its Spark jobs and Delta commits (`counts`)."""
+    before = delta_commits(home) if home else {}
+    env = {**os.environ, **({"STATETABLES_HOME": str(home), **counted(home)} if home else {}), **(env or {})}
     peak = {"jvm": 0, "python": 0, "total": 0}
     stop = threading.Event()
     started = time.monotonic()
@@ -73,6 +108,8 @@ def measure(args: list[str], home: Path | None = None, env: dict | None = None) 
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(map(str, args))} failed ({proc.returncode}):\n{stdout[-3000:]}\n{stderr[-3000:]}")
     result = next((json.loads(line[7:]) for line in reversed(stdout.splitlines()) if line.startswith("RESULT ")), {})
+    if home and "runs" not in result:  # a case of several runs counts each itself
+        result.update(counts(home, before))
     return {"wall_s": wall, "peak_rss_mb": {k: round(v / 2**20) for k, v in peak.items()}, **result}
 
 
@@ -167,7 +204,13 @@ def record_case(results: dict, key: str, runs: list[dict]) -> None:
                              "peak_rss_jvm_mb": max(r["peak_rss_mb"]["jvm"] for r in runs),
                              "peak_rss_python_mb": max(r["peak_rss_mb"]["python"] for r in runs)}
     c = results["cases"][key]
-    print(f"{key:45s} wall {c['wall_s']:8.2f}s  work {c['work_s']:8.2f}s  peak {c['peak_rss_mb']:6d} MB", flush=True)
+    if runs[-1].get("micro_batches"):
+        c.update({k: runs[-1][k] for k in ("spark_jobs", "delta_commits", "micro_batches", "jobs_per_batch",
+                                            "commits_per_batch")})
+    per_batch = f"  jobs/batch {c['jobs_per_batch']}  commits/batch {c['commits_per_batch']}" if "micro_batches" in c \
+        else ""
+    print(f"{key:45s} wall {c['wall_s']:8.2f}s  work {c['work_s']:8.2f}s  peak {c['peak_rss_mb']:6d} MB{per_batch}",
+          flush=True)
 
 
 def bench(sizes: list[int], increments: list[int], repeat: int, work: Path) -> dict:
@@ -329,16 +372,76 @@ def plot(results: dict, sizes: list[int], path: Path) -> None:
 
 
 def markdown(results: dict) -> str:
-    lines = ["| case | whole process s | work inside s | peak RSS MB (JVM + Python) |", "|---|---:|---:|---:|"]
+    lines = ["| case | whole process s | work inside s | peak RSS MB (JVM + Python) | micro-batches | Spark jobs "
+             "per batch | Delta commits per batch |", "|---|---:|---:|---:|---:|---:|---:|"]
     for key, c in results["cases"].items():
         lines.append(f"| {key} | {c['wall_s']:.2f} | {c['work_s']:.2f} | {c['peak_rss_mb']} "
-                     f"({c['peak_rss_jvm_mb']} + {c['peak_rss_python_mb']}) |")
+                     f"({c['peak_rss_jvm_mb']} + {c['peak_rss_python_mb']}) | {c.get('micro_batches', '')} | "
+                     f"{c.get('jobs_per_batch', '')} | {c.get('commits_per_batch', '')} |")
     lines += ["", "| ratio | value |", "|---|---:|"]
     lines += [f"| {k} | {v} |" for k, v in results["ratios"].items()]
     for name, tables in results.get("table_files", {}).items():
         lines += ["", f"Files per table, {name}:", "", "| table | data files | data MB | log files |", "|---|---:|---:|---:|"]
         lines += [f"| {t} | {v['data_files']} | {v['data_mb']} | {v['log_files']} |" for t, v in tables.items()]
     return "\n".join(lines) + "\n"
+
+
+def only_core(repeat: int, work: Path, *, keep: bool, quick: bool) -> None:
+    """The issue-34 targets on payments, medians of `repeat`: Spark's floor (a) and the bulk `statetables run` over
+    the history; then on that history, +increment as a whole `statetables run` and as warm runs; then (a) and the
+    full recompute (b) over history + increment. Prints each case with its jobs and commits per micro-batch and the
+    ratios; writes docs/bench/core.json."""
+    size, inc = (20_000, 5_000) if quick else (1_000_000, 100_000)
+    data = Data(work / "data", min(INCREMENT_FILE_LINES, size // 10))
+    results: dict = {"cases": {}}
+    record = partial(record_case, results)
+    history = data.history(size)
+    floor, bulk = [], []
+    for rep in range(repeat):
+        floor.append(measure(case("floor", landing=history, out=work / f"floor-{rep}")))
+        home = work / f"home-{rep}"
+        link_into(history, home / "landing" / "payments")
+        bulk.append(measure(project_run(home), home))
+    record(f"a_spark_floor@{size}", floor)
+    record(f"f_statetables_run@{size}", bulk)
+    # +inc, whole process, each on its own copy of the history's home (rep's), then the whole 1.1M from scratch
+    plus, floor_all, recompute = [], [], []
+    for rep in range(repeat):
+        home = work / f"home-{rep}"
+        folder = data.increment(inc, seed=rep, customers=max(2000, size // 10))
+        link_into(folder, home / "landing" / "payments", prefix="inc-")
+        plus.append(measure(project_run(home), home))
+        everything = work / f"all-{rep}"
+        link_into(history, everything)
+        link_into(folder, everything, prefix="inc-")
+        floor_all.append(measure(case("floor", landing=everything, out=work / f"floor-all-{rep}")))
+        recompute.append(measure(case("recompute", home=home, out=work / f"recompute-{rep}")))
+    record(f"f_increment_{inc}_process@history_{size}", plus)
+    record(f"a_spark_floor@{size + inc}", floor_all)
+    record(f"b_full_recompute@{size + inc}", recompute)
+    warm_home = work / "home-0"
+    folders = [data.increment(inc, seed=10 + rep, customers=max(2000, size // 10)) for rep in range(repeat)]
+    warm = measure(case("warm", home=warm_home, increment=folders), warm_home)
+    record(f"f_increment_{inc}_warm_run@history_{size}",
+           [{"wall_s": r["run_s"], "work_s": r["run_s"], "peak_rss_mb": warm["peak_rss_mb"], **r} for r in warm["runs"]])
+    c = {k: v["wall_s"] for k, v in results["cases"].items()}
+    results["ratios"] = {k: round(v, 2) for k, v in {
+        f"bulk run@{size} / spark floor (a)@{size}, whole process [target <= 3]":
+            c[f"f_statetables_run@{size}"] / c[f"a_spark_floor@{size}"],
+        f"warm +{inc} run / full recompute (b)@{size + inc}, whole process [target <= 0.5]":
+            c[f"f_increment_{inc}_warm_run@history_{size}"] / c[f"b_full_recompute@{size + inc}"],
+        f"+{inc} `statetables run` / spark floor (a)@{size + inc}, whole process [target <= 1]":
+            c[f"f_increment_{inc}_process@history_{size}"] / c[f"a_spark_floor@{size + inc}"],
+        f"events/s, warm +{inc} run": inc / c[f"f_increment_{inc}_warm_run@history_{size}"],
+    }.items()}
+    results["machine"] = {"cpus": os.cpu_count(), "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+                          "repeat": repeat, "size": size, "increment": inc}
+    print(markdown(results))
+    target = OUT if not quick else work
+    (target / "core.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+    print(f"written: {target}/core.json")
+    if not keep:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def only_event_time_paths(sizes: list[int], repeat: int, work: Path, *, keep: bool, quick: bool) -> None:
@@ -465,7 +568,9 @@ def main() -> None:
     parser.add_argument("--full", action="store_true", help="also 10M events (~1M customers) and 10k increments")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--work", default=None, help="scratch folder (default: a temporary one, removed after)")
-    parser.add_argument("--only", choices=["paths", "engines", "freshness"], help="paths: only case (g), the "
+    parser.add_argument("--only", choices=["core", "paths", "engines", "freshness"], help="core: the bulk run, the "
+                        "increment as a process and warm, against Spark's floor and a full recompute, with jobs and "
+                        "commits per micro-batch, into docs/bench/core.json; paths: only case (g), the "
                         "event-time paths, into docs/bench/event_time_paths.json; engines: `statetables run` per Spark "
                         "engine, into docs/bench/engines.json; freshness: landing file to state table, continuous and "
                         "orchestrated, into docs/bench/freshness.json. All leave the full results as they are")
@@ -478,6 +583,8 @@ def main() -> None:
     work = Path(args.work) if args.work else Path(os.environ.get("TMPDIR", "/tmp")) / f"statetables-bench-{os.getpid()}"
     work.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
+    if args.only == "core":
+        return only_core(repeat, work, keep=bool(args.work), quick=args.quick)
     if args.only == "paths":
         return only_event_time_paths(sizes, repeat, work, keep=bool(args.work), quick=args.quick)
     if args.only == "engines":
