@@ -67,7 +67,7 @@ def delta_commits(home: Path) -> dict[str, int]:
 def spark_jobs(event_log: Path) -> int:
     """The Spark jobs a process's JVM ran, from its event log."""
     return sum(line.startswith('{"Event":"SparkListenerJobStart"')
-               for path in event_log.glob("*") for line in path.open(errors="replace"))
+               for path in event_log.rglob("*") if path.is_file() for line in path.open(errors="replace"))
 
 
 def counted(home: Path) -> dict:

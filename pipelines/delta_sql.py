@@ -96,6 +96,12 @@ def history(spark: SparkSession, path: str | Path, limit: int | None = None) -> 
     return spark.sql(f"DESCRIBE HISTORY {table_ref(path)}{tail}")
 
 
+def properties(spark: SparkSession, path: str | Path) -> dict[str, str]:
+    """The table's properties. Read from its metadata alone: DESCRIBE DETAIL also counts the table's files, which
+    rebuilds the table's whole state (a Spark job; 8 s of a cold process's first Delta read, 2.4 s this way)."""
+    return {row["key"]: row["value"] for row in spark.sql(f"SHOW TBLPROPERTIES {table_ref(path)}").collect()}
+
+
 def detail(spark: SparkSession, path: str | Path) -> Row:
     """DESCRIBE DETAIL's one row: id, properties, numFiles, sizeInBytes, ..."""
     return spark.sql(f"DESCRIBE DETAIL {table_ref(path)}").first()

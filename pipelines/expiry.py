@@ -74,8 +74,7 @@ def _user_metadata(row) -> dict:
 
 def ttl_property(spark: SparkSession, table_path: str | Path) -> str | None:
     """The table's `statetables.keyTtlDays` ("off" once a TTL was removed), None if it never had one."""
-    properties = delta_sql.detail(spark, table_path)["properties"]
-    return (properties or {}).get(TTL_PROPERTY)
+    return delta_sql.properties(spark, table_path).get(TTL_PROPERTY)
 
 
 def record_policy(spark: SparkSession, table_path: str | Path, ttl: timedelta | None) -> None:
