@@ -15,7 +15,7 @@ from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
 from assets.keys import KINDS, bronze_key
-from assets.metadata import RUNBOOK_LINE, RUNBOOK_METADATA, frame_table
+from assets.metadata import RUNBOOK_LINE, RUNBOOK_METADATA, frame_table, within_watermark
 from pipelines import event_time, table_checks
 from pipelines.layout import StorageLayout
 from pipelines.sessions import (
@@ -81,7 +81,8 @@ def results(session: SparkSession, layout: StorageLayout, result: StreamRunResul
         "sessions_closed_this_run": sum(b.get("sessions_closed", 0) for b in batches),
         "late_payments_this_run": sum(b.get("late_events", 0) for b in batches),
         "operator_state_rows": state.get("rows", -1), "operator_state_bytes": state.get("bytes", -1),
-        "newest_sessions": frame_table(activity.orderBy(F.desc("session_end"), "customer_id")),
+        "newest_sessions": frame_table(activity.orderBy(F.desc("session_end"), "customer_id"), recent=within_watermark(
+            progress and progress.watermark_ms, "session_end", SESSION_GAP)),
         "table_version": result.versions[ACTIVITY].after})
     mismatched, figures = table_checks.sessions_mismatches(session, layout)
     bad = mismatched.count()

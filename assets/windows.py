@@ -13,7 +13,7 @@ from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
 from assets.keys import KINDS, bronze_key
-from assets.metadata import RUNBOOK_LINE, RUNBOOK_METADATA, frame_table
+from assets.metadata import RUNBOOK_LINE, RUNBOOK_METADATA, frame_table, within_watermark
 from pipelines import event_time, table_checks
 from pipelines.layout import StorageLayout
 from pipelines.streaming import StreamRunResult
@@ -75,15 +75,18 @@ def results(session: SparkSession, layout: StorageLayout, result: StreamRunResul
               "bronze_version_read": progress.bronze_version if progress else -1}
     closed = sum(b.get("windows_closed", 0) for b in batches)
     late = sum(b.get("late_events", 0) for b in batches)
+    recent = within_watermark(progress and progress.watermark_ms, "window_start", dt.timedelta(hours=1))
     hourly = session.read.format("delta").load(str(layout.table(HOURLY)))
     yield dg.MaterializeResult(asset_key=HOURLY_KEY, metadata={
         **common, "windows_closed_this_run": closed,
-        "newest_windows": frame_table(hourly.orderBy(F.desc("window_start"), F.desc("tickets_sold"), "title")),
+        "newest_windows": frame_table(hourly.orderBy(F.desc("window_start"), F.desc("tickets_sold"), "title"),
+                                      recent=recent),
         "table_version": result.versions[HOURLY].after})
     top = session.read.format("delta").load(str(layout.table(TOP)))
     yield dg.MaterializeResult(asset_key=TOP_KEY, metadata={
         **common, "hours_ranked_this_run": len({b["batch_id"] for b in batches if b.get("windows_closed")}),
-        "newest_hour": frame_table(top.orderBy(F.desc("window_start"), "rank"), TOP_N),
+        "newest_hour": frame_table(top.orderBy(F.desc("window_start"), "rank"), TOP_N,
+                                   recent=recent),
         "table_version": result.versions[TOP].after})
     counting = session.read.format("delta").load(str(layout.table(OPEN_HOURS)))
     yield dg.MaterializeResult(asset_key=OPEN_KEY, metadata={
