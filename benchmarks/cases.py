@@ -184,7 +184,30 @@ def paths(args) -> dict:
     return {"work_s": sum(v["all_time_s"] + v["event_time_s"] for v in out.values()), **out}
 
 
-CASES = {"paths": paths, "minimal": minimal, "floor": floor, "recompute": recompute, "stateful": stateful, "polars": polars_merge,
+def validation(args) -> dict:
+    """The line validator alone: the landing files' lines, held in memory, judged by the JVM validator and by the
+    SQL one it replaced (tests/reference_validator.py), in turn, twice each; the second time of each counts."""
+    from datetime import datetime, timezone
+    from pyspark.sql import functions as F
+    from pipelines.streams import PAYMENTS
+    from pipelines.validate import validate_lines
+    from tests.reference_validator import validate_lines as sql_validate_lines
+    spark = _session()
+    lines = (spark.read.text(_landing_files(Path(args.landing)))
+             .select(F.lit("f").alias("source_file"), F.current_timestamp().alias("file_modified_at"),
+                     F.monotonically_increasing_id().alias("line_number"), F.col("value").cast("binary").alias("raw_bytes"))
+             .repartition(2).cache())
+    count = lines.count()
+    now, times = datetime.now(timezone.utc), {}
+    for name, validate in [("jvm", validate_lines), ("sql", sql_validate_lines)] * 2:
+        started = time.monotonic()
+        validate(lines, PAYMENTS, ingested_at=now).write.format("noop").mode("overwrite").save()
+        times[name] = time.monotonic() - started
+    return {"work_s": times["jvm"], "lines": count, "jvm_s": times["jvm"], "sql_s": times["sql"],
+            "jvm_us_per_line": 1e6 * times["jvm"] / count, "sql_us_per_line": 1e6 * times["sql"] / count}
+
+
+CASES = {"validation": validation, "paths": paths, "minimal": minimal, "floor": floor, "recompute": recompute, "stateful": stateful, "polars": polars_merge,
          "warm": warm}
 
 

@@ -76,7 +76,7 @@ def counted(home: Path) -> dict:
     shutil.rmtree(log, ignore_errors=True)
     log.mkdir(parents=True)
     return {"PYSPARK_SUBMIT_ARGS": f"--conf spark.eventLog.enabled=true --conf spark.eventLog.dir=file:{log} "
-                                   f"pyspark-shell"}
+                                   f"--conf spark.eventLog.compress=false pyspark-shell"}
 
 
 def counts(home: Path, before: dict[str, int], stream: str = "payments") -> dict:
@@ -396,6 +396,7 @@ def only_core(repeat: int, work: Path, *, keep: bool, quick: bool) -> None:
     results: dict = {"cases": {}}
     record = partial(record_case, results)
     history = data.history(size)
+    record("validation_jvm_vs_sql", [measure(case("validation", landing=history)) for _ in range(repeat)])
     floor, bulk = [], []
     for rep in range(repeat):
         floor.append(measure(case("floor", landing=history, out=work / f"floor-{rep}")))
@@ -433,6 +434,9 @@ def only_core(repeat: int, work: Path, *, keep: bool, quick: bool) -> None:
         f"+{inc} `statetables run` / spark floor (a)@{size + inc}, whole process [target <= 1]":
             c[f"f_increment_{inc}_process@history_{size}"] / c[f"a_spark_floor@{size + inc}"],
         f"events/s, warm +{inc} run": inc / c[f"f_increment_{inc}_warm_run@history_{size}"],
+        f"validation of {size} lines, SQL / JVM (same process)": median(results["cases"]["validation_jvm_vs_sql"]["runs"],
+                                                                        "sql_s") / median(
+            results["cases"]["validation_jvm_vs_sql"]["runs"], "jvm_s"),
     }.items()}
     results["machine"] = {"cpus": os.cpu_count(), "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
                           "repeat": repeat, "size": size, "increment": inc}

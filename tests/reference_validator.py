@@ -181,15 +181,7 @@ def _field_checks(col, rule: FieldRule, ingested_at: Column,
 
 def validate_lines(lines: DataFrame, spec: StreamSpec, *, ingested_at: datetime,
                    max_ahead: timedelta = DEFAULT_MAX_AHEAD) -> DataFrame:
-    """Add the stream's typed fields, `reason`/`reason_field`/`detail` (NULL when valid),
-    `raw_line` (the line as text), `record_id` (id when readable) and `content_hash`.
-
-    `ingested_at` is the batch's ingestion time, fixed on the driver so that a recomputed
-    partition classifies every line the same way.
-
-    >>> validated = validate_lines(split_lines(files), MOVIE_TICKET_SALES, ingested_at=now)
-    >>> accepted = validated.where("reason IS NULL")
-    """
+    """The columns of pipelines.validate.validate_lines, computed by SQL expressions over a VARIANT parse."""
     text = F.col("raw_bytes").cast("string")
     # parse_json stops after the first complete value and ignores what follows (`{...} trailing`).
     # Parsing `[<line>,"<sentinel>"]` instead makes trailing content either a syntax error or an
