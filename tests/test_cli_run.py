@@ -2,8 +2,7 @@
 resolution, plus customers whose payments are exactly 30:00 and 29:59.999 apart, the edge where the old
 sessions check disagreed with the operator and failed every run. The run must succeed with every check
 passed, and the sessions at the edge must be cut by the contract's rule. In process, through the CLI's own
-entry point, so the worker's SparkSession is the run's; a new user's `make run` on 60k and 200k payments is
-in docs/performance.md."""
+entry point, so the worker's SparkSession is the run's."""
 
 from __future__ import annotations
 

@@ -10,12 +10,17 @@ double. There the JVM validator must give the exact reading (tests/contract_orac
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pyspark.sql import functions as F
 
+from pipelines.session import JARS_ENV, delta_jars
 from pipelines.streams import MOVIE_TICKET_SALES, PAYMENTS
 from pipelines.validate import validate_lines
 from tests.contract_oracle import judge_line
@@ -81,3 +86,18 @@ def test_the_jvm_validator_judges_every_line_as_the_sql_reference(spark, data):
         assert not differ, f"{spec.name}: {len(differ)} of {len(lines)} lines differ:\n" + "\n".join(differ[:40])
         # The edges above hold at least two lines that only an exact reading tells apart (1e-400, 1.000…1e0).
         assert exact_only >= 2 if spec is PAYMENTS else True
+
+
+def test_an_engine_without_the_projects_jar_fails_naming_the_fix(tmp_path):
+    """A JVM started with Delta's jars but not the project's: the validator's registration names `make jars`."""
+    for jar in delta_jars():
+        if jar.name != "statetables-jvm.jar":
+            (tmp_path / jar.name).symlink_to(jar)
+    script = ("from pipelines.session import build_spark_session\n"
+              "from pipelines.validate import register_validator\n"
+              "register_validator(build_spark_session())\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, JARS_ENV: str(tmp_path)}, cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode != 0
+    assert "ConfigurationError" in done.stderr and "statetables.jvm.ValidateLine" in done.stderr
+    assert "Fix: run `make jars`" in done.stderr
