@@ -284,18 +284,24 @@ def run_query(
     processing-time trigger until it is stopped. Returns (batches, rows read); the query's progress reports
     are added to `progress` when given (state operator figures).
 
-    A Python worker that does not connect back to the JVM in time (Spark waits 10 s, not configurable;
-    seen on this 2-core machine under load, with transformWithState's workers, which earlier operators used) fails the query before
-    its batch commits: the query is started again from its checkpoint, which replays nothing twice."""
+    A Python worker that does not connect back to the JVM in time (Spark waits 10 s, not configurable; seen on
+    this 2-core machine under load) fails the query before its batch commits, or, over Spark Connect, its start:
+    the query is started again from its checkpoint, which replays nothing twice."""
     reports: list = []
     for attempt in range(1, WORKER_START_RETRIES + 1):
         writer = (stream.writeStream.queryName(query_name)
                   .option("checkpointLocation", str(checkpoint_dir))
                   .foreachBatch(on_batch))
-        if continuous is None:
-            query = writer.trigger(availableNow=True).start()
-        else:
-            query = writer.trigger(processingTime=f"{continuous.trigger_interval_s} seconds").start()
+        try:
+            # Over Spark Connect the server starts the foreachBatch's Python worker inside start(): on a loaded
+            # machine it may miss its time to connect back there too, before the query exists.
+            query = (writer.trigger(availableNow=True) if continuous is None else
+                     writer.trigger(processingTime=f"{continuous.trigger_interval_s} seconds")).start()
+        except Exception as exc:  # noqa: BLE001 - only the worker's failed start is retried, the rest re-raised
+            if _WORKER_START_FAILED not in str(exc) or attempt == WORKER_START_RETRIES:
+                raise
+            time.sleep(2 * attempt)
+            continue
         seen = ""
         try:
             if continuous is None:
