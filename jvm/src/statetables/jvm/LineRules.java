@@ -73,18 +73,13 @@ final class LineRules {
         root.get("line_details").properties().forEach(e -> lineDetails.put(e.getKey(), e.getValue().asText()));
     }
 
-    private static volatile LineRules last;
+    // Keyed by the rules' text: two streams' batches run side by side in one JVM (the continuous job), so a
+    // single "last rules" slot would be parsed again and again as their tasks interleave.
+    private static final Map<String, LineRules> PARSED = new java.util.concurrent.ConcurrentHashMap<>();
 
-    /** The rules of `json`, parsed once: every row of a batch passes the same literal. */
+    /** The rules of `json`, parsed once per JVM: every row of a batch passes the same literal. */
     static LineRules of(String json) {
-        LineRules rules = last;
-        if (rules == null || !rules.source.equals(json)) {
-            rules = new LineRules(json);
-            rules.source = json;
-            last = rules;
-        }
-        return rules;
+        return PARSED.computeIfAbsent(json, LineRules::new);
     }
 
-    private String source;
 }
