@@ -10,7 +10,7 @@ from typing import Literal
 
 from pipelines.errors import ConfigurationError
 
-FieldKind = Literal["string", "decimal", "timestamp"]
+FieldKind = Literal["string", "decimal", "timestamp", "integer", "boolean"]
 
 
 @dataclass(frozen=True)
@@ -22,8 +22,10 @@ class FieldRule:
     required: bool = True
     max_length: int | None = None  # strings: characters after trimming
     trim: bool = False  # strings: stored trimmed (titles)
-    min_value: str | None = None  # decimals: lower bound
+    min_value: str | None = None  # decimals and integers: lower bound, as exact text
     min_inclusive: bool = True
+    max_value: str | None = None  # decimals and integers: upper bound, as exact text
+    max_inclusive: bool = True
 
 
 @dataclass(frozen=True)
