@@ -27,7 +27,7 @@ from assets.keys import (
 from pipelines.errors import ConfigurationError, EngineUnavailableError
 from pipelines.session import REMOTE_ENV, engine_answers
 from pipelines.source import landing_files
-from pipelines.streams import STREAMS, StreamSpec
+from pipelines.streams import StreamSpec, streams
 from resources import SparkSessionResource, StorageResource
 
 DEEP_CHECKS = dg.AssetSelection.checks(*deep_check_keys())
@@ -39,8 +39,9 @@ advance_all = dg.define_asset_job(
 stream_jobs = {
     name: dg.define_asset_job(
         stream_job_name(spec), selection=dg.AssetSelection.groups(name) - DEEP_CHECKS, tags={STREAM_TAG: name},
-        description=f"Advance {name} once: ingest its landing files, update {spec.state_table.name}, check it.")
-    for name, spec in STREAMS.items()
+        description=f"Advance {name} once: ingest its landing files, update "
+                    f"{', '.join(t.name for t in spec.state_tables) or 'its tables'}, check them.")
+    for name, spec in streams().items()
 }
 
 reconcile_state_tables = dg.define_asset_job(
@@ -114,7 +115,7 @@ def landing_files_sensor(context: dg.SensorEvaluationContext, storage: StorageRe
     cursor = json.loads(context.cursor) if context.cursor else {}
     layout = storage.layout()
     requests, busy = [], []
-    for name, spec in STREAMS.items():
+    for name, spec in streams().items():
         newest = _newest_landing_file(layout.landing(name))
         if newest is None or list(newest) <= cursor.get(name, [0, ""]):
             continue
@@ -156,7 +157,8 @@ def failed_streams(context: dg.RunFailureSensorContext) -> list[StreamSpec]:
     if found:
         return list(found.values())
     tagged = context.dagster_run.tags.get(STREAM_TAG)
-    return [STREAMS[tagged]] if tagged in STREAMS else list(STREAMS.values())
+    known = streams()
+    return [known[tagged]] if tagged in known else list(known.values())
 
 
 _EXCEPTION_LINE = re.compile(r"^\s*[\w.]*(Error|Exception|Fault): .+")

@@ -34,8 +34,8 @@ from pipelines.continuous import ContinuousStep, create_tables, run_steps_contin
 from pipelines.layout import StorageLayout
 from pipelines.stream_query import advance_stream, event_time_streams, event_time_tables
 from pipelines.streaming import Continuous, commits_since, table_version
-from pipelines.streams import STREAMS, StreamSpec
-from resources import CheckPolicyResource, SparkSessionResource, StatePolicyResource, StorageResource
+from pipelines.streams import StateTableSpec, StreamSpec, streams
+from resources import CheckPolicyResource, SparkSessionResource, StorageResource
 from resources.check_policy import WARN_ONLY_NOTE
 
 
@@ -82,17 +82,16 @@ class QueryProgress:
             return taken
 
 
-def continuous_steps(spark: SparkSessionResource, layout: StorageLayout, config: ContinuousConfig,
-                     state_policy: StatePolicyResource) -> list[ContinuousStep]:
+def continuous_steps(spark: SparkSessionResource, layout: StorageLayout, config: ContinuousConfig
+                     ) -> list[ContinuousStep]:
     """Each stream's query, on a session of its own (`session_of_its_own`); each runs in its own thread.
 
     The session is made in the step's thread: pyspark's Connect client binds a local checkpoint's frame to the
     thread's active session, not to the session that made it, and a Connect session becomes active in the thread
     that creates it. Made elsewhere, the step's kept frames would be looked up in another session and not found."""
     steps = []
-    for spec in STREAMS.values():
-        settings = replace(config.streams.settings(state_policy.ttl(spec.state_table.name)),
-                           event_time=spec.name in config.event_time_kept())
+    for spec in streams().values():
+        settings = replace(config.streams.settings(), event_time=spec.name in config.event_time_kept())
         steps.append(ContinuousStep(spec.name, lambda c, spec=spec, settings=settings: advance_stream(
             spark.session_of_its_own(), layout, spec, settings, continuous=c)))
     return steps
@@ -107,11 +106,16 @@ class ContinuousReport:
                  check_policy: CheckPolicyResource):
         self.spark, self.layout, self.progress, self.check_policy = spark, layout, progress, check_policy
         self.tables: dict[dg.AssetKey, tuple[str, str]] = {}  # asset → (table folder, query writing it)
-        for spec in STREAMS.values():
+        self.state_tables: dict[dg.AssetKey, tuple[StreamSpec, StateTableSpec]] = {}
+        self.bronze: dict[dg.AssetKey, StreamSpec] = {}
+        for spec in streams().values():
             self.tables[bronze_key(spec)] = (spec.bronze_table, spec.name)
+            self.bronze[bronze_key(spec)] = spec
             self.tables[quarantine_key(spec)] = (spec.quarantine_table, spec.name)
-            self.tables[state_key(spec)] = (spec.state_table.name, spec.name)
-            self.tables[changelog_key(spec)] = (changelog_name(spec.state_table), spec.name)
+            for table in spec.state_tables:
+                self.tables[state_key(table)] = (table.name, spec.name)
+                self.tables[changelog_key(table)] = (changelog_name(table), spec.name)
+                self.state_tables[state_key(table)] = (spec, table)
             if spec.name in event_time_kept:
                 for name in event_time_tables(spec):
                     self.tables.setdefault(dg.AssetKey(name), (name, spec.name))
@@ -132,16 +136,19 @@ class ContinuousReport:
             if figures.get("watermark"):
                 metadata["watermark"] = dg.MetadataValue.timestamp(
                     dt.datetime.fromisoformat(figures["watermark"].replace("Z", "+00:00")))
-            spec = next((s for s in STREAMS.values() if key in (bronze_key(s), state_key(s))), None)
-            if spec is not None and key == bronze_key(spec):
-                metadata.update(self._bronze_counts(spec, before))
+            if key in self.bronze:
+                metadata.update(self._bronze_counts(self.bronze[key], before))
             checks = []
-            if spec is not None and key == state_key(spec):
-                totals = table_checks.state_totals(self.spark, self.layout, spec)
-                metadata.update({"keys": totals["keys"], "events_counted": totals["events_counted"],
-                                 spec.state_table.sum_column: str(totals["total"]),
+            if key in self.state_tables:
+                spec, table = self.state_tables[key]
+                totals = table_checks.state_totals(self.spark, self.layout, table)
+                metadata.update({"keys": totals["keys"],
                                  "latest_event_time": event_time_metadata(totals["latest_event_time"])})
-                checks = self._state_checks(spec)
+                if table.count_column:
+                    metadata["events_counted"] = totals["events_counted"]
+                if table.sum_column:
+                    metadata[table.sum_column] = str(totals["total"])
+                checks = self._state_checks(spec, table)
             yield dg.AssetMaterialization(asset_key=key, metadata=metadata,
                                           description=f"{CONTINUOUS_JOB}: committed since the last report")
             yield from checks
@@ -152,12 +159,12 @@ class ContinuousReport:
             ("lines_read", "lines"), ("rows_accepted", "accepted"), ("rows_quarantined", "quarantined"),
             ("duplicates_recognised", "duplicates"))}
 
-    def _state_checks(self, spec: StreamSpec) -> list[dg.AssetCheckEvaluation]:
-        key = state_key(spec)
-        totals = table_checks.totals_match_bronze(self.spark, self.layout, spec)
+    def _state_checks(self, spec: StreamSpec, table: StateTableSpec) -> list[dg.AssetCheckEvaluation]:
+        key = state_key(table)
+        totals = table_checks.totals_match_bronze(self.spark, self.layout, spec, table)
         passed = totals.pop("passed")
-        duplicated = table_checks.duplicated_or_null_keys(self.spark, self.layout, spec).count()
-        negative = table_checks.negative_rows(self.spark, self.layout, spec).count()
+        duplicated = table_checks.duplicated_or_null_keys(self.spark, self.layout, spec, table).count()
+        negative = table_checks.negative_rows(self.spark, self.layout, spec, table).count()
         results = [("unique_keys", duplicated == 0, {"duplicated_or_null_keys": duplicated}),
                    ("nothing_negative", negative == 0, {"bad_rows": negative})]
         if passed is not None:  # the newest batch does not say which bronze version it covers: next report
@@ -180,13 +187,12 @@ class ContinuousReport:
     "sessions, changelog) and reports each table to Dagster every `report_every_seconds`. Cancel the run to "
     "stop: each query finishes its current micro-batch first."))
 def keep_streams_running(context: dg.OpExecutionContext, config: ContinuousConfig, spark: SparkSessionResource,
-                         storage: StorageResource, state_policy: StatePolicyResource,
-                         check_policy: CheckPolicyResource):
+                         storage: StorageResource, check_policy: CheckPolicyResource):
     session, layout = spark.spark_session, storage.layout()
     create_tables(session, layout)
     progress = QueryProgress()
     continuous = Continuous(trigger_interval_s=config.trigger_seconds, on_progress=progress.add)
-    steps = continuous_steps(spark, layout, config, state_policy)
+    steps = continuous_steps(spark, layout, config)
     report = ContinuousReport(session, layout, progress, config.event_time_kept(), check_policy)
     context.log.info(f"{len(steps)} queries running: {', '.join(s.name for s in steps)}")
     with closing(run_steps_continuously(steps, continuous, tick_s=config.report_every_seconds)) as ticks:

@@ -6,7 +6,8 @@ from datetime import timedelta
 
 import dagster as dg
 
-from pipelines.streams import STREAMS, StreamSpec
+from pipelines.changelog import changelog_name
+from pipelines.streams import StateTableSpec, StreamSpec, streams
 
 KINDS = {"spark", "delta"}
 ADVANCE_ALL_JOB = "advance_all"
@@ -32,25 +33,27 @@ def quarantine_key(spec: StreamSpec) -> dg.AssetKey:
     return dg.AssetKey(spec.quarantine_table)
 
 
-def state_key(spec: StreamSpec) -> dg.AssetKey:
-    return dg.AssetKey(spec.state_table.name)
+def state_key(table: StateTableSpec) -> dg.AssetKey:
+    return dg.AssetKey(table.name)
 
 
-def changelog_key(spec: StreamSpec) -> dg.AssetKey:
-    return dg.AssetKey(f"{spec.state_table.name}_changelog")
+def changelog_key(table: StateTableSpec) -> dg.AssetKey:
+    return dg.AssetKey(changelog_name(table))
 
 
 def deep_check_keys() -> list[dg.AssetCheckKey]:
-    return [dg.AssetCheckKey(state_key(spec), DEEP_CHECK) for spec in STREAMS.values()]
+    return [dg.AssetCheckKey(state_key(t), DEEP_CHECK) for spec in streams().values() for t in spec.state_tables]
 
 
 def blocking_check_names() -> list[str]:
     """Every blocking check as ASSET:CHECK (resource check_policy names them; a test holds this list to the
     definitions' own). Written out, not read from the definitions, which import the resources."""
     per_state_table = ("totals_match_bronze", DEEP_CHECK, "unique_keys", "nothing_negative")
-    return sorted([*(f"{spec.state_table.name}:{check}" for spec in STREAMS.values() for check in per_state_table),
-                   "tickets_per_title_hourly:windows_reconcile_with_bronze", "top_titles_hourly:top_titles_match_windows",
-                   "customer_activity:sessions_reconcile_with_bronze"])
+    specs = streams().values()
+    return sorted([*(f"{t.name}:{check}" for spec in specs for t in spec.state_tables for check in per_state_table),
+                   *(("tickets_per_title_hourly:windows_reconcile_with_bronze",
+                      "top_titles_hourly:top_titles_match_windows") if any(s.windows for s in specs) else ()),
+                   *(("customer_activity:sessions_reconcile_with_bronze",) if any(s.sessions for s in specs) else ())])
 
 
 def pool(spec: StreamSpec) -> str:
@@ -64,7 +67,7 @@ def stream_job_name(spec: StreamSpec) -> str:
 
 
 def job_names() -> list[str]:
-    return [ADVANCE_ALL_JOB, DEEP_CHECK_JOB, CONTINUOUS_JOB, *(stream_job_name(spec) for spec in STREAMS.values())]
+    return [ADVANCE_ALL_JOB, DEEP_CHECK_JOB, CONTINUOUS_JOB, *(stream_job_name(spec) for spec in streams().values())]
 
 
 def stream_op_name(spec: StreamSpec) -> str:
@@ -74,7 +77,7 @@ def stream_op_name(spec: StreamSpec) -> str:
 
 def stream_of_step(step_key: str) -> StreamSpec | None:
     """Which stream a failed step belongs to (asset ops and check ops are named after it)."""
-    for spec in STREAMS.values():
-        if step_key.startswith(spec.name) or step_key.startswith(spec.state_table.name):
+    for spec in streams().values():
+        if step_key.startswith(spec.name) or any(step_key.startswith(t.name) for t in spec.state_tables):
             return spec
     return None

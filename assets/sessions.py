@@ -19,26 +19,27 @@ from assets.metadata import RUNBOOK_LINE, RUNBOOK_METADATA, frame_table, within_
 from pipelines import event_time, table_checks
 from pipelines.layout import StorageLayout
 from pipelines.sessions import (
-    ACTIVITY, LAST_PAYMENTS, LAST_SESSIONS, OPEN_SESSIONS, SESSION_GAP, last_progress, state_figures,
+    ACTIVITY, LAST_PAYMENTS, LAST_SESSIONS, OPEN_SESSIONS, last_progress, state_figures,
 )
 from pipelines.streaming import StreamRunResult
-from pipelines.streams import PAYMENTS
+from pipelines.streams import StreamSpec, sessions_stream
 from resources import CheckPolicyResource
 
-SPEC = PAYMENTS
 ACTIVITY_KEY, OPEN_KEY, LAST_KEY = dg.AssetKey(ACTIVITY), dg.AssetKey(OPEN_SESSIONS), dg.AssetKey(LAST_SESSIONS)
 
 
-SPECS = [
+def specs(SPEC: StreamSpec) -> list:
+    """The asset specs of the event-time tables of `SPEC`, the stream that declares them."""
+    return [
     dg.AssetSpec(ACTIVITY_KEY, deps=[bronze_key(SPEC)], kinds=KINDS, metadata=RUNBOOK_METADATA, description=(
         f"One row per closed activity session of a customer: payments less than "
-        f"{int(SESSION_GAP.total_seconds() // 60)} minutes apart. `session_start` / `session_end` are its first and "
+        f"{int(SPEC.sessions.gap.total_seconds() // 60)} minutes apart. `session_start` / `session_end` are its first and "
         f"last payment, with `payment_count`, `total_amount`, the last {LAST_PAYMENTS} `last_payment_ids` (newest "
         "first), `previous_session_end` (null for a first session, or after the customer was idle longer than the "
         "state TTL) and `day_amount`, the customer's spend on session_end's UTC day so far. A session is written "
         "once the watermark (newest payment minus the delay) is 30 minutes past its last payment, and is final. "
-        "Folded from payments_bronze in the payments stream's micro-batches; the operator's state is the Delta tables customer_open_sessions "
-        "and customer_last_sessions. Late payments go to late_events and still count in payments_per_customer."
+        f"Folded from {SPEC.bronze_table} in the stream's micro-batches; the operator's state is the Delta tables customer_open_sessions "
+        "and customer_last_sessions. Late payments go to late_events and still count in the stream's state tables."
         + RUNBOOK_LINE)),
         dg.AssetSpec(OPEN_KEY, deps=[bronze_key(SPEC)], kinds=KINDS, metadata=RUNBOOK_METADATA, description=(
             "The sessions' operator state: one row per open session of a customer (first and last payment, count, "
@@ -55,7 +56,7 @@ CHECK_SPECS = [dg.AssetCheckSpec("sessions_reconcile_with_bronze", asset=ACTIVIT
         "functions with the contract's rule (less than 30 minutes apart is one session; exactly 30 is two): "
         "every session the watermark has closed is a row with the same end, count and amount, and every row is "
         "such a session; every late payment is at or behind the watermark it missed. Reads all of "
-        "payments_bronze once."))]
+        "the stream's bronze once."))]
 
 
 def results(session: SparkSession, layout: StorageLayout, result: StreamRunResult, check_policy: CheckPolicyResource):
@@ -82,7 +83,7 @@ def results(session: SparkSession, layout: StorageLayout, result: StreamRunResul
         "late_payments_this_run": sum(b.get("late_events", 0) for b in batches),
         "operator_state_rows": state.get("rows", -1), "operator_state_bytes": state.get("bytes", -1),
         "newest_sessions": frame_table(activity.orderBy(F.desc("session_end"), "customer_id"), recent=within_watermark(
-            progress and progress.watermark_ms, "session_end", SESSION_GAP)),
+            progress and progress.watermark_ms, "session_end", sessions_stream().sessions.gap)),
         "table_version": result.versions[ACTIVITY].after})
     mismatched, figures = table_checks.sessions_mismatches(session, layout)
     bad = mismatched.count()

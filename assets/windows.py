@@ -1,4 +1,4 @@
-"""The event-time windows of movie_ticket_sales (pipelines/windows.py) as Dagster assets with their checks.
+"""The event-time windows a stream declares (`windows:`, pipelines/windows.py) as Dagster assets with their checks.
 
 They are written by the sales stream's one step (assets/streams.py, one streaming query), so their specs,
 checks and results are the parts of that step's multi-asset defined here. Not partitioned by hour: a run
@@ -17,26 +17,27 @@ from assets.metadata import RUNBOOK_LINE, RUNBOOK_METADATA, frame_table, within_
 from pipelines import event_time, table_checks
 from pipelines.layout import StorageLayout
 from pipelines.streaming import StreamRunResult
-from pipelines.streams import MOVIE_TICKET_SALES
+from pipelines.streams import StreamSpec
 from pipelines.windows import (
     HOURLY, LATE, OPEN_HOURS, TOP, TOP_N, last_progress, state_figures,
 )
 from resources import CheckPolicyResource
 
-SPEC = MOVIE_TICKET_SALES
 HOURLY_KEY, TOP_KEY, LATE_KEY, OPEN_KEY = dg.AssetKey(HOURLY), dg.AssetKey(TOP), dg.AssetKey(LATE), dg.AssetKey(OPEN_HOURS)
 
 
 def _iso(ms: int | None) -> str:
     return dt.datetime.fromtimestamp(ms / 1000, dt.timezone.utc).isoformat() if ms else "(none yet)"
 
-SPECS = [
+def specs(SPEC: StreamSpec) -> list:
+    """The asset specs of the event-time tables of `SPEC`, the stream that declares them."""
+    return [
     dg.AssetSpec(HOURLY_KEY, deps=[bronze_key(SPEC)], kinds=KINDS,
                      metadata=RUNBOOK_METADATA, description=(
             "Tickets per title per one-hour tumbling window of `sale_ts` (`window_start`, `window_end`, "
             "`tickets_sold`, `total_ticket_value`). A window's row is written once the watermark (newest sale seen "
             "minus the configured delay, default 10 min) passes its end, and never changes after. Read from "
-            "movie_ticket_sales_bronze in the sales stream's micro-batches; the hours still counting are rows of tickets_per_title_open_hours." +
+            f"{SPEC.bronze_table} in the stream's micro-batches; the hours still counting are rows of tickets_per_title_open_hours." +
             RUNBOOK_LINE)),
         dg.AssetSpec(OPEN_KEY, deps=[bronze_key(SPEC)], kinds=KINDS,
                      metadata=RUNBOOK_METADATA, description=(
@@ -52,13 +53,13 @@ SPECS = [
                      metadata=RUNBOOK_METADATA, description=(
             "Every sale that arrived at or behind the windows' watermark: `event_id`, its event time, the "
             "watermark it missed, `late_by_ms`, source file and line. It is in no window, and still counted in "
-            "movie_tickets_sold. Nothing is dropped silently." + RUNBOOK_LINE)),
+            "the stream's state tables. Nothing is dropped silently." + RUNBOOK_LINE)),
 ]
 CHECK_SPECS = [
         dg.AssetCheckSpec("windows_reconcile_with_bronze", asset=HOURLY_KEY, blocking=True, description=(
             "For every hour this run closed: each sale of that hour in bronze (at the version the windows have "
             "folded) is either in late_events or counted in its (title, hour) window, whose tickets and value equal "
-            "the hour's sales minus the late ones; the hour's sales are the two added up, as movie_tickets_sold "
+            "the hour's sales minus the late ones; the hour's sales are the two added up, as the state tables "
             "counts them. Costs what the closed hours hold: bronze is read through its event-time statistics.")),
         dg.AssetCheckSpec("top_titles_match_windows", asset=TOP_KEY, blocking=True, description=(
             f"top_titles_hourly equals the top {TOP_N} recomputed from tickets_per_title_hourly, row for row.")),

@@ -151,7 +151,7 @@ def paths(args) -> dict:
     from pipelines.state import StateTableStage, ensure_state_table
     from pipelines.stream_query import StreamSettings, advance_stream
     from pipelines.streaming import table_version
-    from pipelines.streams import STREAMS
+    from pipelines.streams import streams
     from pipelines.windows import state_figures as windows_state, windows_stage
     spark = _session()
     layout = StorageLayout.under(args.home)
@@ -160,17 +160,18 @@ def paths(args) -> dict:
                                      ("payments", sessions_stage, sessions_state)):
         if not layout.landing(name).is_dir():
             continue
-        spec = STREAMS[name]
+        spec = streams()[name]
         started = time.monotonic()
         advance_stream(spark, layout, spec, replace(StreamSettings(), event_time=False))
         ingest_s = time.monotonic() - started
         bronze = layout.table(spec.bronze_table)
         through = table_version(spark, bronze)
         rows = spark.read.format("delta").load(str(bronze)).count()
-        shutil.rmtree(layout.table(spec.state_table.name))
-        ensure_state_table(spark, layout, spec.state_table)
+        (table,) = spec.state_tables
+        shutil.rmtree(layout.table(table.name))
+        ensure_state_table(spark, layout, table)
         started = time.monotonic()
-        StateTableStage(layout, spec, None, 0).advance(spark, bronze, through, "bench/all-time", 0)
+        StateTableStage(layout, spec, table, 0).advance(spark, bronze, through, "bench/all-time", 0)
         all_time_s = time.monotonic() - started
         stage = stage_of(spark, layout)  # not timed: creates its tables and their first, empty state
         started = time.monotonic()
@@ -189,7 +190,7 @@ def validation(args) -> dict:
     SQL one it replaced (tests/reference_validator.py), in turn, twice each; the second time of each counts."""
     from datetime import datetime, timezone
     from pyspark.sql import functions as F
-    from pipelines.streams import PAYMENTS
+    from pipelines.streams import stream_spec
     from pipelines.validate import validate_lines
     from tests.reference_validator import validate_lines as sql_validate_lines
     spark = _session()
@@ -201,7 +202,7 @@ def validation(args) -> dict:
     now, times = datetime.now(timezone.utc), {}
     for name, validate in [("jvm", validate_lines), ("sql", sql_validate_lines)] * 2:
         started = time.monotonic()
-        validate(lines, PAYMENTS, ingested_at=now).write.format("noop").mode("overwrite").save()
+        validate(lines, stream_spec("payments"), ingested_at=now).write.format("noop").mode("overwrite").save()
         times[name] = time.monotonic() - started
     return {"work_s": times["jvm"], "lines": count, "jvm_s": times["jvm"], "sql_s": times["sql"],
             "jvm_us_per_line": 1e6 * times["jvm"] / count, "sql_us_per_line": 1e6 * times["sql"] / count}

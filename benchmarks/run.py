@@ -135,11 +135,11 @@ class Data:
 
     def history(self, events: int) -> Path:
         from pipelines.generate import generate
-        from pipelines.streams import PAYMENTS
+        from pipelines.streams import stream_spec
         folder = self.root / f"history-{events}"
         if not folder.is_dir():
             start = datetime.now(timezone.utc) - timedelta(seconds=15.5 * events, days=5)
-            generate(PAYMENTS, folder, events=events, seed=1, events_per_file=self.file_lines, start=start,
+            generate(stream_spec("payments"), folder, events=events, seed=1, events_per_file=self.file_lines, start=start,
                      customers=max(2000, events // 10))
         return folder
 
@@ -161,21 +161,21 @@ class Data:
 
     def sales_history(self, events: int) -> Path:
         from pipelines.generate import generate
-        from pipelines.streams import MOVIE_TICKET_SALES
+        from pipelines.streams import stream_spec
         folder = self.root / f"sales-history-{events}"
         if not folder.is_dir():
             start = datetime.now(timezone.utc) - timedelta(seconds=15.5 * events, days=5)
-            generate(MOVIE_TICKET_SALES, folder, events=events, seed=2, events_per_file=self.file_lines, start=start)
+            generate(stream_spec("movie_ticket_sales"), folder, events=events, seed=2, events_per_file=self.file_lines, start=start)
         return folder
 
     def increment(self, events: int, seed: int, customers: int) -> Path:
         from pipelines.generate import generate
-        from pipelines.streams import PAYMENTS
+        from pipelines.streams import stream_spec
         folder = self.root / f"increment-{events}-{seed}"
         if not folder.is_dir():
             # recent events, about 1 s apart: an increment is the last day or so of traffic
             start = datetime.now(timezone.utc) - timedelta(days=3)
-            generate(PAYMENTS, folder, events=events, seed=100 + seed, events_per_file=min(events, INCREMENT_FILE_LINES),
+            generate(stream_spec("payments"), folder, events=events, seed=100 + seed, events_per_file=min(events, INCREMENT_FILE_LINES),
                      start=start, customers=customers, max_step_s=2)
         return folder
 
@@ -541,7 +541,7 @@ def only_freshness(work: Path, *, keep: bool, quick: bool) -> None:
     (benchmarks/freshness.py), into docs/bench/freshness.json."""
     from benchmarks.freshness import run_mode
     from pipelines.generate import generate
-    from pipelines.streams import PAYMENTS
+    from pipelines.streams import stream_spec
 
     started = time.monotonic()
     files, every_s = (10, 2.0) if quick else (60, 2.0)
@@ -552,7 +552,7 @@ def only_freshness(work: Path, *, keep: bool, quick: bool) -> None:
     try:
         for name, mode, engine, steps in modes:
             home = work / f"freshness-{name}"
-            generate(PAYMENTS, home / "landing" / "payments" / "history", events=2_000, seed=3, events_per_file=1_000)
+            generate(stream_spec("payments"), home / "landing" / "payments" / "history", events=2_000, seed=3, events_per_file=1_000)
             measure(project_run(home), home)  # not timed: the tables and checkpoints exist, as in production
             results[name] = run_mode(home, mode, files=files, every_s=every_s, rate_steps=[] if quick else steps,
                                      rate_seconds=40, engine=engine)

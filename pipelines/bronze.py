@@ -326,7 +326,7 @@ ACCEPTED_VALUE_TOTAL = "accepted_value_total"
 TOTALS_SEARCHED = 50  # newest bronze commits searched for running totals before counting bronze itself
 
 
-def accepted_totals(spark: SparkSession, bronze_path: str, value_field: str,
+def accepted_totals(spark: SparkSession, bronze_path: str, value_field: str | None,
                     version: int | None = None) -> tuple[int, Decimal]:
     """(events, sum of values) in bronze at `version` (default: latest), from the running totals its
     ingest commits carry; bronze itself is counted only when no commit near that version has them
@@ -343,7 +343,7 @@ def accepted_totals(spark: SparkSession, bronze_path: str, value_field: str,
     if version is not None:
         reader = reader.option("versionAsOf", version)
     bronze = reader.load(bronze_path)
-    row = bronze.agg(F.count("*").alias("n"), F.sum(value_field).alias("v")).first()
+    row = bronze.agg(F.count("*").alias("n"), F.sum(value_field or F.lit(0)).alias("v")).first()
     return row["n"], row["v"] or Decimal(0)
 
 
@@ -369,7 +369,7 @@ def _write_batch(lines: DataFrame, batch_id: int, settings: IngestSettings, inge
     classified, facts = _classify(lines, batch_id, settings, ingested_at, unprocessable, error, may_repeat)
     classified = kept_on_disk(classified)
     by_outcome = classified.groupBy("outcome").agg(F.count("*").alias("count"),
-                                                   F.sum(spec.value_field).alias("value"))
+                                                   F.sum(spec.value_field or F.lit(0)).alias("value"))
     outcomes = {r["outcome"]: r for r in by_outcome.collect()}
     accepted = outcomes.get("accepted")
     # Running totals of everything bronze holds after this commit: the per-run checks compare the

@@ -18,6 +18,7 @@ from pyspark.sql.types import LongType, StringType, TimestampType
 from pipelines.errors import ChangelogError
 from pipelines.layout import StorageLayout
 from pipelines.state import ensure_state_table, state_schema
+
 from pipelines.streaming import commits_since, create_table_if_missing, rows_changed, table_id, table_version
 from pipelines.streams import StateTableSpec
 
@@ -92,7 +93,7 @@ def table_from_changelog(changelog: DataFrame, table: StateTableSpec, version: i
     row, a delete means no row. Within one commit a key can be both deleted and inserted (a
     file-level rewrite); then the row exists, so insert/postimage sort before delete.
     """
-    newest_first = Window.partitionBy(table.key).orderBy(
+    newest_first = Window.partitionBy(*table.keys).orderBy(
         F.col("_commit_version").desc(), (F.col("_change_type") == "delete").asc())
     return (
         changelog.where((F.col("_commit_version") <= version) & (F.col("_change_type") != "update_preimage"))

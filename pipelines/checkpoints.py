@@ -264,27 +264,6 @@ def checkpoint_for_run(spark: SparkSession, checkpoint_dir: Path, set_aside_root
     return verdict, moved
 
 
-def covered_source_version(checkpoint_dir: Path) -> int | None:
-    """The newest version of the source Delta table whose rows the checkpoint's committed batches have all
-    processed; None when the checkpoint does not say so plainly. (Savepoints of an earlier statetables kept
-    the state query's checkpoint, which says what its table had folded.)
-
-    The end offset of a Delta source after a whole version is `{"reservoirVersion": v + 1, "index": -1}`
-    (documented in the query progress as `endOffset`). A checkpoint with no batch yet starts after a
-    rebuild at `source_start_version`.
-    """
-    origin = read_origin(checkpoint_dir)
-    commits = _batch_files(checkpoint_dir / "commits")
-    if origin is None:
-        return None
-    if not commits:
-        return origin.source_start_version - 1 if origin.source_start_version is not None else None
-    try:
-        return batch_end_version(checkpoint_dir, max(commits))
-    except (OSError, ValueError, IndexError, KeyError):
-        return None
-
-
 def planned_source_version(checkpoint_dir: Path) -> int | None:
     """The newest source Delta version that the query's newest planned batch (its offset log, written
     before the batch runs) reads whole; None before the first batch or when it stops inside a version."""

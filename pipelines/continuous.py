@@ -10,7 +10,7 @@ started the query, so each step is given its own Connect session (resources/spar
 A stop (a cancel in Dagster arrives as an exception in the calling thread) lets each query finish its current
 micro-batch, then stops it; whatever the stop interrupts is replayed by the next run from the checkpoint.
 
-    >>> steps = [ContinuousStep("payments", lambda c: advance_stream(spark, layout, PAYMENTS, continuous=c))]
+    >>> steps = [ContinuousStep("payments", lambda c: advance_stream(spark, layout, spec, continuous=c))]
     >>> for _ in run_steps_continuously(steps, Continuous(trigger_interval_s=2), tick_s=30):
     ...     print("report")
 """
@@ -31,7 +31,7 @@ from pipelines.changelog import ensure_changelog
 from pipelines.sessions import ensure_session_tables
 from pipelines.state import ensure_state_table
 from pipelines.streaming import Continuous, StreamRunResult
-from pipelines.streams import STREAMS
+from pipelines.streams import streams
 from pipelines.windows import ensure_window_tables
 
 
@@ -46,12 +46,15 @@ def create_tables(spark: SparkSession, layout: StorageLayout) -> None:
     """Every table the streams write, created before they start: both write late_events, and would otherwise race
     to create it (Delta refuses the second creation, DELTA_PROTOCOL_CHANGED); and the run's first report then
     compares each table with its first version, not with nothing."""
-    for spec in STREAMS.values():
+    for spec in streams().values():
         ensure_bronze_tables(spark, layout, spec)
-        ensure_state_table(spark, layout, spec.state_table)
-        ensure_changelog(spark, layout, spec.state_table)
-    ensure_window_tables(spark, layout)
-    ensure_session_tables(spark, layout)
+        for table in spec.state_tables:
+            ensure_state_table(spark, layout, table)
+            ensure_changelog(spark, layout, table)
+        if spec.windows is not None:
+            ensure_window_tables(spark, layout)
+        if spec.sessions is not None:
+            ensure_session_tables(spark, layout)
 
 
 def run_steps_continuously(steps: list[ContinuousStep], continuous: Continuous, *, tick_s: float) -> Iterator[None]:

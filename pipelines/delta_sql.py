@@ -64,15 +64,25 @@ def create_table_if_missing(spark: SparkSession, path: str | Path, schema: Struc
     """CREATE TABLE IF NOT EXISTS at `path` with `schema` (nullability kept) and table properties."""
     columns = ", ".join(f"{ident(f.name)} {f.dataType.simpleString()}{'' if f.nullable else ' NOT NULL'}"
                         for f in schema.fields)
-    props = ""
-    if properties:
-        pairs = []
-        for key, value in properties.items():
-            if not _PROPERTY_KEY.match(key):
-                raise ValueError(f"not a table property name: {key!r}")
-            pairs.append(f"'{key}' = {property_literal(value)}")
-        props = f" TBLPROPERTIES ({', '.join(pairs)})"
-    spark.sql(f"CREATE TABLE IF NOT EXISTS {table_ref(path)} ({columns}) USING DELTA{props}")
+    spark.sql(f"CREATE TABLE IF NOT EXISTS {table_ref(path)} ({columns}) USING DELTA{_properties_clause(properties)}")
+
+
+def _properties_clause(properties: dict[str, str] | None) -> str:
+    if not properties:
+        return ""
+    pairs = []
+    for key, value in properties.items():
+        if not _PROPERTY_KEY.match(key):
+            raise ValueError(f"not a table property name: {key!r}")
+        pairs.append(f"'{key}' = {property_literal(value)}")
+    return f" TBLPROPERTIES ({', '.join(pairs)})"
+
+
+def replace_table(spark: SparkSession, path: str | Path, content: DataFrame, properties: dict[str, str]) -> None:
+    """Make the table at `path` hold `content` with its schema and `properties`, in one commit (CREATE OR REPLACE):
+    a reader sees the old table or the new one, never half of either."""
+    spark.sql(f"CREATE OR REPLACE TABLE {table_ref(path)} USING DELTA{_properties_clause(properties)} "
+              f"AS SELECT * FROM {{content}}", content=content)
 
 
 def set_property(spark: SparkSession, path: str | Path, key: str, value: str) -> None:

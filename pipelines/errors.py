@@ -31,3 +31,7 @@ class ChangelogError(RuntimeError):
 
 class EngineUnavailableError(RuntimeError):
     """The Spark Connect server a run is configured for does not answer; nothing was written."""
+
+
+class DefinitionChangedError(ConfigurationError):
+    """A state table's declaration changed in a way that changes rows already written; nothing was written."""

@@ -32,7 +32,7 @@ from datetime import datetime, timedelta, timezone
 from decimal import Decimal
 from pathlib import Path
 
-from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from pipelines import delta_sql
@@ -113,6 +113,14 @@ def expired_totals(spark: SparkSession, table_path: str | Path, *, as_of: int | 
     return ExpiredTotals()
 
 
+EXPIRED_VALUE = "_expired_value"
+
+
+def expired_value(table: StateTableSpec) -> Column:
+    """The value an expired row takes out of the running totals: its SUM of the stream's value, if it has one."""
+    return F.col(table.sum_column) if table.sum_column else F.lit(0).cast("decimal(28,2)")
+
+
 def expired_rows(spark: SparkSession, table_path: str | Path, table: StateTableSpec) -> DataFrame | None:
     """Every row expired and still expired (a RESTORE or a savepoint restore undoes the expiries after the
     version it went back to), from the table's Change Data Feed, with its expiry's `ingested_through`.
@@ -138,7 +146,7 @@ def expired_rows(spark: SparkSession, table_path: str | Path, table: StateTableS
                .option("startingVersion", min(expiries)).option("endingVersion", max(expiries)).load(path)
                .where(F.col("_change_type") == "delete"))
     return deletes.join(through, "_commit_version").select(
-        table.key, table.count_column, table.sum_column, "_commit_version", "expired_through_us")
+        table.key, table.count_column, expired_value(table).alias(EXPIRED_VALUE), "_commit_version", "expired_through_us")
 
 
 def require_whole_history(expired: DataFrame | None, table: StateTableSpec, totals: ExpiredTotals,
@@ -146,7 +154,7 @@ def require_whole_history(expired: DataFrame | None, table: StateTableSpec, tota
     """Refuse to go on when the expired rows read back do not add up to the running totals: Delta's log
     cleanup or a VACUUM removed an expiry's commit or change data, and counting from bronze would count
     that expiry's events again."""
-    found = (expired.agg(F.count("*"), F.sum(table.count_column), F.sum(table.sum_column)).first()
+    found = (expired.agg(F.count("*"), F.sum(table.count_column), F.sum(EXPIRED_VALUE)).first()
              if expired is not None else (0, None, None))
     if (found[0], found[1] or 0, found[2] or 0) != (totals.keys, totals.events, totals.value):
         raise ExpiryHistoryError(
@@ -156,10 +164,11 @@ def require_whole_history(expired: DataFrame | None, table: StateTableSpec, tota
             f"the table: it is rebuilt from all of bronze and the TTL applies from then on.")
 
 
-def since_last_expiry(events: DataFrame, expired: DataFrame | None, key: str) -> DataFrame:
+def since_last_expiry(events: DataFrame, expired: DataFrame | None, keys: tuple[str, ...]) -> DataFrame:
     """The bronze events each key's current row counts: those ingested after the key's newest expiry."""
     if expired is None:
         return events
+    (key,) = keys  # a table with a TTL has one key (pipelines/project.py)
     newest = expired.groupBy(key).agg(F.max("expired_through_us").alias("_through"))
     return (events.join(newest, key, "left")
             .where(F.col("_through").isNull() | (F.unix_micros("ingested_at") > F.col("_through")))
@@ -190,7 +199,7 @@ def expire_keys(spark: SparkSession, table_path: str | Path, table: StateTableSp
     cutoff = clock - ttl // timedelta(microseconds=1)
     stale = F.col(table.last_ts_column) < F.timestamp_micros(F.lit(cutoff))
     row = state.where(stale).agg(F.count("*").alias("keys"), F.sum(table.count_column).alias("events"),
-                                 F.sum(table.sum_column).alias("value")).first()
+                                 F.sum(expired_value(table)).alias("value")).first()
     if not row["keys"]:
         return 0
     metadata = {"app_id": app_id, "batch_id": batch_id,

@@ -1,4 +1,7 @@
-"""Sample landing files for both streams, conformant to the contract, with the faults it describes.
+"""Sample landing files for any declared stream, valid by its declaration, with the faults the contract describes.
+
+The two streams of the shipped project file get the demo's data (titles, customers); any other stream gets
+values drawn from its fields' types and rules.
 
 Each file is written under a hidden name (`.name`) and renamed when complete, as the contract asks
 of every producer. Deterministic for a given seed; file names carry a run tag so that repeated
@@ -16,7 +19,9 @@ from datetime import datetime, timedelta, timezone
 from decimal import Decimal
 from pathlib import Path
 
-from pipelines.streams import StreamSpec
+from pipelines.streams import FieldRule, StreamSpec
+
+DEMO_STREAMS = ("movie_ticket_sales", "payments")  # the shipped project file's, with the demo's own values
 
 _ADJECTIVES = ["Silent", "Crimson", "Last", "Hidden", "Electric", "Broken", "Golden", "Midnight", "Lost", "Iron",
                "Wild", "Frozen", "Burning", "Distant", "Quiet", "Final", "Secret", "Endless", "Northern", "Paper"]
@@ -41,10 +46,58 @@ class GenerationSummary:
     late: int = 0
 
 
+def _number(rule: FieldRule, rng: random.Random, integer: bool) -> Decimal:
+    """A value inside the field's bounds (exclusive ones kept out)."""
+    step = Decimal(1) if integer else Decimal("0.01")
+    low = Decimal(rule.min_value) if rule.min_value is not None else Decimal(0)
+    high = Decimal(rule.max_value) if rule.max_value is not None else low + 500
+    if rule.min_value is not None and not rule.min_inclusive:
+        low += step
+    if rule.max_value is not None and not rule.max_inclusive:
+        high -= step
+    low, high = low.quantize(step, rounding="ROUND_CEILING"), high.quantize(step, rounding="ROUND_FLOOR")
+    steps = int((high - low) / step) if high > low else 0
+    return low + step * rng.randrange(steps + 1)
+
+
+def _declared_event(spec: StreamSpec, rng: random.Random, n: int, ts: str, tag: str, keys: int) -> dict:
+    """An event of a stream the demo data does not know, from its fields' types: strings from a few dozen values
+    per field (so that state tables have keys to aggregate), numbers inside their bounds."""
+    event: dict = {}
+    for rule in spec.fields:
+        if not rule.required and rng.random() < 0.3:
+            continue
+        if rule.name == spec.id_field:
+            value = f"{spec.name[:3]}-{tag}-{n}"
+        elif rule.name == spec.event_time_field:
+            value = ts
+        elif rule.kind == "string":
+            value = f"{rule.name}-{rng.randrange(keys)}"[:rule.max_length or None]
+        elif rule.kind in ("decimal", "integer"):
+            number = _number(rule, rng, rule.kind == "integer")
+            value = int(number) if rule.kind == "integer" else (float(number) if n % 2 else str(number))
+        elif rule.kind == "boolean":
+            value = rng.random() < 0.5
+        else:  # another timestamp: around the event time
+            value = ts
+        event[rule.name] = value
+    return event
+
+
+def _value_target(spec: StreamSpec) -> str:
+    """The field the malformed and conflicting lines change: the summed value, else a required number, else a
+    required field other than the id."""
+    required = [f for f in spec.fields if f.required and f.name != spec.id_field]
+    numbers = [f.name for f in required if f.kind in ("decimal", "integer")]
+    return spec.value_field or (numbers[0] if numbers else required[0].name)
+
+
 def _event(spec: StreamSpec, rng: random.Random, n: int, event_time: datetime, tag: str,
            customers: int = 2000) -> dict:
     ts = event_time.strftime("%Y-%m-%dT%H:%M:%S") + (f".{rng.randrange(1000):03d}" if n % 3 else "") + "Z"
     cents = rng.randrange(100, 50_000)
+    if spec.name not in DEMO_STREAMS:
+        return _declared_event(spec, rng, n, ts, tag, keys=min(customers, 50))
     if spec.name == "movie_ticket_sales":
         event = {"event_id": f"t-{tag}-{n}", "title": rng.choice(TITLES),
                  "ticket_total_value": float(Decimal(cents) / 100) if n % 2 else f"{Decimal(cents) / 100}",
@@ -61,24 +114,25 @@ def _event(spec: StreamSpec, rng: random.Random, n: int, event_time: datetime, t
 def _malformed(spec: StreamSpec, rng: random.Random, event: dict) -> bytes:
     kind = rng.choice(MALFORMED_KINDS)
     bad = dict(event)
+    value = _value_target(spec)
     if kind == "not_json":
         return b'{"' + spec.id_field.encode() + b'": "truncated'
     if kind == "not_object":
         return json.dumps([event]).encode()
     if kind == "missing_field":
-        bad.pop(spec.value_field)
+        bad.pop(value)
     elif kind == "empty_field":
         bad[spec.id_field] = "  "
     elif kind == "wrong_type_id":
         bad[spec.id_field] = rng.randrange(10**6)
     elif kind == "wrong_type_value":
-        bad[spec.value_field] = True
+        bad[value] = True
     elif kind == "non_numeric_value":
-        bad[spec.value_field] = "twelve"
+        bad[value] = "twelve"
     elif kind == "negative_value":
-        bad[spec.value_field] = -5.25
+        bad[value] = -5.25
     elif kind == "too_many_decimals":
-        bad[spec.value_field] = 3.14159
+        bad[value] = 3.14159
     elif kind == "timestamp_without_offset":
         bad[spec.event_time_field] = bad[spec.event_time_field].rstrip("Z")
     elif kind == "impossible_date":
@@ -96,7 +150,7 @@ def generate(spec: StreamSpec, landing_dir: Path, *, events: int, malformed: flo
              max_step_s: int = 30) -> GenerationSummary:
     """Write `events` lines for `spec` into `landing_dir`.
 
-    >>> generate(PAYMENTS, Path("data/landing/payments"), events=100_000, seed=1).valid
+    >>> generate(stream_spec("payments"), Path("data/landing/payments"), events=100_000, seed=1).valid
     """
     rng = random.Random(seed)
     landing_dir.mkdir(parents=True, exist_ok=True)
@@ -128,7 +182,10 @@ def generate(spec: StreamSpec, landing_dir: Path, *, events: int, malformed: flo
             summary.duplicates += 1
         elif roll < duplicates + conflicts and accepted_events:
             original = rng.choice(accepted_events)
-            changed = dict(original, **{spec.value_field: "999.99"})
+            target = _value_target(spec)
+            changed = dict(original, **{target: (not original[target]) if isinstance(original.get(target), bool)
+                                        else 999 if isinstance(original.get(target), int) else "999.99"
+                                        if spec.field(target).kind == "decimal" else f"{original.get(target)}-changed"})
             lines.append(json.dumps(changed).encode())
             summary.conflicts += 1
         elif roll < duplicates + conflicts + malformed:

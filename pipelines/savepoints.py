@@ -20,13 +20,14 @@ from pathlib import Path
 
 from pyspark.sql import SparkSession
 
-from pipelines.checkpoints import covered_source_version, new_app_id
+from pipelines.checkpoints import new_app_id
 from pipelines.errors import ConfigurationError, SavepointError
 from pipelines.expiry import EXPIRED, expired_totals, ttl_property
 from pipelines.layout import StorageLayout
 from pipelines.state import FOLDED_THROUGH, folded_through, set_table_content
 from pipelines.streaming import writer_lock
-from pipelines.streams import STREAMS
+from pipelines.project import project
+from pipelines.streams import streams
 
 MANIFEST = "manifest.json"
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
@@ -45,16 +46,16 @@ def create_savepoint(spark: SparkSession, layout: StorageLayout, name: str, *, l
     if folder.exists():  # an earlier attempt died before its manifest: start it again
         os.replace(folder, folder.with_name(f".{name}.incomplete-{time.time_ns()}"))
     manifest = {"name": name, "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "tables": {}}
-    for spec in STREAMS.values():
-        table = spec.state_table
+    for spec in streams().values():
         with writer_lock(layout.locks, spec.name, lock_timeout_s):
-            found = folded_through(spark, layout.table(table.name))
-            if found is None:
-                raise SavepointError(f"{table.name} does not record which bronze version it has folded (no run "
-                                     f"yet, or tables of an earlier statetables). Fix: run the pipeline once "
-                                     f"(`statetables run`), then take the savepoint.")
-            manifest["tables"][table.name] = {"stream": spec.name, "version": found.version,
-                                              "bronze_version": found.through}
+            for table in spec.state_tables:
+                found = folded_through(spark, layout.table(table.name))
+                if found is None:
+                    raise SavepointError(f"{table.name} does not record which bronze version it has folded (no run "
+                                         f"yet). Fix: run the pipeline once (`statetables run`), then take the "
+                                         f"savepoint.")
+                manifest["tables"][table.name] = {"stream": spec.name, "version": found.version,
+                                                  "bronze_version": found.through}
     folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / f".{MANIFEST}"
     tmp.write_text(json.dumps(manifest, indent=1) + "\n")
@@ -77,13 +78,10 @@ def restore_savepoint(spark: SparkSession, layout: StorageLayout, name: str, *, 
         known = ", ".join(m["name"] for m in list_savepoints(layout)) or "none"
         raise SavepointError(f"No savepoint {name!r} (known: {known}). Fix: `statetables savepoint list`.")
     manifest = json.loads((folder / MANIFEST).read_text())
-    for spec in STREAMS.values():
-        table = spec.state_table
-        saved = manifest["tables"][table.name]
+    for name, saved in manifest["tables"].items():
+        spec, table = project().state_table(name)
         path = str(layout.table(table.name))
-        # A savepoint of an earlier statetables kept the state query's checkpoint: it says what was folded.
-        through = (covered_source_version(folder / "checkpoints" / saved["query"]) if "query" in saved
-                   else saved["bronze_version"])
+        through = saved["bronze_version"]
         with writer_lock(layout.locks, spec.name, lock_timeout_s):
             snapshot = spark.read.format("delta").option("versionAsOf", saved["version"]).load(path)
             metadata = {"app_id": new_app_id(f"{spec.name}/savepoint"), "batch_id": -1, "restored_savepoint": name,

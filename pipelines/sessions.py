@@ -56,7 +56,7 @@ from pipelines.faults import (
 from pipelines.layout import StorageLayout
 from pipelines.state import TOTAL_TYPE
 from pipelines.streaming import create_table_if_missing, kept_on_disk, table_version
-from pipelines.streams import PAYMENTS
+from pipelines.streams import sessions_stream
 
 ACTIVITY = "customer_activity"
 OPEN_SESSIONS = "customer_open_sessions"
@@ -136,7 +136,7 @@ def fold_sessions(open_sessions: DataFrame, last_sessions: DataFrame, payments: 
     it joins that session. The watermark then moves to the newest payment minus the delay (never back), and
     every session it is a gap past closes, oldest first, each knowing the previous one's end and the day's
     spend so far; the TTL's rule forgets both."""
-    spec = PAYMENTS
+    spec = sessions_stream()
     gap_us, ttl_us = settings.gap // _US, settings.state_ttl // _US
     at = F.col(spec.event_time_field)
     behind = F.unix_micros(at) <= F.lit(watermark_ms * 1000)
@@ -221,7 +221,7 @@ class SessionsStage(EventTimeStage):
         self.settings = settings
 
     def fold_and_write(self, rows: DataFrame, app_id: str, batch_id: int, marker: dict) -> FoldedBatch:
-        spark, layout, spec = rows.sparkSession, self.layout, PAYMENTS
+        spark, layout, spec = rows.sparkSession, self.layout, sessions_stream()
         payments = rows.select("customer_id", spec.id_field, spec.event_time_field, spec.value_field, "source_file",
                                "line_number")
         versions = self.last.state_versions
@@ -250,7 +250,7 @@ def _state_from_tables(spark: SparkSession, layout: StorageLayout, last: Progres
     committed batch, built once from bronze (payments up to its version that are neither late nor in a closed
     session) and customer_activity (each customer's newest session), then folded with no payments at the
     watermark the next batch would have had (the newest payment read minus the delay), as that batch would."""
-    spec = PAYMENTS
+    spec = sessions_stream()
     payments = (spark.read.format("delta").option("versionAsOf", last.bronze_version)
                 .load(str(layout.table(spec.bronze_table))))
     late = spark.read.format("delta").load(str(layout.table(LATE))).where(F.col("stream") == spec.name)
@@ -280,7 +280,7 @@ def _first_state(spark: SparkSession, layout: StorageLayout, last: Progress | No
     statetables (state in RocksDB), built once from the tables. Recorded as batch -1 of an app id of its own, a
     commit of customer_activity carrying the progress."""
     last = last or Progress(watermark_ms=0, bronze_version=-1, state_versions={})
-    start_id = new_app_id(f"{PAYMENTS.name}/sessions-state")
+    start_id = new_app_id(f"{sessions_stream().name}/sessions-state")
     closed, watermark = spark.createDataFrame([], ACTIVITY_SCHEMA), last.watermark_ms
     if last.bronze_version >= 0:
         fold = _state_from_tables(spark, layout, last, settings)
@@ -312,7 +312,7 @@ def sessions_stage(spark: SparkSession, layout: StorageLayout, settings: Session
     stream's writer lock). The late_events rows of a batch that died before its closing commit are deleted
     first: the stream folds that batch's bronze rows again."""
     ensure_session_tables(spark, layout)
-    undone = undo_late_rows(spark, layout, PAYMENTS.name, "activity_version",
+    undone = undo_late_rows(spark, layout, sessions_stream().name, "activity_version",
                             table_version(spark, layout.table(ACTIVITY)) or 0)
     return resumed_stage(lambda last: SessionsStage(layout, last, settings), last_progress(spark, layout),
                          lambda last: _first_state(spark, layout, last, settings), undone,

@@ -8,20 +8,23 @@ of a batch commits. A table that records none is rebuilt from bronze (`rebuild_s
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
-from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
-from pyspark.sql.types import DecimalType, LongType, StringType, StructField, StructType, TimestampType
+from pyspark.sql.types import (
+    BooleanType, DataType, DecimalType, DoubleType, LongType, StringType, StructField, StructType, TimestampType,
+)
 
 from pipelines import delta_sql
 from pipelines.delta_sql import ident
 from pipelines.layout import StorageLayout
 from pipelines.checkpoints import new_app_id
-from pipelines.errors import ConfigurationError
+from pipelines.errors import ConfigurationError, DefinitionChangedError
 from pipelines.expiry import (
     EXPIRED, ExpiredTotals, expire_keys, expired_rows, expired_totals, newest_ingested_us, record_policy, require_whole_history,
     since_last_expiry, ttl_property,
@@ -31,33 +34,128 @@ from pipelines.streaming import (
     TXN_APP_ID, TXN_VERSION, USER_METADATA, commit_confs, commits_since, create_table_if_missing, history_rows,
     retry_on_conflict, rows_added, table_version,
 )
-from pipelines.streams import StateTableSpec, StreamSpec
+from pipelines.streams import Aggregate, StateTableSpec, StreamSpec
 
 TOTAL_TYPE = DecimalType(28, 2)  # what Spark's SUM of DECIMAL(18,2) yields
+AVERAGE_TYPE = DecimalType(22, 6)  # ... and its AVG
+FIELD_TYPES = {"string": StringType(), "decimal": DecimalType(18, 2), "timestamp": TimestampType(),
+               "integer": LongType(), "boolean": BooleanType()}
+
+
+def _avg_sum(a: Aggregate) -> str:
+    return f"_avg_{a.name}_sum"
+
+
+def _avg_count(a: Aggregate) -> str:
+    return f"_avg_{a.name}_count"
+
+
+def _by(a: Aggregate) -> str:
+    return f"_by_{a.name}"
+
+
+def _summed_type(kind: str) -> DataType:
+    return TOTAL_TYPE if kind == "decimal" else LongType()
 
 
 def state_schema(table: StateTableSpec) -> StructType:
-    return StructType([
-        StructField(table.key, StringType(), nullable=False),
-        StructField(table.count_column, LongType(), nullable=False),
-        StructField(table.sum_column, TOTAL_TYPE, nullable=False),
-        StructField(table.first_ts_column, TimestampType()),
-        StructField(table.last_ts_column, TimestampType()),
-        StructField("updated_at", TimestampType()),
-    ])
+    """The declared columns with the types the declared query yields in Spark, `updated_at`, then what the MERGE
+    needs to combine an AVG (its exact sum and count) or a MIN_BY/MAX_BY (the ordering value beside the value);
+    those columns start with `_`."""
+    field = {f.name: f for f in table.fields}
+    visible, hidden = [], []
+    for key in table.keys:
+        visible.append(StructField(key, FIELD_TYPES[field[key].kind], nullable=not field[key].required))
+    for a in table.aggregates:
+        kind = field[a.column].kind if a.column else None
+        if a.function == "count":
+            visible.append(StructField(a.name, LongType(), nullable=False))
+        elif a.function == "sum":
+            visible.append(StructField(a.name, _summed_type(kind), nullable=not field[a.column].required))
+        elif a.function in ("min", "max"):
+            visible.append(StructField(a.name, FIELD_TYPES[kind]))
+        elif a.function == "avg":
+            visible.append(StructField(a.name, AVERAGE_TYPE if kind == "decimal" else DoubleType()))
+            hidden += [StructField(_avg_sum(a), _summed_type(kind)), StructField(_avg_count(a), LongType())]
+        else:
+            visible.append(StructField(a.name, FIELD_TYPES[kind]))
+            hidden.append(StructField(_by(a), StructType([
+                StructField("by", FIELD_TYPES[field[a.by].kind]), StructField("value", FIELD_TYPES[kind])])))
+    return StructType([*visible, StructField("updated_at", TimestampType()), *hidden])
 
 
 def ensure_state_table(spark: SparkSession, layout: StorageLayout, table: StateTableSpec) -> None:
     create_table_if_missing(spark, layout.table(table.name), state_schema(table))
 
 
-def aggregate(events: DataFrame, table: StateTableSpec, value_column: str, event_time_column: str) -> DataFrame:
-    return events.groupBy(table.key).agg(
-        F.count(value_column).alias("batch_count"),
-        F.sum(value_column).cast(TOTAL_TYPE).alias("batch_sum"),
-        F.min(event_time_column).alias("batch_first"),
-        F.max(event_time_column).alias("batch_last"),
-    )
+DEFINITION_PROPERTY = "statetables.definition"  # a fingerprint of the keys and aggregates that wrote the rows
+
+
+def definition_of(table: StateTableSpec) -> str:
+    """What decides the table's rows: its keys and aggregates (not its name, its SQL's spelling, or its TTL,
+    which has its own record, pipelines/expiry.py)."""
+    text = json.dumps({"stream": table.stream, "keys": table.keys,
+                       "aggregates": [[a.name, a.function, a.column, a.by] for a in table.aggregates]})
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def require_definition(spark: SparkSession, table_path: Path, table: StateTableSpec) -> None:
+    """Refuse to fold into a table whose rows an earlier definition wrote: its keys or aggregates changed, so
+    old rows and new rows would mean different things. A table without a record gets one, if its columns are
+    the declared ones."""
+    wanted = definition_of(table)
+    found = delta_sql.properties(spark, table_path).get(DEFINITION_PROPERTY)
+    if found == wanted:
+        return
+    columns = [(f.name, f.dataType.simpleString()) for f in spark.read.format("delta").load(str(table_path)).schema]
+    declared = [(f.name, f.dataType.simpleString()) for f in state_schema(table)]
+    if found is not None or columns != declared:
+        raise DefinitionChangedError(
+            f"{table.name} holds rows of another definition than the project file's (line {table.line}: "
+            f"{table.sql}); its keys or aggregates changed. Fix: `statetables refresh {table.name}` rebuilds it from "
+            f"bronze under the new definition, replacing its content in one commit; or put the old SQL back.")
+    delta_sql.set_property(spark, table_path, DEFINITION_PROPERTY, wanted)
+
+
+def _average(a: Aggregate, total: Column, count: Column, decimal: bool) -> Column:
+    """Spark's AVG from an exact sum and count: for decimals the division Average itself does."""
+    if decimal:
+        value = (total / count.cast(DecimalType(20, 0))).cast(AVERAGE_TYPE)
+    else:
+        value = total.cast(DoubleType()) / count.cast(DoubleType())
+    return F.when(count > 0, value)
+
+
+def aggregate(events: DataFrame, table: StateTableSpec) -> DataFrame:
+    """The declared query over `events`: one row per key with every column of the state table except
+    `updated_at` (the hidden ones too)."""
+    kinds = {f.name: f.kind for f in table.fields}
+    parts = []
+    for a in table.aggregates:
+        kind = kinds.get(a.column)
+        if a.function == "count":
+            parts.append(F.count(a.column or F.lit(1)).alias(a.name))
+        elif a.function == "sum":
+            parts.append(F.sum(a.column).cast(_summed_type(kind)).alias(a.name))
+        elif a.function in ("min", "max"):
+            parts.append(getattr(F, a.function)(a.column).alias(a.name))
+        elif a.function == "avg":
+            parts += [F.sum(a.column).cast(_summed_type(kind)).alias(_avg_sum(a)), F.count(a.column).alias(_avg_count(a))]
+        else:
+            # The newest value by `by`, ties to the greater value, so it does not depend on row order.
+            pair = F.when(F.col(a.by).isNotNull(), F.struct(F.col(a.by).alias("by"), F.col(a.column).alias("value")))
+            parts.append((F.max(pair) if a.function == "max_by" else F.min(pair)).alias(_by(a)))
+    grouped = events.groupBy(*table.keys).agg(*parts)
+    finals = []
+    for a in table.aggregates:
+        if a.function == "avg":
+            finals.append(_average(a, F.col(_avg_sum(a)), F.col(_avg_count(a)), kinds[a.column] == "decimal").alias(a.name))
+        elif a.function in ("min_by", "max_by"):
+            finals.append(F.col(_by(a)).getField("value").alias(a.name))
+    schema = state_schema(table)
+    return grouped.select("*", *finals).select(
+        *[F.col(f.name).cast(f.dataType) if f.name != "updated_at" else F.current_timestamp().alias("updated_at")
+          for f in schema])
 
 
 FOLDED_THROUGH = "bronze_version"  # commit metadata: every bronze version up to this one is folded into the table
@@ -107,18 +205,18 @@ class StateTableStage:
     after a crash, another after a lost checkpoint) folds each bronze row once: Delta's txn id skips a replay
     of the same batch, and the recorded version skips rows folded by a batch that died later on."""
 
-    def __init__(self, layout: StorageLayout, spec: StreamSpec, ttl: timedelta | None, through: int):
-        self.layout, self.spec, self.ttl, self.through = layout, spec, ttl, through
+    def __init__(self, layout: StorageLayout, spec: StreamSpec, table: StateTableSpec, through: int):
+        self.layout, self.spec, self.table, self.ttl, self.through = layout, spec, table, table.ttl, through
         self.rebuilt_through: int | None = None
         self.note: str | None = None  # why the table folds bronze it had folded before (a RESTORE)
 
     def advance(self, spark: SparkSession, bronze_path: Path, through: int, app_id: str, batch_id: int) -> None:
         if through <= self.through:
             return
-        spec, table = self.spec, self.spec.state_table
+        spec, table = self.spec, self.table
         table_path = str(self.layout.table(table.name))
         events = rows_added(spark, bronze_path, self.through, through)
-        batch = aggregate(events, table, spec.value_field, spec.event_time_field)
+        batch = aggregate(events, table)
         fault_point(STATE_MERGE_START)
         metadata = {"app_id": app_id, "batch_id": batch_id, FOLDED_THROUGH: through}
         if self.ttl is not None:
@@ -135,35 +233,37 @@ class StateTableStage:
 
     def expire(self, spark: SparkSession, ingested_through_us: int | None, app_id: str, batch_id: int,
                expired: ExpiredTotals | None = None) -> None:
-        table_path = self.layout.table(self.spec.state_table.name)
+        table_path = self.layout.table(self.table.name)
         expired = expired if expired is not None else expired_totals(spark, table_path)
-        retry_on_conflict(lambda: expire_keys(spark, table_path, self.spec.state_table, self.ttl,
+        retry_on_conflict(lambda: expire_keys(spark, table_path, self.table, self.ttl,
                                               ingested_through_us=ingested_through_us, app_id=app_id,
                                               batch_id=batch_id, expired=expired),
-                          f"expiry after micro-batch {batch_id} in {self.spec.state_table.name}")
+                          f"expiry after micro-batch {batch_id} in {self.table.name}")
 
 
-def state_table_stage(spark: SparkSession, layout: StorageLayout, spec: StreamSpec, ttl: timedelta | None
+def state_table_stage(spark: SparkSession, layout: StorageLayout, spec: StreamSpec, table: StateTableSpec
                       ) -> StateTableStage:
     """The state step as the table's newest commits left it, for a run of the stream (which holds the stream's
     writer lock). A table that records no bronze version (new, deleted, or kept by an earlier statetables) is
     rebuilt from bronze first, exactly (`rebuild_state_table`). With a TTL, an expiry that a crash cut off after
     its MERGE is done now (an expiry repeated changes nothing)."""
+    ttl = table.ttl
     if ttl is not None and ttl <= timedelta(0):
-        raise ConfigurationError(f"The TTL of {spec.state_table.name} must be positive, got {ttl}. "
+        raise ConfigurationError(f"The TTL of {table.name} must be positive, got {ttl}. "
                                  f"Fix: set a number of days > 0, or leave it unset to keep every key.")
-    table_path = layout.table(spec.state_table.name)
-    ensure_state_table(spark, layout, spec.state_table)
+    table_path = layout.table(table.name)
+    ensure_state_table(spark, layout, table)
+    require_definition(spark, table_path, table)
     record_policy(spark, table_path, ttl)
     found = folded_through(spark, table_path)
-    stage = StateTableStage(layout, spec, ttl, found.through if found else -1)
+    stage = StateTableStage(layout, spec, table, found.through if found else -1)
     if found is not None and found.restored_to is not None:
-        stage.note = (f"{spec.state_table.name} was restored to version {found.restored_to} (Delta RESTORE): "
+        stage.note = (f"{table.name} was restored to version {found.restored_to} (Delta RESTORE): "
                       f"bronze after version {found.through} is folded again")
     if found is None:
         if (table_version(spark, layout.table(spec.bronze_table)) or 0) > 0:
             stage.through = stage.rebuilt_through = rebuild_state_table(
-                spark, layout, spec, new_app_id(f"{spec.name}/rebuild"), ttl)
+                spark, layout, spec, table, new_app_id(f"{spec.name}/rebuild"))
     elif ttl is not None:
         newest = commits_since(spark, table_path, found.version - 1)
         through_us = newest[0]["user"].get(INGESTED_THROUGH) if newest else None
@@ -185,22 +285,46 @@ def upsert(spark: SparkSession, table_path: str, table: StateTableSpec, batch: D
 
 
 def _on_key(table: StateTableSpec) -> str:
-    key = ident(table.key)
-    return f"t.{key} = s.{key}"
+    """Key equality; NULL-safe for an optional key field (GROUP BY keeps NULL as a key of its own)."""
+    required = {f.name for f in table.fields if f.required}
+    return " AND ".join(f"t.{ident(k)} {'=' if k in required else '<=>'} s.{ident(k)}" for k in table.keys)
+
+
+def _combined(t: str, s: str) -> str:
+    """The SUM of two partial sums, either of which is NULL when its rows held no value."""
+    return f"coalesce({t} + {s}, {t}, {s})"
 
 
 def _upsert_clauses(table: StateTableSpec) -> str:
-    """Add the batch's count and sum to a key's row, widen its first/last event time; new keys insert."""
-    key, count, total = ident(table.key), ident(table.count_column), ident(table.sum_column)
-    first, last = ident(table.first_ts_column), ident(table.last_ts_column)
-    return (
-        f"WHEN MATCHED THEN UPDATE SET t.{count} = t.{count} + s.batch_count, "
-        f"t.{total} = CAST(t.{total} + s.batch_sum AS {TOTAL_TYPE.simpleString()}), "
-        f"t.{first} = least(t.{first}, s.batch_first), t.{last} = greatest(t.{last}, s.batch_last), "
-        f"t.updated_at = current_timestamp() "
-        f"WHEN NOT MATCHED THEN INSERT ({key}, {count}, {total}, {first}, {last}, updated_at) "
-        f"VALUES (s.{key}, s.batch_count, s.batch_sum, s.batch_first, s.batch_last, current_timestamp())"
-    )
+    """Combine a key's row with the batch's partial aggregate column by column; new keys insert."""
+    kinds = {f.name: f.kind for f in table.fields}
+    schema = state_schema(table)
+    types = {f.name: f.dataType.simpleString() for f in schema}
+    sets = []
+    for a in table.aggregates:
+        c = ident(a.name)
+        if a.function == "count":
+            sets.append(f"t.{c} = t.{c} + s.{c}")
+        elif a.function == "sum":
+            sets.append(f"t.{c} = CAST({_combined(f't.{c}', f's.{c}')} AS {types[a.name]})")
+        elif a.function in ("min", "max"):
+            sets.append(f"t.{c} = {'least' if a.function == 'min' else 'greatest'}(t.{c}, s.{c})")
+        elif a.function == "avg":
+            total, count = ident(_avg_sum(a)), ident(_avg_count(a))
+            merged_total = f"CAST({_combined(f't.{total}', f's.{total}')} AS {types[_avg_sum(a)]})"
+            merged_count = f"t.{count} + s.{count}"
+            average = (f"CAST({merged_total} / CAST({merged_count} AS DECIMAL(20,0)) AS {types[a.name]})"
+                       if kinds[a.column] == "decimal" else f"CAST({merged_total} AS DOUBLE) / CAST({merged_count} AS DOUBLE)")
+            sets += [f"t.{c} = CASE WHEN {merged_count} > 0 THEN {average} END",
+                     f"t.{total} = {merged_total}", f"t.{count} = {merged_count}"]
+        else:
+            pair = ident(_by(a))
+            pick = f"{'greatest' if a.function == 'max_by' else 'least'}(t.{pair}, s.{pair})"
+            sets += [f"t.{c} = {pick}.value", f"t.{pair} = {pick}"]
+    columns = [ident(f.name) for f in schema]
+    values = ["current_timestamp()" if f.name == "updated_at" else f"s.{ident(f.name)}" for f in schema]
+    return (f"WHEN MATCHED THEN UPDATE SET {', '.join(sets)}, t.updated_at = current_timestamp() "
+            f"WHEN NOT MATCHED THEN INSERT ({', '.join(columns)}) VALUES ({', '.join(values)})")
 
 
 def set_table_content(spark: SparkSession, table_path: str, table: StateTableSpec, content: DataFrame,
@@ -211,7 +335,7 @@ def set_table_content(spark: SparkSession, table_path: str, table: StateTableSpe
     from `content` are deleted, so the Change Data Feed shows real changes only. Used by the rebuild
     from bronze and by savepoint restores; the result is absolute, so repeating it is safe.
     """
-    values = [c for c in state_schema(table).fieldNames() if c not in (table.key, "updated_at")]
+    values = [c for c in state_schema(table).fieldNames() if c not in (*table.keys, "updated_at")]
     differs = " OR ".join(f"NOT (t.{ident(c)} <=> s.{ident(c)})" for c in values)
     with commit_confs(spark, {USER_METADATA: json.dumps(metadata)}):
         delta_sql.merge(spark, table_path, content, on=_on_key(table),
@@ -219,8 +343,8 @@ def set_table_content(spark: SparkSession, table_path: str, table: StateTableSpe
                                 f"WHEN NOT MATCHED BY SOURCE THEN DELETE")
 
 
-def rebuild_state_table(spark: SparkSession, layout: StorageLayout, spec: StreamSpec, app_id: str,
-                        ttl: timedelta | None = None) -> int:
+def rebuild_state_table(spark: SparkSession, layout: StorageLayout, spec: StreamSpec, table: StateTableSpec,
+                        app_id: str) -> int:
     """Recompute the state table from the whole bronze table at one pinned version, in one MERGE.
 
     A key that expired counts only the events ingested after its newest expiry, as the live table
@@ -228,7 +352,7 @@ def rebuild_state_table(spark: SparkSession, layout: StorageLayout, spec: Stream
     The commits are recorded as batch -1 of `app_id`, with the bronze version the table now reflects, which is
     returned.
     """
-    table = spec.state_table
+    ttl = table.ttl
     table_path = layout.table(table.name)
     bronze_path = layout.table(spec.bronze_table)
     bronze_version = table_version(spark, bronze_path)
@@ -236,11 +360,8 @@ def rebuild_state_table(spark: SparkSession, layout: StorageLayout, spec: Stream
     expired = expired_totals(spark, table_path)
     expired_before = expired_rows(spark, table_path, table)
     require_whole_history(expired_before, table, expired, table_path)
-    counted = since_last_expiry(events, expired_before, table.key)
-    content = aggregate(counted, table, spec.value_field, spec.event_time_field).select(
-        F.col(table.key), F.col("batch_count").alias(table.count_column), F.col("batch_sum").alias(table.sum_column),
-        F.col("batch_first").alias(table.first_ts_column), F.col("batch_last").alias(table.last_ts_column),
-        F.current_timestamp().alias("updated_at"))
+    counted = since_last_expiry(events, expired_before, table.keys)
+    content = aggregate(counted, table)
     metadata = {"app_id": app_id, "batch_id": -1, "rebuilt_from": spec.bronze_table, FOLDED_THROUGH: bronze_version}
     if ttl_property(spark, table_path) is not None:
         metadata[EXPIRED] = expired.as_metadata()

@@ -21,7 +21,7 @@ lines already in bronze or quarantine are recognised by file and line number, an
 what their tables record. Before the query starts, every step is brought up to bronze's newest version
 (`catch_up`): a batch that died midway, a savepoint restore, or tables of an earlier statetables.
 
-    >>> advance_stream(spark, StorageLayout.under("data"), PAYMENTS).micro_batches
+    >>> advance_stream(spark, StorageLayout.under("data"), stream_spec("orders")).micro_batches
 """
 
 from __future__ import annotations
@@ -29,13 +29,12 @@ from __future__ import annotations
 import os
 import threading
 import time
-from dataclasses import dataclass, field, replace
-from datetime import timedelta
+from dataclasses import dataclass, replace
 
 from pyspark.sql import DataFrame, SparkSession
 
 from pipelines.bronze import (
-    DEFAULT_DEDUP_HORIZON, DEFAULT_MAX_FILES_PER_TRIGGER, IngestSettings, ensure_bronze_tables, ingest_batch,
+    DEFAULT_MAX_FILES_PER_TRIGGER, IngestSettings, ensure_bronze_tables, ingest_batch,
 )
 from pipelines.changelog import ChangelogStage, changelog_name, changelog_stage
 from pipelines.checkpoints import (
@@ -52,23 +51,18 @@ from pipelines.streaming import (
     Continuous, StreamRunResult, TableVersions, commits_since, require_writable, run_query, storage_errors,
     table_id, table_version, writer_lock,
 )
-from pipelines.streams import MOVIE_TICKET_SALES, PAYMENTS, STREAMS, StreamSpec
-from pipelines.validate import DEFAULT_MAX_AHEAD
-from pipelines.windows import DEFAULT_WATERMARK_DELAY, HOURLY, OPEN_HOURS, TOP, windows_stage
+from pipelines.streams import StreamSpec, streams
+from pipelines.windows import HOURLY, OPEN_HOURS, TOP, windows_stage
 
 
 @dataclass(frozen=True)
 class StreamSettings:
-    """How a run advances a stream (Dagster config and the CLI fill it in)."""
+    """How a run advances a stream: what the run may choose (Dagster config and the CLI fill it in). What decides
+    the rows (rules, dedup horizon, watermarks, TTLs) is the stream's declaration, the same for every run."""
 
     max_files_per_trigger: int = DEFAULT_MAX_FILES_PER_TRIGGER  # landing units per micro-batch
-    dedup_horizon: timedelta = DEFAULT_DEDUP_HORIZON
-    max_ahead: timedelta = DEFAULT_MAX_AHEAD
     lock_timeout_s: float = 60.0
-    ttl: timedelta | None = None  # of the state table's keys (pipelines/expiry.py); None: kept for ever
     event_time: bool = True  # keep the stream's windows or sessions; False: they cost nothing
-    watermark_delay: timedelta = DEFAULT_WATERMARK_DELAY  # the sales windows'
-    sessions: SessionSettings = field(default_factory=SessionSettings)  # the payments sessions'
 
 
 EVENT_TIME_ENV = "STATETABLES_EVENT_TIME"
@@ -80,36 +74,40 @@ def event_time_streams(value: str | None = None) -> frozenset[str]:
     reads it once: a stream left out has no event-time assets, and its runs pay nothing for them."""
     raw = (os.environ.get(EVENT_TIME_ENV, "all") if value is None else value).strip()
     if raw in ("", "all"):
-        return frozenset(STREAMS)
+        return frozenset(streams())
     if raw == "none":
         return frozenset()
     names = {name.strip() for name in raw.split(",") if name.strip()}
-    if unknown := sorted(names - set(STREAMS)):
+    if unknown := sorted(names - set(streams())):
         raise ConfigurationError(
             f"{EVENT_TIME_ENV}={raw!r} names no stream {', '.join(unknown)}. Fix: set it to all, none, or some of "
-            f"{', '.join(STREAMS)} separated by commas.")
+            f"{', '.join(streams())} separated by commas.")
     return frozenset(names)
 
 
 def event_time_tables(spec: StreamSpec) -> tuple[str, ...]:
-    """The tables a stream's event-time step writes (late_events is shared by both streams)."""
-    return {MOVIE_TICKET_SALES.name: (HOURLY, TOP, OPEN_HOURS, LATE),
-            PAYMENTS.name: (ACTIVITY, OPEN_SESSIONS, LAST_SESSIONS, LATE)}[spec.name]
+    """The tables a stream's event-time step writes (late_events is shared by the windows and the sessions)."""
+    if spec.windows is not None:
+        return HOURLY, TOP, OPEN_HOURS, LATE
+    if spec.sessions is not None:
+        return ACTIVITY, OPEN_SESSIONS, LAST_SESSIONS, LATE
+    return ()
 
 
 def stream_tables(spec: StreamSpec, settings: StreamSettings) -> tuple[str, ...]:
     """Every table a run of the stream writes, in data-flow order."""
-    return (spec.quarantine_table, spec.bronze_table, spec.state_table.name,
-            *(event_time_tables(spec) if settings.event_time else ()), changelog_name(spec.state_table))
+    return (spec.quarantine_table, spec.bronze_table, *(t.name for t in spec.state_tables),
+            *(event_time_tables(spec) if settings.event_time else ()),
+            *(changelog_name(t) for t in spec.state_tables))
 
 
 class StreamBatch:
     """The foreachBatch body of a stream's query: one micro-batch of landing units through every table."""
 
-    def __init__(self, layout: StorageLayout, spec: StreamSpec, ingest: IngestSettings, state: StateTableStage,
-                 event_time: EventTimeStage | None, changelog: ChangelogStage):
+    def __init__(self, layout: StorageLayout, spec: StreamSpec, ingest: IngestSettings,
+                 states: list[StateTableStage], event_time: EventTimeStage | None, changelogs: list[ChangelogStage]):
         self.layout, self.spec, self.ingest = layout, spec, ingest
-        self.state, self.event_time, self.changelog = state, event_time, changelog
+        self.states, self.event_time, self.changelogs = states, event_time, changelogs
 
     def __call__(self, units: DataFrame, batch_id: int) -> None:
         ingest_batch(units, batch_id, settings=self.ingest)
@@ -121,19 +119,22 @@ class StreamBatch:
         before its later steps committed had made)."""
         bronze_path = self.layout.table(self.spec.bronze_table)
         through = table_version(spark, bronze_path)
-        self.state.advance(spark, bronze_path, through, app_id, batch_id)
+        for state in self.states:
+            state.advance(spark, bronze_path, through, app_id, batch_id)
         if self.event_time is not None:
             self.event_time.advance(spark, bronze_path, through, app_id, batch_id)
-        self.changelog.advance(spark, app_id, batch_id)
+        for changelog in self.changelogs:
+            changelog.advance(spark, app_id, batch_id)
 
     def catch_up(self, spark: SparkSession) -> bool:
         """Bring every step up to bronze's newest version before the query starts, under an app id of its own;
         whether there was anything to fold."""
         through = table_version(spark, self.layout.table(self.spec.bronze_table))
         # Bronze's version 0 is its creation: no rows.
-        behind = through > 0 and (self.state.through < through
+        behind = through > 0 and (any(state.through < through for state in self.states)
                   or (self.event_time is not None and self.event_time.last.bronze_version < through)
-                  or self.changelog.covers < (table_version(spark, self.layout.table(self.spec.state_table.name)) or 0))
+                  or any(c.covers < (table_version(spark, self.layout.table(c.table.name)) or 0)
+                         for c in self.changelogs))
         if behind:
             self.fold(spark, new_app_id(f"{self.spec.name}/catch-up"), 0)
         return behind
@@ -143,9 +144,13 @@ def _event_time_stage(spark: SparkSession, layout: StorageLayout, spec: StreamSp
                       settings: StreamSettings) -> EventTimeStage | None:
     if not settings.event_time:
         return None
-    if spec.name == MOVIE_TICKET_SALES.name:
-        return windows_stage(spark, layout, settings.watermark_delay)
-    return sessions_stage(spark, layout, settings.sessions)
+    if spec.windows is not None:
+        return windows_stage(spark, layout, spec.windows.watermark_delay)
+    if spec.sessions is not None:
+        options = spec.sessions
+        return sessions_stage(spark, layout, SessionSettings(watermark_delay=options.watermark_delay,
+                                                             state_ttl=options.state_ttl, gap=options.gap))
+    return None
 
 
 def _adopt_ingest_checkpoint(layout: StorageLayout, spec: StreamSpec) -> None:
@@ -201,9 +206,9 @@ def advance_stream(spark: SparkSession, layout: StorageLayout, spec: StreamSpec,
     with writer_lock(layout.locks, spec.name, settings.lock_timeout_s), storage_errors():
         ensure_bronze_tables(spark, layout, spec)
         before = {name: table_version(spark, layout.table(name)) for name in names}
-        # The changelog first: it refuses to follow a state table created again before that table is rebuilt.
-        changelog = changelog_stage(spark, layout, spec.state_table)
-        state = state_table_stage(spark, layout, spec, settings.ttl)
+        # The changelogs first: one refuses to follow a state table created again before that table is rebuilt.
+        changelogs = [changelog_stage(spark, layout, table) for table in spec.state_tables]
+        states = [state_table_stage(spark, layout, spec, table) for table in spec.state_tables]
         event_time = _event_time_stage(spark, layout, spec, settings)
         scan = scan_landing(spark, layout.landing(spec.name), ledger_path, staging_dir)
         record_units(spark, ledger_path, scan.units, settings.max_files_per_trigger)
@@ -230,9 +235,9 @@ def advance_stream(spark: SparkSession, layout: StorageLayout, spec: StreamSpec,
             origin = replace(origin, recheck_through_unit=scan.known_units - 1)
             write_origin(checkpoint, origin)
         ingest = IngestSettings(spec=spec, bronze_path=str(bronze_path), quarantine_path=str(quarantine_path),
-                                staging_dir=staging_dir, app_id=origin.app_id, horizon=settings.dedup_horizon,
-                                max_ahead=settings.max_ahead, recheck_through_unit=origin.recheck_through_unit)
-        batch = StreamBatch(layout, spec, ingest, state, event_time, changelog)
+                                staging_dir=staging_dir, app_id=origin.app_id, horizon=spec.dedup_horizon,
+                                max_ahead=spec.max_ahead, recheck_through_unit=origin.recheck_through_unit)
+        batch = StreamBatch(layout, spec, ingest, states, event_time, changelogs)
         caught_up = batch.catch_up(spark)
         # One ledger commit file per micro-batch, in unit order (record_units writes them that way).
         units = spark.readStream.format("delta").option("maxFilesPerTrigger", "1").load(str(ledger_path))
@@ -256,10 +261,11 @@ def advance_stream(spark: SparkSession, layout: StorageLayout, spec: StreamSpec,
         # One recovery is shown: the checkpoint's first, then the event-time step's, then the state table's.
         if recovery is None and event_time is not None and event_time.recovered:
             recovery = {**event_time.recovered, "set_aside": None}
-        if recovery is None and state.note:
-            recovery = {"problem": state.note.split(":")[0], "set_aside": None, "action": state.note}
+        note = next((state.note for state in states if state.note), None)
+        if recovery is None and note:
+            recovery = {"problem": note.split(":")[0], "set_aside": None, "action": note}
         commits = {name: commits_since(spark, layout.table(name), before[name])
-                   for name in (spec.bronze_table, spec.state_table.name,
+                   for name in (spec.bronze_table, *(t.name for t in spec.state_tables),
                                 *((event_time.closing_table,) if event_time is not None else ()))}
         return StreamRunResult(
             query_name=spec.name,
@@ -270,5 +276,5 @@ def advance_stream(spark: SparkSession, layout: StorageLayout, spec: StreamSpec,
             commits=commits,
             recovery=recovery,
             changed_files=changed,
-            built_through_source_version=state.rebuilt_through,
+            built_through={state.table.name: state.rebuilt_through for state in states},
         )

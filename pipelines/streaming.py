@@ -73,9 +73,9 @@ class StreamRunResult:
     operator_state: dict | None = None
     # Landing files appended to or rewritten after they were ingested: {"file", "change", "version"}.
     changed_files: list[dict] = field(default_factory=list)
-    # Set when the table was built in one batch from its source, up to this source version, before the query
-    # (a first run, or a checkpoint not trusted): those rows came in no micro-batch.
-    built_through_source_version: int | None = None
+    # Per state table: the bronze version it was built through in one batch before the query (a new table, or
+    # one that recorded none), those rows came in no micro-batch; None when it was not.
+    built_through: dict[str, int | None] = field(default_factory=dict)
 
 
 @contextmanager

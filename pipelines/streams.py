@@ -1,21 +1,22 @@
-"""The two event streams of the contract (../shared/contract.md): fields, rules, state tables.
+"""What a stream is: its fields and their rules, its state tables, its event-time options (all data).
 
-Everything stream-specific is data here, so validation, bronze and the MERGE are written once.
+The project file (`statetables.yaml`, read by pipelines/project.py) declares them; validation, bronze, the
+MERGE and the checks are written once for every stream.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Literal
 
-from pipelines.errors import ConfigurationError
-
 FieldKind = Literal["string", "decimal", "timestamp", "integer", "boolean"]
+AggregateFunction = Literal["count", "sum", "min", "max", "avg", "min_by", "max_by"]
 
 
 @dataclass(frozen=True)
 class FieldRule:
-    """One contract field: its JSON type and the rule its value must keep."""
+    """One field of a stream: its JSON type and the rule its value must keep."""
 
     name: str
     kind: FieldKind
@@ -29,25 +30,76 @@ class FieldRule:
 
 
 @dataclass(frozen=True)
-class StateTableSpec:
-    """A keyed aggregate kept by MERGE: one row per `key`, a count, a sum, first/last event time."""
+class Aggregate:
+    """One aggregate column of a state table: `function(column)` (`column` None: COUNT(*)); MIN_BY/MAX_BY order
+    by `by`."""
 
     name: str
-    key: str
-    count_column: str
-    sum_column: str
-    first_ts_column: str
-    last_ts_column: str
+    function: AggregateFunction
+    column: str | None = None
+    by: str | None = None
+
+
+@dataclass(frozen=True)
+class StateTableSpec:
+    """A keyed aggregate kept by MERGE, as declared: `CREATE TABLE name AS SELECT keys..., aggregates... FROM
+    stream GROUP BY keys...` (`sql`, at `line` of the project file)."""
+
+    name: str
+    stream: str
+    keys: tuple[str, ...]
+    aggregates: tuple[Aggregate, ...]
+    sql: str = ""
+    line: int = 0
+    ttl: timedelta | None = None  # keys idle this long in event time are deleted (pipelines/expiry.py)
+    fields: tuple[FieldRule, ...] = ()  # the stream's, which decide the columns' types
+    # Set by the loader from the aggregates, for the checks and the TTL: the column that counts every event
+    # (COUNT(*) or COUNT of a required field), the SUM of a required decimal field and that field, the MAX of
+    # the stream's event time.
+    count_column: str | None = None
+    sum_column: str | None = None
+    summed_field: str | None = None
+    last_ts_column: str | None = None
+
+    def field(self, name: str) -> FieldRule:
+        return next(f for f in self.fields if f.name == name)
+
+    @property
+    def key(self) -> str:
+        """The one key column, for what needs one (TTL); the loader refuses those on multi-key tables."""
+        if len(self.keys) != 1:
+            raise ValueError(f"{self.name} has {len(self.keys)} key columns")
+        return self.keys[0]
+
+
+@dataclass(frozen=True)
+class WindowOptions:
+    """Hourly event-time windows with a top 10 (pipelines/windows.py)."""
+
+    watermark_delay: timedelta = timedelta(minutes=10)
+
+
+@dataclass(frozen=True)
+class SessionOptions:
+    """Event-time sessions per key (pipelines/sessions.py)."""
+
+    watermark_delay: timedelta = timedelta(minutes=10)
+    gap: timedelta = timedelta(minutes=30)
+    state_ttl: timedelta = timedelta(days=30)
 
 
 @dataclass(frozen=True)
 class StreamSpec:
     name: str
     id_field: str
-    value_field: str
     event_time_field: str
     fields: tuple[FieldRule, ...]
-    state_table: StateTableSpec
+    state_tables: tuple[StateTableSpec, ...] = ()
+    dedup_horizon: timedelta = timedelta(days=7)
+    max_ahead: timedelta = timedelta(days=1)  # how far after its ingestion an event's time may lie
+    windows: WindowOptions | None = None
+    sessions: SessionOptions | None = None
+    line: int = 0  # where the project file declares it
 
     @property
     def bronze_table(self) -> str:
@@ -66,58 +118,33 @@ class StreamSpec:
     def field_names(self) -> list[str]:
         return [f.name for f in self.fields]
 
+    def field(self, name: str) -> FieldRule:
+        return next(f for f in self.fields if f.name == name)
 
-MOVIE_TICKET_SALES = StreamSpec(
-    name="movie_ticket_sales",
-    id_field="event_id",
-    value_field="ticket_total_value",
-    event_time_field="sale_ts",
-    fields=(
-        FieldRule("event_id", "string"),
-        FieldRule("title", "string", max_length=500, trim=True),
-        FieldRule("ticket_total_value", "decimal", min_value="0", min_inclusive=True),
-        FieldRule("sale_ts", "timestamp"),
-        FieldRule("customer_id", "string", required=False),
-    ),
-    state_table=StateTableSpec(
-        name="movie_tickets_sold",
-        key="title",
-        count_column="tickets_sold",
-        sum_column="total_ticket_value",
-        first_ts_column="first_sale_ts",
-        last_ts_column="last_sale_ts",
-    ),
-)
-
-PAYMENTS = StreamSpec(
-    name="payments",
-    id_field="payment_id",
-    value_field="amount",
-    event_time_field="paid_at",
-    fields=(
-        FieldRule("payment_id", "string"),
-        FieldRule("customer_id", "string"),
-        FieldRule("amount", "decimal", min_value="0", min_inclusive=False),
-        FieldRule("paid_at", "timestamp"),
-    ),
-    state_table=StateTableSpec(
-        name="payments_per_customer",
-        key="customer_id",
-        count_column="payment_count",
-        sum_column="total_amount",
-        first_ts_column="first_paid_at",
-        last_ts_column="last_paid_at",
-    ),
-)
-
-STREAMS: dict[str, StreamSpec] = {s.name: s for s in (MOVIE_TICKET_SALES, PAYMENTS)}
+    @property
+    def value_field(self) -> str | None:
+        """The decimal field whose running total bronze commits carry for the per-run checks: the first required
+        decimal field a state table sums (None: bronze carries the event count only)."""
+        return next((t.summed_field for t in self.state_tables if t.summed_field), None)
 
 
 def stream_spec(name: str) -> StreamSpec:
-    """The spec of a stream by name; an unknown name fails with the list of known ones."""
-    try:
-        return STREAMS[name]
-    except KeyError:
-        raise ConfigurationError(
-            f"Unknown stream {name!r}. Fix: use one of {', '.join(sorted(STREAMS))}."
-        ) from None
+    """The declared stream by name (the project file); an unknown name fails with the list of known ones."""
+    from pipelines.project import project
+    return project().stream(name)
+
+
+def streams() -> dict[str, StreamSpec]:
+    """Every declared stream, in the project file's order."""
+    from pipelines.project import project
+    return project().streams
+
+
+def windows_stream() -> StreamSpec:
+    """The stream whose `windows:` the project file declares (the loader allows one)."""
+    return next(s for s in streams().values() if s.windows is not None)
+
+
+def sessions_stream() -> StreamSpec:
+    """The stream whose `sessions:` the project file declares (the loader allows one)."""
+    return next(s for s in streams().values() if s.sessions is not None)

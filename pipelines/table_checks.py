@@ -17,92 +17,123 @@ from pyspark.sql import DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 
 from pipelines.bronze import accepted_totals
-from pipelines.expiry import expired_rows, expired_totals, since_last_expiry
+from pipelines.expiry import EXPIRED_VALUE, expired_rows, expired_totals, since_last_expiry
 from pipelines.layout import StorageLayout
-from pipelines.state import TOTAL_TYPE, folded_through
+from pipelines.state import TOTAL_TYPE, aggregate, folded_through
 from pipelines.streaming import table_version
-from pipelines.sessions import ACTIVITY, SESSION_GAP, last_progress as sessions_progress
-from pipelines.streams import MOVIE_TICKET_SALES, PAYMENTS, StreamSpec
+from pipelines.sessions import ACTIVITY, last_progress as sessions_progress
+from pipelines.streams import StateTableSpec, StreamSpec, sessions_stream, windows_stream
 from pipelines.windows import HOURLY, LATE, TOP, last_progress, top_titles
 
 
-def _state(spark: SparkSession, layout: StorageLayout, spec: StreamSpec) -> DataFrame:
-    return spark.read.format("delta").load(str(layout.table(spec.state_table.name)))
+def _state(spark: SparkSession, layout: StorageLayout, table: StateTableSpec) -> DataFrame:
+    return spark.read.format("delta").load(str(layout.table(table.name)))
 
 
-def state_totals(spark: SparkSession, layout: StorageLayout, spec: StreamSpec, version: int | None = None) -> dict:
+def state_totals(spark: SparkSession, layout: StorageLayout, table: StateTableSpec, version: int | None = None) -> dict:
     """keys, events counted, the value total and the newest event time folded into the state table (at
-    `version`, default the latest), in one scan."""
-    table = spec.state_table
+    `version`, default the latest), in one scan; None for what the table has no column for."""
     frame = spark.read.format("delta")
     if version is not None:
         frame = frame.option("versionAsOf", version)
+    nothing = F.lit(None)
     row = frame.load(str(layout.table(table.name))).agg(
-        F.count("*").alias("keys"), F.sum(table.count_column).alias("events"),
-        F.sum(table.sum_column).alias("total"), F.max(table.last_ts_column).alias("latest")).first()
-    return {"keys": row["keys"], "events_counted": row["events"] or 0, "total": row["total"] or Decimal(0),
+        F.count("*").alias("keys"), F.sum(table.count_column or nothing).alias("events"),
+        F.sum(table.sum_column or nothing).alias("total"), F.max(table.last_ts_column or nothing).alias("latest")).first()
+    return {"keys": row["keys"],
+            "events_counted": (row["events"] or 0) if table.count_column else None,
+            "total": (row["total"] or Decimal(0)) if table.sum_column else None,
             "latest_event_time": row["latest"]}
 
 
-def totals_match_bronze(spark: SparkSession, layout: StorageLayout, spec: StreamSpec) -> dict:
+def totals_match_bronze(spark: SparkSession, layout: StorageLayout, spec: StreamSpec, table: StateTableSpec) -> dict:
     """The per-run reconciliation: the state table's totals against bronze's at the version the table has folded
     through, which its commits record (pinned to one table version, so a MERGE committing meanwhile cannot make
-    it fail). Falls back to counting bronze at that version when its commits carry no running totals; when the
-    table records no version, `covered_bronze_version` is -1 and the caller runs the deep check instead.
+    it fail): its count of every event, and its SUM of the value bronze keeps a running total of. Falls back to
+    counting bronze at that version when its commits carry no running totals. `passed` None when the table
+    records no version or counts no event (COUNT(*)): the caller runs the deep check instead.
     """
-    found = folded_through(spark, layout.table(spec.state_table.name))
+    found = folded_through(spark, layout.table(table.name))
     state_version, version = (found.version, found.through) if found else (None, None)
-    state = state_totals(spark, layout, spec, state_version)
+    state = state_totals(spark, layout, table, state_version)
     state.pop("latest_event_time")
-    if version is None:
-        return {"covered_bronze_version": -1, **state, "passed": None}
+    if version is None or table.count_column is None:
+        return {"covered_bronze_version": -1 if version is None else version, **state, "passed": None}
     events, total = accepted_totals(spark, str(layout.table(spec.bronze_table)), spec.value_field, version)
     # Rows a TTL expired hold events too: their running totals are in the table's newest commits.
-    expired = expired_totals(spark, layout.table(spec.state_table.name), as_of=state_version)
-    return {"covered_bronze_version": version, "state_table_version": state_version, "bronze_events": events,
-            "bronze_total": total, **state, "expired_events": expired.events, "expired_total": expired.value,
-            "passed": events == state["events_counted"] + expired.events and total == state["total"] + expired.value}
+    expired = expired_totals(spark, layout.table(table.name), as_of=state_version)
+    passed = events == state["events_counted"] + expired.events
+    figures = {"covered_bronze_version": version, "state_table_version": state_version, "bronze_events": events,
+               **state, "expired_events": expired.events}
+    if table.sum_column and table.summed_field == spec.value_field:
+        passed = passed and total == state["total"] + expired.value
+        figures.update({"bronze_total": total, "expired_total": expired.value})
+    else:
+        figures.pop("total")
+    return {**figures, "passed": passed}
 
 
-def duplicated_or_null_keys(spark: SparkSession, layout: StorageLayout, spec: StreamSpec) -> DataFrame:
-    key = spec.state_table.key
-    return _state(spark, layout, spec).groupBy(key).count().where((F.col("count") > 1) | F.col(key).isNull())
+def duplicated_or_null_keys(spark: SparkSession, layout: StorageLayout, spec: StreamSpec,
+                            table: StateTableSpec) -> DataFrame:
+    """Keys held by more than one row, and NULL in a key that only a required field feeds."""
+    required = [k for k in table.keys if spec.field(k).required]
+    null = F.lit(False)
+    for key in required:
+        null = null | F.col(key).isNull()
+    return _state(spark, layout, table).groupBy(*table.keys).count().where((F.col("count") > 1) | null)
 
 
-def negative_rows(spark: SparkSession, layout: StorageLayout, spec: StreamSpec) -> DataFrame:
-    table = spec.state_table
-    return _state(spark, layout, spec).where((F.col(table.count_column) <= 0) | (F.col(table.sum_column) < 0))
+def negative_rows(spark: SparkSession, layout: StorageLayout, spec: StreamSpec, table: StateTableSpec) -> DataFrame:
+    """Rows whose count of events is not positive, or whose SUM of a field that cannot be negative is."""
+    bad = F.lit(False)
+    if table.count_column:
+        bad = bad | (F.col(table.count_column) <= 0)
+    for a in table.aggregates:
+        rule = spec.field(a.column) if a.column else None
+        if a.function == "sum" and rule.min_value is not None and Decimal(rule.min_value) >= 0:
+            bad = bad | (F.col(a.name) < 0)
+    return _state(spark, layout, table).where(bad)
 
 
-def mismatches_with_bronze(spark: SparkSession, layout: StorageLayout, spec: StreamSpec) -> tuple[DataFrame, dict]:
-    """The deep check: keys where the state table differs from the seed query over all of bronze, and
-    the totals of both. A key a TTL expired is compared with its events ingested after its newest
-    expiry; the expired rows' totals, read from the Change Data Feed, must equal the running totals
-    the commits carry, and with the table's they must add up to bronze's."""
-    table = spec.state_table
+def mismatches_with_bronze(spark: SparkSession, layout: StorageLayout, spec: StreamSpec,
+                           table: StateTableSpec) -> tuple[DataFrame, dict]:
+    """The deep check: keys where the state table differs from its declared query over all of bronze (every
+    column), and the totals of both. A key a TTL expired is compared with its events ingested after its newest
+    expiry; the expired rows' totals, read from the Change Data Feed, must equal the running totals the commits
+    carry, and with the table's they must add up to bronze's."""
     table_path = layout.table(table.name)
     bronze = spark.read.format("delta").load(str(layout.table(spec.bronze_table)))
-    state = _state(spark, layout, spec)
+    state = _state(spark, layout, table)
     expiries = expired_rows(spark, table_path, table)
-    expected = since_last_expiry(bronze, expiries, table.key).groupBy(table.key).agg(
-        F.count(spec.value_field).alias("expected_count"), F.sum(spec.value_field).alias("expected_sum"))
-    joined = expected.join(state.select(table.key, table.count_column, table.sum_column), table.key, "full_outer")
-    mismatched = joined.where(
-        ~F.col("expected_count").eqNullSafe(F.col(table.count_column))
-        | ~F.col("expected_sum").cast(TOTAL_TYPE).eqNullSafe(F.col(table.sum_column)))
+    expected = aggregate(since_last_expiry(bronze, expiries, table.keys), table)
+    columns = [a.name for a in table.aggregates]
+    e, st = expected.alias("e"), state.alias("s")
+    on = None
+    for k in table.keys:
+        same = F.col(f"e.{k}").eqNullSafe(F.col(f"s.{k}"))
+        on = same if on is None else on & same
+    differs = F.lit(False)
+    for c in columns:
+        differs = differs | ~F.col(f"e.{c}").eqNullSafe(F.col(f"s.{c}"))
+    mismatched = e.join(st, on, "full_outer").where(differs).select(
+        *[F.coalesce(F.col(f"e.{k}"), F.col(f"s.{k}")).alias(k) for k in table.keys],
+        *[x for c in columns for x in (F.col(f"e.{c}").alias(f"expected_{c}"), F.col(f"s.{c}").alias(c))])
     expired = expired_totals(spark, table_path)
-    in_feed = (expiries.agg(F.count("*"), F.sum(table.count_column), F.sum(table.sum_column)).first()
+    in_feed = (expiries.agg(F.count("*"), F.sum(table.count_column), F.sum(EXPIRED_VALUE)).first()
                if expiries is not None else (0, None, None))
-    totals = {
-        "distinct_accepted_events": bronze.select(spec.id_field, "content_hash").distinct().count(),
-        "sum_of_counts": (state.agg(F.sum(table.count_column)).first()[0] or 0) + expired.events,
-        "bronze_sum": str(bronze.agg(F.sum(spec.value_field)).first()[0] or 0),
-        "state_sum": str((state.agg(F.sum(table.sum_column)).first()[0] or 0) + expired.value),
-        "expired_keys": expired.keys,
-        "expired_events": expired.events,
-        "expiries_match_change_feed": (in_feed[0], in_feed[1] or 0, in_feed[2] or 0) == (
-            expired.keys, expired.events, expired.value),
-    }
+    totals = {"distinct_accepted_events": bronze.select(spec.id_field, "content_hash").distinct().count(),
+              "expired_keys": expired.keys, "expired_events": expired.events,
+              "expiries_match_change_feed": (in_feed[0], in_feed[1] or 0, in_feed[2] or 0) == (
+                  expired.keys, expired.events, expired.value)}
+    passed = totals["expiries_match_change_feed"]
+    if table.count_column:
+        totals["sum_of_counts"] = (state.agg(F.sum(table.count_column)).first()[0] or 0) + expired.events
+        passed = passed and totals["sum_of_counts"] == totals["distinct_accepted_events"]
+    if table.sum_column:
+        totals["bronze_sum"] = str(bronze.agg(F.sum(table.summed_field)).first()[0] or 0)
+        totals["state_sum"] = str((state.agg(F.sum(table.sum_column)).first()[0] or 0) + expired.value)
+        passed = passed and totals["bronze_sum"] == totals["state_sum"]
+    totals["totals_agree"] = passed
     return mismatched, totals
 
 
@@ -134,7 +165,7 @@ def windows_mismatches(spark: SparkSession, layout: StorageLayout,
     hour's sales minus the late ones, and the hour's sales are those two added up. Per run the cost is
     the hours that run closed: bronze is read through its event-time file statistics, not whole.
     """
-    spec = MOVIE_TICKET_SALES
+    spec = windows_stream()
     progress = last_progress(spark, layout)
     hourly = spark.read.format("delta").load(str(layout.table(HOURLY)))
     closed = hourly
@@ -190,7 +221,7 @@ def recomputed_sessions(payments: DataFrame, gap: dt.timedelta) -> DataFrame:
     one. Not Spark's `session_window`: that merges a session with the next when the next starts exactly at
     its last payment + gap, so at an exact 30-minute gap it disagreed with the contract (issue 26).
     Ties in event time are ordered by id, which changes no session: equal times are 0 apart."""
-    spec = PAYMENTS
+    spec = sessions_stream()
     at = F.unix_micros(spec.event_time_field)
     in_order = Window.partitionBy("customer_id").orderBy(spec.event_time_field, spec.id_field)
     starts = F.when(F.lag(at).over(in_order).isNull()
@@ -211,7 +242,8 @@ def sessions_mismatches(spark: SparkSession, layout: StorageLayout) -> tuple[Dat
     such a session. A second implementation of the rule with the same edges, so a fault in the operator
     (or a corrupted row) shows. Previous session and day totals depend on the TTL and are not
     recomputed. One pass over bronze."""
-    spec = PAYMENTS
+    spec = sessions_stream()
+    gap = spec.sessions.gap
     progress = sessions_progress(spark, layout)
     activity = spark.read.format("delta").load(str(layout.table(ACTIVITY))).select(
         "customer_id", "session_start", "session_end", "payment_count", "total_amount")
@@ -222,8 +254,8 @@ def sessions_mismatches(spark: SparkSession, layout: StorageLayout) -> tuple[Dat
         payments = (spark.read.format("delta").option("versionAsOf", progress.bronze_version)
                     .load(str(layout.table(spec.bronze_table))))
     on_time = payments.join(late.select(F.col("event_id").alias(spec.id_field)), spec.id_field, "left_anti")
-    recomputed = recomputed_sessions(on_time, SESSION_GAP).where(
-        F.unix_micros("expected_end") + SESSION_GAP // dt.timedelta(microseconds=1)
+    recomputed = recomputed_sessions(on_time, gap).where(
+        F.unix_micros("expected_end") + gap // dt.timedelta(microseconds=1)
         <= (progress.watermark_ms if progress else 0) * 1000)
     mismatched = (recomputed.join(activity, ["customer_id", "session_start"], "full_outer")
                   .where(~F.col("expected_end").eqNullSafe(F.col("session_end"))

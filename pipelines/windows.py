@@ -45,7 +45,7 @@ from pipelines.faults import (
 from pipelines.layout import StorageLayout
 from pipelines.state import TOTAL_TYPE
 from pipelines.streaming import commits_since, create_table_if_missing, kept_on_disk, table_version
-from pipelines.streams import MOVIE_TICKET_SALES
+from pipelines.streams import windows_stream
 
 HOURLY = "tickets_per_title_hourly"
 TOP = "top_titles_hourly"
@@ -94,7 +94,7 @@ def fold_windows(open_hours: DataFrame, sales: DataFrame, watermark_ms: int, del
     others add to their (title, hour). The watermark then moves to the batch's newest sale minus the delay
     (never back), and every hour whose end it has reached is closed. One pass over the batch for the on-time
     sales (kept, small: per title and hour); the late ones are read again when written."""
-    spec = MOVIE_TICKET_SALES
+    spec = windows_stream()
     at = F.col(spec.event_time_field)
     behind = F.unix_micros(at) <= F.lit(watermark_ms * 1000)
     late = sales.where(behind).select(
@@ -134,7 +134,7 @@ def _undo_unfinished_batch(spark: SparkSession, layout: StorageLayout) -> list[s
     restored; late_events is shared (`undo_late_rows`). The open hours need nothing: the next batch reads the
     version the last closing commit recorded."""
     hourly_version = table_version(spark, layout.table(HOURLY)) or 0
-    undone = undo_late_rows(spark, layout, MOVIE_TICKET_SALES.name, "hourly_version", hourly_version)
+    undone = undo_late_rows(spark, layout, windows_stream().name, "hourly_version", hourly_version)
     path = layout.table(TOP)
     latest = table_version(spark, path) or 0
     unfinished = [c["version"] for c in commits_since(spark, path, max(-1, latest - 5))
@@ -156,7 +156,7 @@ class WindowsStage(EventTimeStage):
         self.delay = delay
 
     def fold_and_write(self, rows: DataFrame, app_id: str, batch_id: int, marker: dict) -> FoldedBatch:
-        spark, layout, spec = rows.sparkSession, self.layout, MOVIE_TICKET_SALES
+        spark, layout, spec = rows.sparkSession, self.layout, windows_stream()
         sales = rows.select("title", spec.event_time_field, spec.value_field, spec.id_field, "source_file",
                             "line_number")
         before = read_state(spark, layout.table(OPEN_HOURS), self.last.state_versions[OPEN_HOURS])
@@ -191,7 +191,7 @@ def _open_hours_from_bronze(spark: SparkSession, layout: StorageLayout, last: Pr
     """Tables of an earlier statetables, which kept the open hours in RocksDB: the hours open at the last
     committed batch, built once from bronze (up to its version, minus late sales), then folded with no sales
     at the watermark the next batch would have had (the newest sale read minus the delay), as that batch would."""
-    spec = MOVIE_TICKET_SALES
+    spec = windows_stream()
     empty_hours = spark.createDataFrame([], OPEN_HOURS_SCHEMA)
     sales = (spark.read.format("delta").option("versionAsOf", last.bronze_version)
              .load(str(layout.table(spec.bronze_table))))
@@ -211,7 +211,7 @@ def _first_state(spark: SparkSession, layout: StorageLayout, last: Progress | No
     (open hours in RocksDB), built once from bronze. Recorded as batch -1 of an app id of its own, a commit of
     tickets_per_title_hourly carrying the progress."""
     last = last or Progress(watermark_ms=0, bronze_version=-1, state_versions={})
-    start_id = new_app_id(f"{MOVIE_TICKET_SALES.name}/windows-state")
+    start_id = new_app_id(f"{windows_stream().name}/windows-state")
     closed, watermark = spark.createDataFrame([], HOURLY_SCHEMA), last.watermark_ms
     fold = (_open_hours_from_bronze(spark, layout, last, delay) if last.bronze_version >= 0 else
             WindowsFold(spark.createDataFrame([], OPEN_HOURS_SCHEMA), closed, None, watermark))

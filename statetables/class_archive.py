@@ -33,7 +33,7 @@ def record_one_pass(home: Path, archive: Path) -> None:
     from pipelines.layout import StorageLayout
     from pipelines.session import SparkSettings, build_spark_session
     from pipelines.stream_query import advance_stream
-    from pipelines.streams import STREAMS
+    from pipelines.streams import streams
 
     layout = StorageLayout.under(home)
     spark = build_spark_session(SparkSettings(conf={
@@ -41,7 +41,7 @@ def record_one_pass(home: Path, archive: Path) -> None:
             # The runs' logging too: the same classes load, and set-up prints no Spark WARN lines.
             f"-XX:ArchiveClassesAtExit={archive} {PARALLEL_GC} -Xlog:cds=off -Xlog:cds+dynamic=off "
             f"-Dlog4j2.configurationFile=file:{LOG4J_CONFIG}"}))
-    for spec in STREAMS.values():
+    for spec in streams().values():
         generate(spec, layout.landing(spec.name), events=2_000, seed=7)
         for _ in range(2):  # the second pass takes the paths of a run with a checkpoint and history
             advance_stream(spark, layout, spec)

@@ -1,5 +1,5 @@
 """`statetables` command line: generate sample data, run the pipeline headless through Dagster,
-print the state tables, prepare the Dagster instance.
+print the state tables, refresh one, prepare the Dagster instance.
 
     statetables generate --stream payments --events 100000 --malformed 0.005 --duplicates 0.01 --late 0.02 --seed 1
     statetables run [--job advance_all] [--show] [--warn-only-check ASSET:CHECK] [--remote sc://127.0.0.1:15002 | --master spark://127.0.0.1:7077]
@@ -7,6 +7,8 @@ print the state tables, prepare the Dagster instance.
     statetables cluster [--port 7077]             # a standalone master + worker on 127.0.0.1, until Ctrl-C
     statetables savepoint create|list|restore [NAME]
     statetables restore-changelog --table movie_tickets_sold --version 12 [--into NAME]
+    statetables refresh TABLE       # rebuild a state table from bronze after its declaration changed
+    statetables --project FILE ...  # another project file than ./statetables.yaml
     statetables dev [--port 3000] [--engine-port 15002 | --embedded]   # Dagster UI + daemon + a warm Spark Connect engine
     statetables serve [--port 3000] [--engine-port 15002 | --embedded] # the same, with the continuous job running
     statetables instance            # prints DAGSTER_HOME after writing its dagster.yaml
@@ -21,7 +23,8 @@ from pathlib import Path
 
 from pipelines.errors import ConfigurationError, SavepointError, StorageError, StreamBusyError
 from pipelines.layout import StorageLayout
-from pipelines.streams import STREAMS, stream_spec
+from pipelines.project import PROJECT_ENV
+from pipelines.streams import stream_spec, streams
 
 # Run-granularity pools: the daemon's run queue never runs two runs that share a stream's pool.
 INSTANCE_YAML = """\
@@ -69,7 +72,7 @@ def _generate(args: argparse.Namespace) -> int:
     from pipelines.generate import generate
 
     layout = StorageLayout.under()
-    names = list(STREAMS) if args.stream == "all" else [args.stream]
+    names = list(streams()) if args.stream == "all" else [args.stream]
     for name in names:
         spec = stream_spec(name)
         summary = generate(spec, layout.landing(name), events=args.events, malformed=args.malformed,
@@ -91,14 +94,14 @@ def _print_state_tables(layout: StorageLayout, engine: dict) -> None:
     # The run's session, still alive in this process (getOrCreate), on the run's engine.
     spark = build_spark_session(SparkSettings(remote=engine.get("remote", default_remote()),
                                               master=engine.get("master", "local[2]")))
-    for spec in STREAMS.values():
-        table = spec.state_table
+    for table in [t for spec in streams().values() for t in spec.state_tables]:
         frame = spark.read.format("delta").load(str(layout.table(table.name)))
-        totals = frame.agg(F.count("*").alias("keys"), F.sum(table.count_column).alias(table.count_column),
-                           F.sum(table.sum_column).alias(table.sum_column)).first()
-        print(f"\n== {table.name}: {totals['keys']} keys, {table.count_column}={totals[table.count_column]}, "
-              f"{table.sum_column}={totals[table.sum_column]}")
-        frame.orderBy(F.desc(table.count_column), table.key).drop("updated_at").show(10, truncate=False)
+        print(f"\n== {table.name}: {frame.count()} keys")
+        order = [F.desc(table.count_column)] if table.count_column else []
+        frame.orderBy(*order, *table.keys).select(*table.keys, *(a.name for a in table.aggregates)).show(
+            10, truncate=False)
+    if not any(s.windows for s in streams().values()):
+        return
     # The seeds' dashboard: the top 10 titles of the newest hour the watermark has closed.
     top = spark.read.format("delta").load(str(layout.table(TOP)))
     newest = top.agg(F.max("window_start")).first()[0]
@@ -106,25 +109,11 @@ def _print_state_tables(layout: StorageLayout, engine: dict) -> None:
           f"({newest:%Y-%m-%d %H:%M} UTC)" if newest else f"\n== {TOP}: no hour closed yet")
     if newest:
         top.where(F.col("window_start") == newest).orderBy("rank").show(TOP_N, truncate=False)
+    if not any(s.sessions for s in streams().values()):
+        return
     activity = spark.read.format("delta").load(str(layout.table(ACTIVITY)))
     print(f"\n== {ACTIVITY}: {activity.count()} closed sessions; the newest")
     activity.orderBy(F.desc("session_end"), "customer_id").show(5, truncate=False)
-
-
-def _ttl_days(pairs: list[str]) -> dict[str, float]:
-    """--ttl-days TABLE=DAYS, repeated → the state_policy resource's `ttl_days`, checked before the run."""
-    from resources import StatePolicyResource
-
-    ttl: dict[str, float] = {}
-    for pair in pairs:
-        name, _, days = pair.partition("=")
-        try:
-            ttl[name] = float(days)
-        except ValueError:
-            raise ConfigurationError(f"--ttl-days {pair!r} is not TABLE=DAYS. Fix: e.g. --ttl-days payments_per_customer=30.")
-    for name in ttl:
-        StatePolicyResource(ttl_days=ttl).ttl(name)
-    return ttl
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -132,7 +121,6 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.job not in job_names():  # before anything is created under the storage root
         raise ConfigurationError(f"Unknown job {args.job!r}. Fix: use one of {', '.join(job_names())}.")
-    ttl = _ttl_days(args.ttl_days or [])
     layout = StorageLayout.under()
     prepare_instance(layout)
     import dagster as dg
@@ -141,8 +129,6 @@ def _run(args: argparse.Namespace) -> int:
 
     job = defs.resolve_job_def(args.job)
     run_config: dict = {"loggers": {"console": {"config": {"log_level": args.log_level}}}, "resources": {}}
-    if ttl:
-        run_config["resources"]["state_policy"] = {"config": {"ttl_days": ttl}}
     if args.warn_only_check:
         from resources import CheckPolicyResource
 
@@ -198,12 +184,24 @@ def _restore_changelog(args: argparse.Namespace) -> int:
     from pipelines.changelog import restore_from_changelog
     from pipelines.session import build_spark_session
 
-    tables = {spec.state_table.name: spec.state_table for spec in STREAMS.values()}
-    if args.table not in tables:
-        raise ConfigurationError(f"Unknown state table {args.table!r}. Fix: use one of {', '.join(tables)}.")
+    from pipelines.project import project
+
+    _, table = project().state_table(args.table)
     into = args.into or f"{args.table}_restored_v{args.version}"
-    target = restore_from_changelog(build_spark_session(), StorageLayout.under(), tables[args.table], args.version, into)
+    target = restore_from_changelog(build_spark_session(), StorageLayout.under(), table, args.version, into)
     print(f"{args.table} as of version {args.version}, rebuilt from its changelog only: {target}")
+    return 0
+
+
+def _refresh(args: argparse.Namespace) -> int:
+    from pipelines.project import project
+    from pipelines.refresh import refresh_state_table
+    from pipelines.session import build_spark_session
+
+    spec, table = project().state_table(args.table)
+    figures = refresh_state_table(build_spark_session(), StorageLayout.under(), spec, table)
+    print(f"{table.name} rebuilt from {spec.bronze_table} version {figures['bronze_version']} under its current "
+          f"definition: {figures['keys']} keys, table version {figures['table_version']} (one commit)")
     return 0
 
 
@@ -303,10 +301,12 @@ def _instance(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="statetables", description=__doc__.split("\n")[0])
+    parser.add_argument("--project", metavar="FILE", help="the project file (default $STATETABLES_PROJECT, else "
+                                                           "./statetables.yaml)")
     commands = parser.add_subparsers(dest="command", required=True)
 
     gen = commands.add_parser("generate", help="write contract-conformant sample landing files")
-    gen.add_argument("--stream", default="all", choices=["all", *STREAMS])
+    gen.add_argument("--stream", default="all", help="a stream the project file declares, or all (default)")
     gen.add_argument("--events", type=int, default=10_000)
     gen.add_argument("--malformed", type=float, default=0.005)
     gen.add_argument("--duplicates", type=float, default=0.01)
@@ -320,8 +320,6 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--job", default="advance_all")
     run.add_argument("--show", action="store_true", help="print the state tables, the top 10 of the latest closed hour and the newest sessions afterwards")
     run.add_argument("--log-level", default="INFO", help="Dagster console log level (DEBUG shows every event)")
-    run.add_argument("--ttl-days", action="append", metavar="TABLE=DAYS",
-                     help="expire a state table's keys idle this many days of event time (resource state_policy)")
     run.add_argument("--warn-only-check", action="append", metavar="ASSET:CHECK",
                      help="for this run, a failure of this blocking check warns instead of stopping the run "
                           "(resource check_policy; docs/recovery.md says when)")
@@ -350,6 +348,11 @@ def main(argv: list[str] | None = None) -> int:
     restore.add_argument("--into", help="table name under tables/ to write (default <table>_restored_v<version>)")
     restore.set_defaults(func=_restore_changelog)
 
+    refresh = commands.add_parser("refresh", help="rebuild a state table from bronze under the project file's "
+                                                  "definition, replacing its content in one commit")
+    refresh.add_argument("table")
+    refresh.set_defaults(func=_refresh)
+
     dev = commands.add_parser("dev", help="Dagster UI + daemon on 127.0.0.1 beside a warm Spark Connect engine")
     serve = commands.add_parser("serve", help="as `dev`, with the continuous job running")
     for command in (dev, serve):
@@ -366,6 +369,9 @@ def main(argv: list[str] | None = None) -> int:
     inst.set_defaults(func=_instance)
 
     args = parser.parse_args(argv)
+    if args.project:
+        # The environment, so that what this command starts (Dagster's code server, runs) reads the same file.
+        os.environ[PROJECT_ENV] = str(Path(args.project).resolve())
     try:
         return args.func(args)
     except (ConfigurationError, StreamBusyError, StorageError, SavepointError, ValueError) as error:

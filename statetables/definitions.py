@@ -10,16 +10,16 @@ from assets.continuous import run_continuously
 from assets.streams import build_stream_assets
 from pipelines.session import default_remote
 from pipelines.stream_query import event_time_streams
-from pipelines.streams import STREAMS
-from resources import CheckPolicyResource, SparkSessionResource, StatePolicyResource, StorageResource
+from pipelines.streams import streams
+from resources import CheckPolicyResource, SparkSessionResource, StorageResource
 
 defs = dg.Definitions(
-    assets=[a for spec in STREAMS.values() for a in build_stream_assets(spec, spec.name in event_time_streams())],
+    assets=[a for spec in streams().values() for a in build_stream_assets(spec, spec.name in event_time_streams())],
     jobs=[advance_all, reconcile_state_tables, *stream_jobs.values(), run_continuously],
     schedules=[every_five_minutes, nightly_reconciliation],
     sensors=[landing_files_sensor, recover_failed_stream, spark_engine_health],
     # A warm Spark Connect server when $STATETABLES_SPARK_REMOTE names one (`make dev`, `make serve`), else a JVM per run.
-    resources={"spark": SparkSessionResource(remote=default_remote()), "storage": StorageResource(), "state_policy": StatePolicyResource(),
+    resources={"spark": SparkSessionResource(remote=default_remote()), "storage": StorageResource(),
                "check_policy": CheckPolicyResource()},
     # One process, one SparkSession per run.
     executor=dg.in_process_executor,

@@ -49,7 +49,7 @@ from pipelines.event_time import LATE
 from pipelines.sessions import ACTIVITY, DEFAULT_STATE_TTL, SESSION_GAP
 from pipelines.changelog import changelog_name
 from pipelines.expiry import EXPIRED
-from pipelines.streams import MOVIE_TICKET_SALES, STREAMS
+from tests.streams import MOVIE_TICKET_SALES, STREAMS
 from pipelines.windows import HOURLY, TOP, TOP_N
 from tests.contract_oracle import expected_sessions, expected_state, expected_windows, landing_files
 
@@ -316,7 +316,7 @@ def compare(layout: StorageLayout, report: ChaosReport, streams: list[str], ttl_
     for spec in (STREAMS[name] for name in streams):
         expected = expected_state(spec.name, landing_files(layout.landing(spec.name)))
         compare_event_time(layout, report, spec.name, expected.events)
-        table = spec.state_table
+        table = spec.state_tables[0]
         rows = IndependentDeltaTable(str(layout.table(table.name))).to_pyarrow_table().to_pylist()
         actual = {r[table.key]: (r[table.count_column], r[table.sum_column]) for r in rows}
         repeated_keys = len(rows) - len(actual)

@@ -1,14 +1,45 @@
-"""Running a stream in tests: `advance_stream` with its settings as keywords."""
+"""Running a stream in tests: `advance_stream` with its settings as keywords, and the shipped project's streams."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from pipelines.layout import StorageLayout
+from pipelines.project import SHIPPED, project
 from pipelines.stream_query import StreamSettings, advance_stream
 from pipelines.streaming import StreamRunResult
-from pipelines.streams import StreamSpec
+from pipelines.streams import SessionOptions, StreamSpec, WindowOptions
+
+# The two streams of the shipped project file (statetables.yaml), as the contract describes them.
+_SHIPPED = project(SHIPPED).streams
+MOVIE_TICKET_SALES, PAYMENTS = _SHIPPED["movie_ticket_sales"], _SHIPPED["payments"]
+STREAMS = {MOVIE_TICKET_SALES.name: MOVIE_TICKET_SALES, PAYMENTS.name: PAYMENTS}
 
 
-def advance(spark, layout: StorageLayout, spec: StreamSpec, **settings) -> StreamRunResult:
+def declared(spec: StreamSpec, *, dedup_horizon=None, max_ahead=None, ttl=None, watermark_delay=None,
+             sessions=None) -> StreamSpec:
+    """`spec` as a project file with these settings would declare it (None: as declared)."""
+    changes: dict = {}
+    if dedup_horizon is not None:
+        changes["dedup_horizon"] = dedup_horizon
+    if max_ahead is not None:
+        changes["max_ahead"] = max_ahead
+    if ttl is not None:
+        changes["state_tables"] = tuple(replace(t, ttl=ttl) for t in spec.state_tables)
+    if watermark_delay is not None and spec.windows is not None:
+        changes["windows"] = WindowOptions(watermark_delay=watermark_delay)
+    if sessions is not None and spec.sessions is not None:
+        changes["sessions"] = SessionOptions(watermark_delay=sessions.watermark_delay, gap=sessions.gap,
+                                             state_ttl=sessions.state_ttl)
+    elif watermark_delay is not None and spec.sessions is not None:
+        changes["sessions"] = replace(spec.sessions, watermark_delay=watermark_delay)
+    return replace(spec, **changes)
+
+
+def advance(spark, layout: StorageLayout, spec: StreamSpec, *, dedup_horizon=None, max_ahead=None, ttl=None,
+            watermark_delay=None, sessions=None, **settings) -> StreamRunResult:
     """One run of the stream's query (`event_time=False` leaves out the windows or sessions, which tests of
-    other steps do not need)."""
+    other steps do not need); declaration settings (TTL, horizons, watermarks) apply to this run's spec."""
+    spec = declared(spec, dedup_horizon=dedup_horizon, max_ahead=max_ahead, ttl=ttl,
+                    watermark_delay=watermark_delay, sessions=sessions)
     return advance_stream(spark, layout, spec, StreamSettings(**settings))

@@ -12,7 +12,7 @@ from deltalake import DeltaTable as IndependentDeltaTable
 
 from pipelines.generate import generate
 from pipelines.sessions import ACTIVITY
-from pipelines.streams import PAYMENTS
+from tests.streams import PAYMENTS
 from statetables import cli
 
 START = datetime(2026, 11, 10, tzinfo=timezone.utc)

@@ -23,7 +23,7 @@ from deltalake import DeltaTable as IndependentDeltaTable
 
 from assets.keys import CONTINUOUS_JOB, RECOVERY_ATTEMPT_TAG, RECOVERY_OF_TAG, RECOVERY_REASON_TAG
 from pipelines.generate import generate
-from pipelines.streams import STREAMS
+from tests.streams import STREAMS
 from statetables.servers import dagster_dev, free_port, launch_run, list_runs, run_status, terminate_run
 from tests.contract_oracle import expected_state, landing_files
 
@@ -38,7 +38,7 @@ CONFIG_WITH_EVENT_TIME = {"ops": {"keep_streams_running": {"config": {
 
 
 def _state(layout, spec) -> dict | None:
-    table = spec.state_table
+    table = spec.state_tables[0]
     path = layout.table(table.name)
     if not (path / "_delta_log").is_dir():
         return None

@@ -32,7 +32,8 @@ from pipelines.layout import StorageLayout
 from pipelines.session import delta_jars, engine_address, require_java, wait_for_engine
 from pipelines.stream_query import EVENT_TIME_ENV, event_time_streams, event_time_tables
 from pipelines.streaming import Continuous
-from pipelines.streams import PAYMENTS, stream_spec
+from tests.streams import PAYMENTS
+from pipelines.streams import stream_spec
 from resources import CheckPolicyResource, SparkSessionResource, StatePolicyResource, StorageResource
 from resources.spark import ENGINE_TAG
 from statetables.definitions import defs

@@ -41,7 +41,7 @@ from assets.automation import LANDING_SENSOR_ENV
 from assets.keys import RECOVERY_OF_TAG
 from pipelines import faults
 from pipelines.generate import generate
-from pipelines.streams import PAYMENTS, STREAMS
+from tests.streams import PAYMENTS, STREAMS
 from resources.spark import ENGINE_TAG
 from statetables.definitions import defs
 from statetables.servers import RUN_ENDED, repository, dagster_dev, free_port, graphql, list_runs, wait_for_run_end
@@ -204,7 +204,7 @@ def test_an_operator_sees_every_asset_what_a_run_did_and_why_a_recovery_ran(layo
         page.keyboard.press("Escape")
         # The state table after the recovery: why it ran (a link to the failed run), and fresh. The daemon
         # evaluates freshness policies on its own clock: the page is opened once it has.
-        key = {"path": [PAYMENTS.state_table.name]}
+        key = {"path": [PAYMENTS.state_tables[0].name]}
         wait_for(lambda: graphql(url, _FRESHNESS, {"key": key})["assetNodeOrError"]["freshnessStatusInfo"][
             "freshnessStatus"] == "HEALTHY", "the freshness policy's evaluation", timeout_s=90)
         page.goto(f"{url}/assets/payments_per_customer")
@@ -223,7 +223,7 @@ def test_an_operator_sees_every_asset_what_a_run_did_and_why_a_recovery_ran(layo
 
     assert not (fault_dir / faults.INGEST_AFTER_BRONZE_COMMIT).exists()  # the fault really fired
     expected = expected_state(PAYMENTS.name, landing_files(landing))
-    table = PAYMENTS.state_table
+    table = PAYMENTS.state_tables[0]
     rows = IndependentDeltaTable(str(layout.table(table.name))).to_pyarrow_table().to_pylist()
     assert {r[table.key]: (r[table.count_column], r[table.sum_column]) for r in rows} == {
         k: (expected.counts[k], expected.sums[k]) for k in expected.counts}

@@ -14,7 +14,7 @@ from pipelines.errors import StorageError, StreamBusyError
 from pipelines.generate import generate
 from pipelines.savepoints import create_savepoint, list_savepoints, restore_savepoint
 from pipelines.streaming import table_version, writer_lock
-from pipelines.streams import MOVIE_TICKET_SALES, PAYMENTS, STREAMS
+from tests.streams import MOVIE_TICKET_SALES, PAYMENTS, STREAMS
 from tests.contract_oracle import expected_state, landing_files
 from tests.streams import advance
 
@@ -36,7 +36,7 @@ def _rows(spark, path, version=None):
 
 
 def _state(layout, spec):
-    table = spec.state_table
+    table = spec.state_tables[0]
     rows = IndependentDeltaTable(str(layout.table(table.name))).to_pyarrow_table().to_pylist()
     return {r[table.key]: (r[table.count_column], r[table.sum_column]) for r in rows}
 
@@ -47,7 +47,7 @@ def _expected(layout, spec):
 
 
 def test_changelog_alone_rebuilds_the_table_at_every_version(spark, layout):
-    spec, table = PAYMENTS, PAYMENTS.state_table
+    spec, table = PAYMENTS, PAYMENTS.state_tables[0]
     for seed in (1, 2):
         _deliver(layout, spec, seed)
         _advance(spark, layout, spec)
@@ -82,8 +82,8 @@ def test_savepoint_restore_rolls_back_and_resumes_exactly(spark, layout):
 
     restore_savepoint(spark, layout, "before-deploy")
     for spec in STREAMS.values():
-        path = layout.table(spec.state_table.name)
-        assert _rows(spark, path) == _rows(spark, path, manifest["tables"][spec.state_table.name]["version"])
+        path = layout.table(spec.state_tables[0].name)
+        assert _rows(spark, path) == _rows(spark, path, manifest["tables"][spec.state_tables[0].name]["version"])
     for spec in STREAMS.values():
         result = _advance(spark, layout, spec)
         assert result.recovery is None and result.micro_batches >= 1  # folded bronze after the savepoint again
@@ -119,7 +119,7 @@ def test_read_only_storage_fails_with_the_fix_and_the_next_run_is_exact(spark, l
     _deliver(layout, spec, seed=1)
     _advance(spark, layout, spec)
     _deliver(layout, spec, seed=2)
-    log = layout.table(spec.state_table.name) / "_delta_log"
+    log = layout.table(spec.state_tables[0].name) / "_delta_log"
     # As root, permissions do not stop writes; the immutable flag does (EPERM), like a read-only mount.
     subprocess.run(["chattr", "+i", str(log)], check=True)
     try:
@@ -140,8 +140,8 @@ def test_racing_writers_conflict_retry_and_count_exactly_once(spark, layout):
     from pipelines.streaming import conflicts_retried
 
     spec = PAYMENTS
-    ensure_state_table(spark, layout, spec.state_table)
-    path = str(layout.table(spec.state_table.name))
+    ensure_state_table(spark, layout, spec.state_tables[0])
+    path = str(layout.table(spec.state_tables[0].name))
     retried_before = conflicts_retried["count"]
     errors = []
 
@@ -151,9 +151,9 @@ def test_racing_writers_conflict_retry_and_count_exactly_once(spark, layout):
             "customer_id", F.col("amount").cast("decimal(18,2)").alias("amount"),
             F.lit("2026-11-01 10:00:00").cast("timestamp").alias("paid_at"))
         try:
-            batch = aggregate(events, spec.state_table, "amount", "paid_at")
+            batch = aggregate(events, spec.state_tables[0], "amount", "paid_at")
             for batch_id in [0, 1, 2, 3, 3]:  # the second 3 is a replay: skipped by its txn id
-                upsert(session, path, spec.state_table, batch, app_id, batch_id, {"app_id": app_id})
+                upsert(session, path, spec.state_tables[0], batch, app_id, batch_id, {"app_id": app_id})
         except Exception as exc:  # surfaced by the assertion below
             errors.append(exc)
 

@@ -18,7 +18,7 @@ from deltalake import DeltaTable as IndependentDeltaTable
 
 from pipelines import table_checks
 from pipelines.sessions import SessionSettings
-from pipelines.streams import MOVIE_TICKET_SALES, PAYMENTS
+from tests.streams import MOVIE_TICKET_SALES, PAYMENTS
 from tests.contract_oracle import expected_with_ttl
 from tests.pipelines import test_sessions, test_windows
 from tests.streams import advance
@@ -96,7 +96,7 @@ def test_windows_check_agrees_with_the_operator_at_the_hour_and_the_watermark(sp
 
 
 def test_state_ttl_checks_agree_at_exactly_the_ttl(spark, layout, landing):
-    spec, table, ttl = PAYMENTS, PAYMENTS.state_table, timedelta(days=1)
+    spec, table, ttl = PAYMENTS, PAYMENTS.state_tables[0], timedelta(days=1)
     line = '{"payment_id":"%s","customer_id":"%s","amount":"1.00","paid_at":"%s"}'
     files = [landing.write(spec.name, "1.jsonl", [
         line % ("p1", "exactly_ttl", "2026-11-01T10:00:00.000000Z"),  # exactly 1 day behind the clock: kept

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from deltalake import DeltaTable as IndependentDeltaTable
 
-from pipelines.streams import MOVIE_TICKET_SALES, PAYMENTS
+from tests.streams import MOVIE_TICKET_SALES, PAYMENTS
 from tests.contract_oracle import EPOCH, Oracle, file_lines, landing_files
 from tests.streams import advance
 
@@ -255,7 +255,7 @@ def _check(layout, spec, delivery: Delivery, results) -> None:
     ids = {r[spec.id_field] for r in bronze} | {r["record_id"] for r in quarantine}
     assert not ids & set(delivery.ignored_ids), "an in-flight or non-landing file was read"
 
-    table = spec.state_table
+    table = spec.state_tables[0]
     state = {r[table.key]: (r[table.count_column], r[table.sum_column]) for r in _read(layout.table(table.name))}
     assert state == {k: (expected.counts[k], expected.sums[k]) for k in expected.counts}, table.name
     assert all(isinstance(total, Decimal) for _, total in state.values())

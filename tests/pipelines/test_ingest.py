@@ -13,7 +13,7 @@ import shutil
 
 from pyspark.sql import functions as F
 
-from pipelines.streams import MOVIE_TICKET_SALES, PAYMENTS
+from tests.streams import MOVIE_TICKET_SALES, PAYMENTS
 from tests.streams import advance
 
 GOOD = '{"event_id":"%s","title":"Dune","ticket_total_value":12.50,"sale_ts":"2026-11-01T10:00:00Z"}'

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from pyspark.sql import functions as F
 
 from pipelines.session import JARS_ENV, delta_jars
-from pipelines.streams import MOVIE_TICKET_SALES, PAYMENTS
+from tests.streams import MOVIE_TICKET_SALES, PAYMENTS
 from pipelines.validate import validate_lines
 from tests.contract_oracle import judge_line
 from tests.pipelines.test_validation_properties import (

@@ -15,7 +15,7 @@ from deltalake import DeltaTable as IndependentDeltaTable
 
 from pipelines.checkpoints import RECENT_WINDOW, table_batches, verify_checkpoint
 from pipelines.generate import generate
-from pipelines.streams import MOVIE_TICKET_SALES, PAYMENTS
+from tests.streams import MOVIE_TICKET_SALES, PAYMENTS
 from tests.contract_oracle import expected_state, landing_files
 from tests.streams import advance
 
@@ -38,7 +38,7 @@ def _two_runs(spark, layout, spec):
 
 def _assert_exact(layout, spec):
     expected = expected_state(spec.name, landing_files(layout.landing(spec.name)))
-    table = spec.state_table
+    table = spec.state_tables[0]
     rows = IndependentDeltaTable(str(layout.table(table.name))).to_pyarrow_table().to_pylist()
     actual = {r[table.key]: (r[table.count_column], r[table.sum_column]) for r in rows}
     assert actual == {k: (expected.counts[k], expected.sums[k]) for k in expected.counts}
@@ -109,7 +109,7 @@ def test_state_table_restored_behind_the_stream_folds_bronze_again(spark, layout
     version recorded by the commit it went back to does."""
     spec = MOVIE_TICKET_SALES
     _two_runs(spark, layout, spec)
-    state_path = str(layout.table(spec.state_table.name))
+    state_path = str(layout.table(spec.state_tables[0].name))
     DeltaTable.forPath(spark, state_path).restoreToVersion(1)  # back to the first run's MERGE
 
     _deliver(layout, spec, seed=3)

@@ -27,7 +27,7 @@ from pipelines.sessions import (
     ACTIVITY, ACTIVITY_SCHEMA, LAST_SESSIONS, OPEN_SESSIONS, SessionSettings,
 )
 from pipelines.streaming import commits_since
-from pipelines.streams import PAYMENTS
+from tests.streams import PAYMENTS
 from tests.contract_oracle import Oracle, expected_sessions, expected_state, file_lines, landing_files
 from tests.streams import advance
 
@@ -144,7 +144,7 @@ def test_sessions_late_payments_and_ttl_equal_the_recomputation(spark, layout, l
         F.col("customer_id") == "cy", {"payment_count": F.lit(3)})
     assert table_checks.sessions_mismatches(spark, layout)[0].count() == 1
     # Late payments still count in the all-time table.
-    all_time = {r["customer_id"]: r["payment_count"] for r in _rows(layout, SPEC.state_table.name)}
+    all_time = {r["customer_id"]: r["payment_count"] for r in _rows(layout, SPEC.state_tables[0].name)}
     assert all_time == dict(expected_state(SPEC.name, landing_files(layout.landing(SPEC.name))).counts)
     assert all_time["bob"] == 5
 

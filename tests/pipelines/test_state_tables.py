@@ -18,13 +18,13 @@ from pipelines.changelog import changelog_name
 from pipelines.errors import ChangelogError
 from pipelines.generate import generate
 from pipelines.streaming import table_version
-from pipelines.streams import MOVIE_TICKET_SALES, PAYMENTS, STREAMS
+from tests.streams import MOVIE_TICKET_SALES, PAYMENTS, STREAMS
 from tests.contract_oracle import expected_state, landing_files
 from tests.streams import advance
 
 
 def _read_state(layout, spec) -> dict[str, tuple[int, Decimal]]:
-    table = spec.state_table
+    table = spec.state_tables[0]
     rows = IndependentDeltaTable(str(layout.table(table.name))).to_pyarrow_table().to_pylist()
     return {r[table.key]: (r[table.count_column], r[table.sum_column]) for r in rows}
 
@@ -89,13 +89,13 @@ def test_a_state_table_that_records_no_bronze_version_is_rebuilt_from_bronze(spa
     spec = PAYMENTS
     generate(spec, layout.landing(spec.name), events=600, malformed=0.02, duplicates=0.03, seed=5, events_per_file=300)
     _advance(spark, layout, spec)
-    shutil.rmtree(layout.table(spec.state_table.name))
+    shutil.rmtree(layout.table(spec.state_tables[0].name))
     with pytest.raises(ChangelogError, match="deleted and created again.*Fix: move"):
         _advance(spark, layout, spec)
-    shutil.rmtree(layout.table(changelog_name(spec.state_table)))
+    shutil.rmtree(layout.table(changelog_name(spec.state_tables[0])))
     result = _advance(spark, layout, spec)
     assert result.built_through_source_version == table_version(spark, layout.table(spec.bronze_table))
     expected = expected_state(spec.name, landing_files(layout.landing(spec.name)))
     assert _read_state(layout, spec) == {k: (expected.counts[k], expected.sums[k]) for k in expected.counts}
-    changelog = IndependentDeltaTable(str(layout.table(changelog_name(spec.state_table)))).to_pyarrow_table()
+    changelog = IndependentDeltaTable(str(layout.table(changelog_name(spec.state_tables[0])))).to_pyarrow_table()
     assert changelog.num_rows == len(expected.counts)  # the rebuild's inserts

@@ -22,11 +22,11 @@ from pipelines.changelog import changelog_name, table_from_changelog
 from pipelines.errors import ConfigurationError
 from pipelines.expiry import expired_totals
 from pipelines.streaming import table_version
-from pipelines.streams import PAYMENTS
+from tests.streams import PAYMENTS
 from tests.contract_oracle import expected_with_ttl
 from tests.streams import advance
 
-SPEC, TABLE = PAYMENTS, PAYMENTS.state_table
+SPEC, TABLE = PAYMENTS, PAYMENTS.state_tables[0]
 TTL = timedelta(days=1)
 LINE = '{"payment_id":"%s","customer_id":"%s","amount":%s,"paid_at":"%s"}'
 DELIVERIES = [

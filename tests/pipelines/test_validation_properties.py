@@ -31,7 +31,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.types import BinaryType, LongType, StringType, StructField, StructType, TimestampType
 
 from pipelines.layout import StorageLayout
-from pipelines.streams import MOVIE_TICKET_SALES, PAYMENTS
+from tests.streams import MOVIE_TICKET_SALES, PAYMENTS
 from pipelines.validate import validate_lines
 from tests.contract_oracle import EPOCH, Oracle, content, judge_line
 from tests.streams import advance

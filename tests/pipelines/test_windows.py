@@ -21,7 +21,7 @@ from pyspark.sql import functions as F
 
 from pipelines import faults, table_checks
 from pipelines.generate import generate
-from pipelines.streams import MOVIE_TICKET_SALES
+from tests.streams import MOVIE_TICKET_SALES
 from pipelines.streaming import commits_since
 from pipelines.windows import (
     DEFAULT_WATERMARK_DELAY, HOURLY, HOURLY_SCHEMA, LATE, OPEN_HOURS, TOP,
@@ -132,7 +132,7 @@ def test_out_of_order_late_and_closed_windows_equal_the_recomputation(spark, lay
     assert table_checks.windows_mismatches(spark, layout)[0].count() == 1
     assert table_checks.top_titles_mismatches(spark, layout).count() == 4  # Alien and Dune swap ranks
     # Late sales still count in the all-time table.
-    all_time = {r["title"]: r["tickets_sold"] for r in _rows(layout, SPEC.state_table.name)}
+    all_time = {r["title"]: r["tickets_sold"] for r in _rows(layout, SPEC.state_tables[0].name)}
     assert all_time == dict(expected_state(SPEC.name, landing_files(layout.landing(SPEC.name))).counts)
     assert all_time["Alien"] == 2 and all_time["Dune"] == 5
 

@@ -1,0 +1,71 @@
+"""Full refresh: a state table rebuilt from its stream's bronze under the project file's definition.
+
+`statetables refresh TABLE` (and the `refresh_state_table` job in Dagster) is how a changed declaration (keys,
+aggregates) takes effect: runs refuse to fold into a table that an earlier definition wrote (pipelines/state.py,
+`require_definition`). Under the stream's writer lock the table's new content is computed from bronze at one
+pinned version and replaces the old in one commit (CREATE OR REPLACE), which records the bronze version it
+reflects: a reader sees the old table or the new one, and the next run folds bronze after that version. The
+changelog starts again from that commit, holding the new content as inserts; its earlier versions keep the old
+table's history (Delta time travel).
+"""
+
+from __future__ import annotations
+
+import json
+
+from pyspark.sql import SparkSession
+from pyspark.sql import functions as F
+
+from pipelines import delta_sql
+from pipelines.changelog import COVERS, STATE_TABLE_ID, changelog_name
+from pipelines.checkpoints import new_app_id
+from pipelines.errors import ConfigurationError
+from pipelines.expiry import EXPIRED, ExpiredTotals, TTL_PROPERTY, expire_keys, newest_ingested_us
+from pipelines.layout import StorageLayout
+from pipelines.state import DEFINITION_PROPERTY, FOLDED_THROUGH, aggregate, definition_of
+from pipelines.streaming import USER_METADATA, commit_confs, table_id, table_version, writer_lock
+from pipelines.streams import StateTableSpec, StreamSpec
+
+
+def refresh_state_table(spark: SparkSession, layout: StorageLayout, spec: StreamSpec, table: StateTableSpec, *,
+                        lock_timeout_s: float = 60.0) -> dict:
+    """Rebuild `table` from all of its stream's bronze, replacing its content in one commit; returns figures."""
+    path, bronze_path = layout.table(table.name), layout.table(spec.bronze_table)
+    with writer_lock(layout.locks, spec.name, lock_timeout_s):
+        bronze_version = table_version(spark, bronze_path)
+        if bronze_version is None:
+            raise ConfigurationError(f"{spec.bronze_table} does not exist yet, so there is nothing to rebuild "
+                                     f"{table.name} from. Fix: run the stream (`statetables run`): it builds the "
+                                     f"table under the project file's definition.")
+        events = spark.read.format("delta").option("versionAsOf", bronze_version).load(str(bronze_path))
+        content = aggregate(events, table)
+        app_id = new_app_id(f"{spec.name}/refresh")
+        # An expiry before the refresh is not in the new content: marking the commit as a restore to version -1
+        # tells pipelines/expiry.py that every earlier expiry is undone.
+        metadata = {"app_id": app_id, "batch_id": -1, "refreshed": table.name, FOLDED_THROUGH: bronze_version,
+                    "restored_version": -1}
+        properties = {"delta.enableChangeDataFeed": "true", DEFINITION_PROPERTY: definition_of(table)}
+        if table.ttl is not None:
+            metadata[EXPIRED] = ExpiredTotals().as_metadata()
+            properties[TTL_PROPERTY] = f"{table.ttl.total_seconds() / 86400:g}"
+        with commit_confs(spark, {USER_METADATA: json.dumps(metadata)}):
+            delta_sql.replace_table(spark, path, content, properties)
+        version = table_version(spark, path)
+        if table.ttl is not None:
+            expire_keys(spark, path, table, table.ttl, ingested_through_us=newest_ingested_us(events),
+                        app_id=app_id, batch_id=-1, expired=ExpiredTotals())
+        _restart_changelog(spark, layout, table)
+    return {"table": table.name, "table_version": version, "bronze_version": bronze_version,
+            "keys": spark.read.format("delta").load(str(path)).count()}
+
+
+def _restart_changelog(spark: SparkSession, layout: StorageLayout, table: StateTableSpec) -> None:
+    """The changelog after a refresh: the table's content as inserts at its newest version, which it then covers."""
+    path = layout.table(table.name)
+    version = table_version(spark, path)
+    rows = (spark.read.format("delta").load(str(path))
+            .withColumn("_change_type", F.lit("insert")).withColumn("_commit_version", F.lit(version).cast("long"))
+            .withColumn("_commit_timestamp", F.current_timestamp()))
+    (rows.write.format("delta").mode("overwrite").option("overwriteSchema", "true")
+     .option("userMetadata", json.dumps({COVERS: version, STATE_TABLE_ID: table_id(spark, path), "refreshed": True}))
+     .save(str(layout.table(changelog_name(table)))))
