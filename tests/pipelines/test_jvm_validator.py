@@ -26,9 +26,11 @@ from pyspark.sql import functions as F
 import pytest
 
 from pipelines.errors import ConfigurationError
+from pipelines.streams import FieldRule
+from pipelines.validate import line_rules
 from pipelines.session import JARS_ENV, delta_jars
-from pipelines.streams import MOVIE_TICKET_SALES, PAYMENTS, FieldRule
-from pipelines.validate import line_rules, validate_lines
+from pipelines.streams import MOVIE_TICKET_SALES, PAYMENTS
+from pipelines.validate import validate_lines
 from tests.contract_oracle import judge_line
 from tests.pipelines.test_validation_properties import (
     INGESTED_AT, LINE_SCHEMA, REPRODUCIBLE, line_batch, mutate, odd_line,
