@@ -19,11 +19,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pyspark.sql import functions as F
-
-import pytest
 
 from pipelines.errors import ConfigurationError
 from pipelines.streams import FieldRule
