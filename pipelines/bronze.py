@@ -19,7 +19,7 @@ from pathlib import Path
 from pyspark.sql import Column, DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 from pyspark.sql.types import (
-    BinaryType, DecimalType, LongType, StringType, StructField, StructType, TimestampType,
+    BinaryType, BooleanType, DecimalType, LongType, StringType, StructField, StructType, TimestampType,
 )
 
 from pipelines.layout import StorageLayout
@@ -35,7 +35,8 @@ from pipelines.validate import content_identity, validate_lines
 
 DEFAULT_DEDUP_HORIZON = timedelta(days=7)
 DEFAULT_MAX_FILES_PER_TRIGGER = 100
-_SPARK_TYPES = {"string": StringType(), "decimal": DecimalType(18, 2), "timestamp": TimestampType()}
+_SPARK_TYPES = {"string": StringType(), "decimal": DecimalType(18, 2), "timestamp": TimestampType(),
+                "integer": LongType(), "boolean": BooleanType()}
 
 QUARANTINE_SCHEMA = StructType([
     StructField("raw_line", StringType()),  # the line as text (invalid UTF-8 bytes replaced)

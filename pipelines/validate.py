@@ -8,13 +8,16 @@ serves every stream, on every engine the project starts (.jars/ is on each one's
 Reasons (column `reason`, with the offending field in `reason_field`), first failing rule first:
     invalid_utf8, not_json, not_object, then per field in the stream's order: missing_field, wrong_type,
     empty_field, too_long, out_of_range, too_many_decimals, invalid_timestamp
-and, decided later against bronze, conflicting_duplicate.
+and, decided later against bronze, conflicting_duplicate. An integer field is checked whole (too_many_decimals)
+before its range: "12.0" and "1e3" are refused as written, so a range is only ever read from plain digits.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime, timedelta, timezone
+from decimal import Decimal
 from functools import lru_cache
 
 from pyspark.sql import Column, DataFrame, SparkSession
@@ -23,6 +26,7 @@ from pyspark.sql.types import (
     ArrayType, BooleanType, DecimalType, LongType, StringType, StructField, StructType,
 )
 
+from pipelines.errors import ConfigurationError
 from pipelines.streams import FieldRule, StreamSpec
 
 VALIDATOR = "statetables_validate"
@@ -41,8 +45,11 @@ VERDICT_TYPE = StructType([
     StructField("strings", ArrayType(StringType())),
     StructField("decimals", ArrayType(VALUE_TYPE)),
     StructField("timestamps", ArrayType(LongType())),
+    StructField("integers", ArrayType(LongType())),
+    StructField("booleans", ArrayType(BooleanType())),
 ])
-_ARRAY_OF_KIND = {"string": "strings", "decimal": "decimals", "timestamp": "timestamps"}
+_ARRAY_OF_KIND = {"string": "strings", "decimal": "decimals", "timestamp": "timestamps", "integer": "integers",
+                  "boolean": "booleans"}
 # Contract: event time lies between the epoch and one day (configurable) after ingestion. An event from
 # the far past or the future would push watermarks and dedup horizons away from every real event.
 EARLIEST_EVENT_TIME = datetime(1970, 1, 1, tzinfo=timezone.utc)
@@ -51,6 +58,42 @@ DEFAULT_MAX_AHEAD = timedelta(days=1)
 TRIMMED = " \t\n\r"
 MAX_VALUE = "9999999999999999.99"
 MAX_DECIMALS = 2
+# What each numeric kind can store (DECIMAL(18,2), BIGINT): the range a field has where it declares no bound.
+STORED_RANGE = {"decimal": (Decimal(f"-{MAX_VALUE}"), Decimal(MAX_VALUE)),
+                "integer": (Decimal(-2**63), Decimal(2**63 - 1))}
+# A declared bound: plain decimal text, which Python's Decimal and Java's BigDecimal read alike.
+BOUND_TEXT = re.compile(r"-?[0-9]+(\.[0-9]+)?")
+
+
+def _range_detail(rule: FieldRule) -> str:
+    """`<name> must be <lower> and <upper>`: each declared bound as declared, the stored type's limit where none is
+    declared ("amount must be > 0 and at most 9999999999999999.99", "quantity must be >= 1 and < 500")."""
+    floor, ceiling = STORED_RANGE[rule.kind]
+    lower = (f"{'>=' if rule.min_inclusive else '>'} {rule.min_value}" if rule.min_value is not None
+             else f"at least {floor}")
+    upper = (f"{'<=' if rule.max_inclusive else '<'} {rule.max_value}" if rule.max_value is not None
+             else f"at most {ceiling}")
+    return f"{rule.name} must be {lower} and {upper}"
+
+
+def _check_bounds(rule: FieldRule) -> None:
+    """A declared bound is plain decimal text inside what the field can store, and min <= max: the detail names the
+    bounds as declared, so a bound the stored type overrides, or none that any value could meet, is refused here."""
+    bounds = [b for b in (rule.min_value, rule.max_value) if b is not None]
+    if not bounds:
+        return
+    floor, ceiling = STORED_RANGE.get(rule.kind, (None, None))
+    fault = None
+    if floor is None:
+        fault = f"a {rule.kind} field has no min_value/max_value"
+    elif not all(BOUND_TEXT.fullmatch(b) for b in bounds):
+        fault = f"its bounds {bounds} are not plain decimal text (like 0, -5 or 499.99)"
+    elif not all(floor <= Decimal(b) <= ceiling for b in bounds):
+        fault = f"its bounds {bounds} lie outside what a {rule.kind} field stores, {floor} to {ceiling}"
+    elif len(bounds) == 2 and Decimal(rule.min_value) > Decimal(rule.max_value):
+        fault = f"its min_value {rule.min_value} is above its max_value {rule.max_value}"
+    if fault:
+        raise ConfigurationError(f"Field {rule.name!r}: {fault}. Fix: correct its FieldRule in pipelines/streams.py.")
 
 
 def _field_details(rule: FieldRule, max_ahead: timedelta) -> dict[str, str]:
@@ -61,14 +104,16 @@ def _field_details(rule: FieldRule, max_ahead: timedelta) -> dict[str, str]:
         details["wrong_type"] = f"{name} must be a JSON string, got "
         if rule.max_length:
             details["too_long"] = f"{name} is longer than {rule.max_length} characters"
-    elif rule.kind == "decimal":
-        bound = ">=" if rule.min_inclusive else ">"
+    elif rule.kind in ("decimal", "integer"):
         details.update({
             "wrong_type": f"{name} must be a JSON number or numeric string, got ",
             "not_a_number": f"{name} is a string that is not a number",
-            "out_of_range": f"{name} must be {bound} {rule.min_value} and at most {MAX_VALUE}",
-            "too_many_decimals": f"{name} has more than {MAX_DECIMALS} decimals",
+            "out_of_range": _range_detail(rule),
+            "too_many_decimals": (f"{name} has more than {MAX_DECIMALS} decimals" if rule.kind == "decimal"
+                                  else f"{name} must be a whole number"),
         })
+    elif rule.kind == "boolean":
+        details["wrong_type"] = f"{name} must be a JSON boolean (true or false), got "
     else:
         details.update({
             "wrong_type": f"{name} must be an ISO-8601 string, got ",
@@ -82,10 +127,13 @@ def _field_details(rule: FieldRule, max_ahead: timedelta) -> dict[str, str]:
 @lru_cache(maxsize=None)
 def line_rules(spec: StreamSpec, max_ahead: timedelta = DEFAULT_MAX_AHEAD) -> str:
     """The stream's rules as the JVM validator reads them (jvm/src/statetables/jvm/LineRules.java)."""
+    for rule in spec.fields:
+        _check_bounds(rule)
     return json.dumps({
         "id": spec.id_field,
         "fields": [{"name": r.name, "kind": r.kind, "required": r.required, "trim": r.trim,
                     "max_length": r.max_length, "min": r.min_value, "min_inclusive": r.min_inclusive,
+                    "max": r.max_value, "max_inclusive": r.max_inclusive,
                     "details": _field_details(r, max_ahead)} for r in spec.fields],
         "line_details": {"invalid_utf8": "line is not valid UTF-8", "not_json": "line is not a JSON document",
                          "not_object": "line is JSON but not an object: "},
@@ -99,7 +147,6 @@ def register_validator(spark: SparkSession) -> None:
         spark.udf.registerJavaFunction(VALIDATOR, VALIDATOR_CLASS, VERDICT_TYPE)
     except Exception as exc:
         if "ClassNotFound" in str(exc) or "CANNOT_LOAD_FUNCTION_CLASS" in str(exc) or VALIDATOR_CLASS in str(exc):
-            from pipelines.errors import ConfigurationError
             raise ConfigurationError(
                 f"The Spark engine has no {VALIDATOR_CLASS} (the project's own jar, .jars/statetables-jvm.jar). "
                 f"Fix: run `make jars` once, and start the engine with every jar in .jars/ (`make connect-server`, "

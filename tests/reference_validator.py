@@ -1,7 +1,10 @@
 """The SQL line validator that the product used before the JVM one (pipelines/validate.py): kept as the reference
 the JVM validator is compared with (tests/pipelines/test_jvm_validator.py). Both must give every line the same
 outcome, except where the JVM one is exact and this one is not (docs/recovery.md, "Decimals"): a JSON number with
-an exponent or more than 38 digits is read here through a double.
+an exponent or more than 38 digits is read here through a double. Integer fields (BIGINT, whole digits only) and
+boolean fields (JSON true/false) are judged here too; an integer's JSON number is only seen through VARIANT, which
+keeps a fraction without its trailing zeros (12.0 as DECIMAL(2,0)), so a fraction of zeros beyond BIGINT
+(9223372036854775808.0) reads here as whole. A bound other than 0 is compared at 22 decimals.
 
 Spark's JSON reader coerces types silently (a number read into a string column, a string into a
 number), so lines are parsed to VARIANT instead: `schema_of_variant` tells the JSON type of every
@@ -16,6 +19,7 @@ and, decided later against bronze, conflicting_duplicate.
 from __future__ import annotations
 
 from datetime import datetime, timedelta, timezone
+from decimal import Decimal
 
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
@@ -35,6 +39,12 @@ END_OF_LINE = "statetables:end-of-line"
 # ISO-8601 date-time with an explicit offset or Z; Spark's cast alone also accepts local times.
 ISO_TIMESTAMP = r"^[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}(:[0-9]{2}(\.[0-9]{1,6})?)?(Z|[+-][0-9]{2}:?[0-9]{2})\z"
 MAX_VALUE = "9999999999999999.99"
+# What each numeric kind stores where a field declares no bound: DECIMAL(18,2), BIGINT.
+STORED_RANGE = {"decimal": (f"-{MAX_VALUE}", MAX_VALUE), "integer": (str(-2**63), str(2**63 - 1))}
+INTEGER_JSON_TYPES = ("BIGINT", "INT", "SMALLINT", "TINYINT")
+# A numeric string as a number field reads it: at least one digit, in the whole part or the fraction.
+A_NUMBER = r"^[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?\z"
+WHOLE_NUMBER = r"^[+-]?[0-9]+\z"
 
 
 def trimmed(text: Column) -> Column:
@@ -99,6 +109,19 @@ def _field_stages(rule: FieldRule, col) -> list[dict[str, Column]]:
     if rule.kind == "decimal":
         stages.append({"_text": trimmed(col("_as_string"))})
         stages.extend(_decimal_text_facts(col))
+        if _compared_exactly(rule):
+            stages.append({"_exact": F.when(col("_is_zero"), F.lit(0)).otherwise(
+                col("_text").try_cast("decimal(38,22)"))})
+    elif rule.kind == "integer":
+        stages.append({"_text": trimmed(col("_as_string"))})
+        json_type, text = col("_json_type"), col("_text")
+        # VARIANT keeps an integer literal as BIGINT where it fits, as DECIMAL(p,0) beyond; a fraction as DECIMAL
+        # with its trailing zeros dropped (12.0: DECIMAL(2,0) holding 12), an exponent as DOUBLE.
+        whole_json_number = json_type.isin(*INTEGER_JSON_TYPES) | (
+            json_type.startswith("DECIMAL(") & json_type.endswith(",0)") & text.try_cast("bigint").isNull())
+        stages.append({"_is_number": text.rlike(A_NUMBER),
+                       "_whole": F.when(json_type == "STRING", text.rlike(WHOLE_NUMBER)).otherwise(whole_json_number)})
+        stages.append({"_value": F.when(col("_whole"), text.try_cast("bigint"))})
     elif rule.kind == "timestamp":
         with_seconds = F.regexp_replace(col("_as_string"), r"^([0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2})(Z|[+-])",
                                         "$1:00$2")
@@ -106,6 +129,32 @@ def _field_stages(rule: FieldRule, col) -> list[dict[str, Column]]:
     elif rule.trim:
         stages.append({"_trimmed": trimmed(col("_as_string"))})
     return stages
+
+
+def _compared_exactly(rule: FieldRule) -> bool:
+    """Whether a decimal field has a bound its sign alone cannot decide (an upper one, or a lower one other than 0)."""
+    return rule.max_value is not None or (rule.min_value is not None and Decimal(rule.min_value) != 0)
+
+
+def _range_text(rule: FieldRule) -> str:
+    floor, ceiling = STORED_RANGE[rule.kind]
+    lower = (f"{'>=' if rule.min_inclusive else '>'} {rule.min_value}" if rule.min_value is not None
+             else f"at least {floor}")
+    upper = (f"{'<=' if rule.max_inclusive else '<'} {rule.max_value}" if rule.max_value is not None
+             else f"at most {ceiling}")
+    return f"{rule.name} must be {lower} and {upper}"
+
+
+def _beyond_bounds(rule: FieldRule, value: Column) -> Column:
+    """`value` below the declared min or above the declared max (False where none is declared)."""
+    beyond = F.lit(False)
+    if rule.min_value is not None:
+        low = F.lit(Decimal(rule.min_value))
+        beyond = beyond | (value < low if rule.min_inclusive else value <= low)
+    if rule.max_value is not None:
+        high = F.lit(Decimal(rule.max_value))
+        beyond = beyond | (value > high if rule.max_inclusive else value >= high)
+    return F.coalesce(beyond, F.lit(False))  # no exact value (not a number, too big): other checks decide
 
 
 def _prefixed(rule: FieldRule, name: str) -> str:
@@ -155,16 +204,38 @@ def _field_checks(col, rule: FieldRule, ingested_at: Column,
         checks.append((present & is_string & (text == ""), "empty_field", F.lit(f"{rule.name} is empty")))
         checks.append((present & is_string & ~is_number, "wrong_type",
                        F.lit(f"{rule.name} is a string that is not a number")))
-        below = negative if rule.min_inclusive else (negative | is_zero)
-        bound = ">=" if rule.min_inclusive else ">"
-        checks.append((present & (~is_number | below | too_big), "out_of_range",
-                       F.lit(f"{rule.name} must be {bound} {rule.min_value} and at most 9999999999999999.99")))
+        if _compared_exactly(rule):
+            beyond = _beyond_bounds(rule, col("_exact"))
+        elif rule.min_value is not None:  # a lower bound of 0: decided on the sign
+            beyond = negative if rule.min_inclusive else (negative | is_zero)
+        else:
+            beyond = F.lit(False)
+        checks.append((present & (~is_number | beyond | too_big), "out_of_range", F.lit(_range_text(rule))))
         checks.append((present & too_precise, "too_many_decimals",
                        F.lit(f"{rule.name} has more than {MAX_DECIMALS} decimals")))
-        valid = is_number & ~below & ~too_big & ~too_precise
+        valid = is_number & ~beyond & ~too_big & ~too_precise
         # A zero with an enormous exponent ("0e999999999999") is 0, which no cast would say.
         return checks, F.when(present & valid, F.when(is_zero, F.lit(0).cast(VALUE_TYPE))
                               .otherwise(text.try_cast(VALUE_TYPE)))
+
+    if rule.kind == "integer":
+        is_string = json_type == "STRING"
+        numeric_type = json_type.isin(*NUMERIC_JSON_TYPES) | json_type.startswith("DECIMAL")
+        value = col("_value")
+        checks.append((present & ~numeric_type & ~is_string, "wrong_type",
+                       F.concat(F.lit(f"{rule.name} must be a JSON number or numeric string, got "), json_type)))
+        checks.append((present & is_string & (col("_text") == ""), "empty_field", F.lit(f"{rule.name} is empty")))
+        checks.append((present & is_string & ~col("_is_number"), "wrong_type",
+                       F.lit(f"{rule.name} is a string that is not a number")))
+        checks.append((present & ~col("_whole"), "too_many_decimals", F.lit(f"{rule.name} must be a whole number")))
+        out_of_range = value.isNull() | _beyond_bounds(rule, value)
+        checks.append((present & out_of_range, "out_of_range", F.lit(_range_text(rule))))
+        return checks, F.when(present & ~out_of_range, value)
+
+    if rule.kind == "boolean":
+        checks.append((present & (json_type != "BOOLEAN"), "wrong_type",
+                       F.concat(F.lit(f"{rule.name} must be a JSON boolean (true or false), got "), json_type)))
+        return checks, F.when(present & (json_type == "BOOLEAN"), F.variant_get(col("_v"), "$", "boolean"))
 
     # timestamp; ISO-8601 allows leaving out the seconds, Spark's cast does not: they were added.
     parsed = col("_parsed")

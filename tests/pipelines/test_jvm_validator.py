@@ -6,20 +6,27 @@ every field drawn around its boundaries, lines broken at the byte level, any JSO
 record id, raw line, typed values, content hash. The one exception is where the JVM validator is exact and the
 reference was not: a JSON number with an exponent or more than 38 digits, which the reference read through a
 double. There the JVM validator must give the exact reading (tests/contract_oracle.py), and the test counts them.
+Integer and boolean fields and upper bounds, which no product stream has yet, are judged on a test stream, edge by
+edge, against both the reference and a table of expected verdicts written out by hand.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pyspark.sql import functions as F
 
+from pipelines.errors import ConfigurationError
+from pipelines.streams import FieldRule
+from pipelines.validate import line_rules
 from pipelines.session import JARS_ENV, delta_jars
 from tests.streams import MOVIE_TICKET_SALES, PAYMENTS
 from pipelines.validate import validate_lines
@@ -101,3 +108,116 @@ def test_an_engine_without_the_projects_jar_fails_naming_the_fix(tmp_path):
     assert done.returncode != 0
     assert "ConfigurationError" in done.stderr and "statetables.jvm.ValidateLine" in done.stderr
     assert "Fix: run `make jars`" in done.stderr
+
+
+# A stream with every field kind and bound, built from PAYMENTS so that only what validation reads is spelled out.
+ORDERS = dataclasses.replace(PAYMENTS, name="orders_test", id_field="order_id", event_time_field="ordered_at", fields=(
+    FieldRule("order_id", "string"),
+    FieldRule("quantity", "integer", min_value="1", max_value="100"),
+    FieldRule("amount", "decimal", min_value="0", min_inclusive=False, max_value="500", max_inclusive=False),
+    FieldRule("gift", "boolean"),
+    FieldRule("ordered_at", "timestamp"),
+    FieldRule("loyalty_points", "integer", required=False),
+))
+ORDER = {"order_id": '"o1"', "quantity": "5", "amount": "12.50", "gift": "true", "ordered_at": '"2026-11-22T11:00:00Z"'}
+ABSENT = None  # the field left out of the line
+QUANTITY_RANGE = "quantity must be >= 1 and <= 100"
+AMOUNT_RANGE = "amount must be > 0 and < 500"
+POINTS_RANGE = "loyalty_points must be at least -9223372036854775808 and at most 9223372036854775807"
+WHOLE = "quantity must be a whole number"
+NOT_A_GIFT = "gift must be a JSON boolean (true or false), got "
+# (field, its JSON text in an otherwise valid order, reason, detail, the field's typed value as text), by hand.
+ORDER_EDGES = [
+    ("quantity", "1", None, None, "1"),
+    ("quantity", "100", None, None, "100"),
+    ("quantity", "0", "out_of_range", QUANTITY_RANGE, None),
+    ("quantity", "101", "out_of_range", QUANTITY_RANGE, None),
+    ("quantity", "-0", "out_of_range", QUANTITY_RANGE, None),
+    ("quantity", "9223372036854775807", "out_of_range", QUANTITY_RANGE, None),
+    ("quantity", "9223372036854775808", "out_of_range", QUANTITY_RANGE, None),
+    ("quantity", '"12"', None, None, "12"),
+    ("quantity", '" 12\\t"', None, None, "12"),
+    ("quantity", '"+12"', None, None, "12"),
+    ("quantity", '"012"', None, None, "12"),
+    ("quantity", "12.5", "too_many_decimals", WHOLE, None),
+    ("quantity", "12.0", "too_many_decimals", WHOLE, None),
+    ("quantity", "1e3", "too_many_decimals", WHOLE, None),
+    ("quantity", "1E1", "too_many_decimals", WHOLE, None),
+    ("quantity", "500.5", "too_many_decimals", WHOLE, None),  # whole first, then the range
+    ("quantity", '"12.5"', "too_many_decimals", WHOLE, None),
+    ("quantity", '"12a"', "wrong_type", "quantity is a string that is not a number", None),
+    ("quantity", '" "', "empty_field", "quantity is empty", None),
+    ("quantity", "true", "wrong_type", "quantity must be a JSON number or numeric string, got BOOLEAN", None),
+    ("quantity", "[1]", "wrong_type", "quantity must be a JSON number or numeric string, got ARRAY<BIGINT>", None),
+    ("quantity", "null", "missing_field", "quantity is required", None),
+    ("quantity", ABSENT, "missing_field", "quantity is required", None),
+    ("loyalty_points", "9223372036854775807", None, None, "9223372036854775807"),
+    ("loyalty_points", "-9223372036854775808", None, None, "-9223372036854775808"),
+    ("loyalty_points", "9223372036854775808", "out_of_range", POINTS_RANGE, None),
+    ("loyalty_points", "-9223372036854775809", "out_of_range", POINTS_RANGE, None),
+    ("loyalty_points", '"9223372036854775808"', "out_of_range", POINTS_RANGE, None),
+    ("loyalty_points", "-0", None, None, "0"),
+    ("loyalty_points", "null", None, None, None),
+    ("loyalty_points", ABSENT, None, None, None),
+    ("loyalty_points", "1.5", "too_many_decimals", "loyalty_points must be a whole number", None),
+    ("amount", "0.01", None, None, "0.01"),
+    ("amount", "499.99", None, None, "499.99"),
+    ("amount", "0", "out_of_range", AMOUNT_RANGE, None),
+    ("amount", "500", "out_of_range", AMOUNT_RANGE, None),
+    ("amount", "500.00", "out_of_range", AMOUNT_RANGE, None),
+    ("amount", '"500"', "out_of_range", AMOUNT_RANGE, None),
+    ("amount", "5e2", "out_of_range", AMOUNT_RANGE, None),
+    ("amount", "500.001", "out_of_range", AMOUNT_RANGE, None),  # for decimals, the range first
+    ("amount", "499.999", "too_many_decimals", "amount has more than 2 decimals", None),
+    ("gift", "true", None, None, "true"),
+    ("gift", "false", None, None, "false"),
+    ("gift", '"true"', "wrong_type", NOT_A_GIFT + "STRING", None),
+    ("gift", "1", "wrong_type", NOT_A_GIFT + "BIGINT", None),
+    ("gift", "{}", "wrong_type", NOT_A_GIFT + "OBJECT<>", None),
+    ("gift", "null", "missing_field", "gift is required", None),
+    ("gift", ABSENT, "missing_field", "gift is required", None),
+]
+
+
+def _order(field: str, text: str | None) -> bytes:
+    members = {**ORDER, field: text}
+    return ("{" + ",".join(f'"{k}":{v}' for k, v in members.items() if v is not ABSENT) + "}").encode()
+
+
+def test_integer_boolean_and_upper_bounds_edge_by_edge(spark):
+    """Each edge in an otherwise valid order: the expected verdict, and the reference's on every column; then the
+    same lines broken at the byte level, against the reference."""
+    lines = [_order(field, text) for field, text, *_ in ORDER_EDGES]
+    jvm = _judged(spark, validate_lines, ORDERS, lines)
+    reference = _judged(spark, reference_validate_lines, ORDERS, lines)
+    wrong = []
+    for (field, text, reason, detail, value), raw, mine, theirs in zip(ORDER_EDGES, lines, jvm, reference):
+        expected = (reason, field if reason else None, detail, value)
+        got = (mine["reason"], mine["reason_field"], mine["detail"], mine[field])
+        if got != expected or mine != theirs:
+            wrong.append(f"{raw!r}\n    expected {expected}, got {got}\n    reference {theirs}")
+    assert not wrong, f"{len(wrong)} of {len(lines)} edges:\n" + "\n".join(wrong)
+    # Content identity reads the typed values: the same number however written, a boolean's value, null = absent.
+    hashes = {(field, text): row["content_hash"] for (field, text, *_), row in zip(ORDER_EDGES, jvm)}
+    assert hashes["quantity", '"12"'] == hashes["quantity", '" 12\\t"'] == hashes["quantity", '"+12"']
+    assert hashes["loyalty_points", "null"] == hashes["loyalty_points", ABSENT] != hashes["loyalty_points", "-0"]
+    assert hashes["gift", "true"] != hashes["gift", "false"]
+
+    rng = random.Random(11)
+    broken = [mutate(rng, line) for line in lines for _ in range(4)]
+    differ = [f"{raw!r}\n    jvm {mine}\n    reference {theirs}" for raw, mine, theirs in
+              zip(broken, _judged(spark, validate_lines, ORDERS, broken),
+                  _judged(spark, reference_validate_lines, ORDERS, broken)) if mine != theirs]
+    assert not differ, f"{len(differ)} of {len(broken)} broken lines differ:\n" + "\n".join(differ[:20])
+
+
+@pytest.mark.parametrize("rule", [
+    FieldRule("n", "integer", max_value="9223372036854775808"),  # beyond BIGINT: the detail would name it
+    FieldRule("n", "decimal", max_value="1e3"),  # not plain decimal text
+    FieldRule("n", "decimal", min_value="5", max_value="4"),  # no value could pass
+    FieldRule("n", "boolean", min_value="0"),  # a bound that nothing would check
+])
+def test_a_bound_the_validator_cannot_keep_as_declared_is_refused(rule):
+    spec = dataclasses.replace(ORDERS, fields=(FieldRule("order_id", "string"), rule))
+    with pytest.raises(ConfigurationError, match="Fix: correct its FieldRule"):
+        line_rules(spec)

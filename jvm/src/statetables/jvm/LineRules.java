@@ -15,7 +15,7 @@ import java.util.Map;
  * stream; the texts are made in Python, so they have one home.
  */
 final class LineRules {
-    enum Kind { STRING, DECIMAL, TIMESTAMP }
+    enum Kind { STRING, DECIMAL, TIMESTAMP, INTEGER, BOOLEAN }
 
     static final class Field {
         final String name;
@@ -23,8 +23,10 @@ final class LineRules {
         final boolean required;
         final boolean trim;
         final int maxLength;  // 0: no limit
-        final BigDecimal min;  // decimals: lower bound, or null
+        final BigDecimal min;  // decimals and integers: lower bound, or null
         final boolean minInclusive;
+        final BigDecimal max;  // decimals and integers: upper bound, or null (then only the stored type's own)
+        final boolean maxInclusive;
         final int slot;  // index into the result's array of this kind
         final int position;  // index among the stream's fields
         final Map<String, String> details = new HashMap<>();  // reason -> detail (a wrong_type's is a prefix)
@@ -37,6 +39,8 @@ final class LineRules {
             maxLength = node.path("max_length").asInt(0);
             min = node.hasNonNull("min") ? new BigDecimal(node.get("min").asText()) : null;
             minInclusive = node.path("min_inclusive").asBoolean(true);
+            max = node.hasNonNull("max") ? new BigDecimal(node.get("max").asText()) : null;
+            maxInclusive = node.path("max_inclusive").asBoolean(true);
             this.slot = slot;
             this.position = position;
             node.get("details").properties().forEach(e -> details.put(e.getKey(), e.getValue().asText()));
@@ -50,6 +54,8 @@ final class LineRules {
     final int strings;
     final int decimals;
     final int timestamps;
+    final int integers;
+    final int booleans;
 
     private LineRules(String json) {
         JsonNode root;
@@ -70,6 +76,8 @@ final class LineRules {
         strings = counts[Kind.STRING.ordinal()];
         decimals = counts[Kind.DECIMAL.ordinal()];
         timestamps = counts[Kind.TIMESTAMP.ordinal()];
+        integers = counts[Kind.INTEGER.ordinal()];
+        booleans = counts[Kind.BOOLEAN.ordinal()];
         root.get("line_details").properties().forEach(e -> lineDetails.put(e.getKey(), e.getValue().asText()));
     }
 

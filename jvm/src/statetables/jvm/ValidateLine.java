@@ -16,8 +16,8 @@ import java.nio.charset.StandardCharsets;
 /**
  * `statetables_validate(raw_bytes, rules_json, latest_event_micros)`: one landing line, judged in one pass, by the
  * stream's rules (LineRules). The result is the line's first failing rule (reason, field, detail) in the order the
- * contract lists them, or its typed values: strings, DECIMAL(18,2) values and event times (micros) in the order of
- * their fields, each in the array of its kind.
+ * contract lists them, or its typed values: strings, DECIMAL(18,2) values, event times (micros), BIGINT values and
+ * booleans in the order of their fields, each in the array of its kind.
  *
  * <p>Guarantees: it never throws on any input (a throw would stop the stream on every run); UTF-8 is checked as
  * Spark's is_valid_utf8 checks it; a document is one JSON value as Spark's parse_json reads it (Jackson's defaults,
@@ -35,6 +35,8 @@ public final class ValidateLine implements UDF3<byte[], String, Long, Row> {
                     .maxNestingDepth(StreamReadConstraints.DEFAULT_MAX_DEPTH - 1).build())
             .build();
     private static final long EPOCH = 0L;
+    private static final BigDecimal BIGINT_MIN = BigDecimal.valueOf(Long.MIN_VALUE);
+    private static final BigDecimal BIGINT_MAX = BigDecimal.valueOf(Long.MAX_VALUE);
     private static final char[] TRIMMED = {' ', '\t', '\n', '\r'};
 
     @Override
@@ -63,6 +65,8 @@ public final class ValidateLine implements UDF3<byte[], String, Long, Row> {
         Object[] strings = new Object[rules.strings];
         Object[] decimals = new Object[rules.decimals];
         Object[] timestamps = new Object[rules.timestamps];
+        Object[] integers = new Object[rules.integers];
+        Object[] booleans = new Object[rules.booleans];
         DecimalText number = new DecimalText();
         for (LineRules.Field f : rules.fields) {
             JsonToken token = values.tokens[f.position];
@@ -87,7 +91,8 @@ public final class ValidateLine implements UDF3<byte[], String, Long, Row> {
                     strings[f.slot] = kept;
                     break;
                 }
-                case DECIMAL: {
+                case DECIMAL:
+                case INTEGER: {  // the same JSON types and numeric strings; an integer's digits are plain
                     boolean isNumeric = token == JsonToken.VALUE_NUMBER_INT || token == JsonToken.VALUE_NUMBER_FLOAT;
                     if (!isNumeric && !isString) return wrongType(f, recordId, idNeedsVariant);
                     String digits = isString ? trim(value) : value;
@@ -96,13 +101,33 @@ public final class ValidateLine implements UDF3<byte[], String, Long, Row> {
                     number.read(digits);
                     if (isString && !number.isNumber) return verdict("wrong_type", f.name,
                             f.details.get("not_a_number"), null, recordId, idNeedsVariant);
-                    if (!number.isNumber || number.below(f.min, f.minInclusive) || number.tooBig) {
+                    if (f.kind == LineRules.Kind.INTEGER) {
+                        // Whole first: "12.0" or "1e3" is refused as written, so a range is only read from digits.
+                        if (!number.plainInteger) return verdict("too_many_decimals", f.name,
+                                f.details.get("too_many_decimals"), null, recordId, idNeedsVariant);
+                        if (number.below(BIGINT_MIN, true) || number.above(BIGINT_MAX, true)
+                                || number.below(f.min, f.minInclusive) || number.above(f.max, f.maxInclusive)) {
+                            return verdict("out_of_range", f.name, f.details.get("out_of_range"), null, recordId,
+                                    idNeedsVariant);
+                        }
+                        integers[f.slot] = number.longValue();
+                        break;
+                    }
+                    if (!number.isNumber || number.tooBig || number.below(f.min, f.minInclusive)
+                            || number.above(f.max, f.maxInclusive)) {
                         return verdict("out_of_range", f.name, f.details.get("out_of_range"), null, recordId,
                                 idNeedsVariant);
                     }
                     if (number.tooPrecise) return verdict("too_many_decimals", f.name,
                             f.details.get("too_many_decimals"), null, recordId, idNeedsVariant);
                     decimals[f.slot] = number.value();
+                    break;
+                }
+                case BOOLEAN: {  // JSON's true and false only: "true" or 1 is a producer's mistake to show
+                    if (token != JsonToken.VALUE_TRUE && token != JsonToken.VALUE_FALSE) {
+                        return wrongType(f, recordId, idNeedsVariant);
+                    }
+                    booleans[f.slot] = token == JsonToken.VALUE_TRUE;
                     break;
                 }
                 default: {  // TIMESTAMP
@@ -116,7 +141,8 @@ public final class ValidateLine implements UDF3<byte[], String, Long, Row> {
                 }
             }
         }
-        return RowFactory.create(null, null, null, null, recordId, idNeedsVariant, strings, decimals, timestamps);
+        return RowFactory.create(null, null, null, null, recordId, idNeedsVariant, strings, decimals, timestamps,
+                integers, booleans);
     }
 
     private static Row wrongType(LineRules.Field f, String recordId, boolean idNeedsVariant) {
@@ -125,7 +151,8 @@ public final class ValidateLine implements UDF3<byte[], String, Long, Row> {
 
     private static Row verdict(String reason, String field, String detail, String typeOf, String recordId,
                                boolean idNeedsVariant) {
-        return RowFactory.create(reason, field, detail, typeOf, recordId, idNeedsVariant, null, null, null);
+        return RowFactory.create(reason, field, detail, typeOf, recordId, idNeedsVariant, null, null, null, null,
+                null);
     }
 
     /** Removes JSON's own whitespace at both ends (Spark's trim(s, ' \t\n\r')). */
