@@ -27,7 +27,7 @@ from assets.keys import (
     CONTINUOUS_JOB, CONTINUOUS_TAG, bronze_key, changelog_key, quarantine_key, state_key,
 )
 from assets.metadata import event_time_metadata
-from assets.streams import StreamConfig
+from assets.streams import StreamConfig, current_declaration
 from pipelines import table_checks
 from pipelines.changelog import changelog_name
 from pipelines.continuous import ContinuousStep, create_tables, run_steps_continuously
@@ -91,6 +91,7 @@ def continuous_steps(spark: SparkSessionResource, layout: StorageLayout, config:
     that creates it. Made elsewhere, the step's kept frames would be looked up in another session and not found."""
     steps = []
     for spec in streams().values():
+        spec = current_declaration(spec)
         settings = replace(config.streams.settings(), event_time=spec.name in config.event_time_kept())
         steps.append(ContinuousStep(spec.name, lambda c, spec=spec, settings=settings: advance_stream(
             spark.session_of_its_own(), layout, spec, settings, continuous=c)))

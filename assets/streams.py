@@ -30,7 +30,8 @@ from pipelines.state import folded_through
 from pipelines.stream_query import StreamSettings, advance_stream
 from pipelines.table_checks import quarantine_reasons, state_totals
 from pipelines.streaming import StreamRunResult, commits_since
-from pipelines.streams import StateTableSpec, StreamSpec
+from pipelines.errors import ConfigurationError
+from pipelines.streams import StateTableSpec, StreamSpec, stream_spec
 from resources import CheckPolicyResource, SparkSessionResource, StorageResource
 
 class StreamConfig(dg.Config):
@@ -43,6 +44,19 @@ class StreamConfig(dg.Config):
 
     def settings(self) -> StreamSettings:
         return StreamSettings(max_files_per_trigger=self.max_files_per_trigger, lock_timeout_s=self.lock_timeout_s)
+
+
+def current_declaration(loaded: StreamSpec) -> StreamSpec:
+    """The stream as the project file declares it now: a setting changed there (a TTL, a horizon) applies to the
+    next run without a reload. Its tables are assets, though: a table added or removed needs the code location
+    reloaded first."""
+    current = stream_spec(loaded.name)
+    if [t.name for t in current.state_tables] != [t.name for t in loaded.state_tables]:
+        raise ConfigurationError(
+            f"The project file now declares the state tables {[t.name for t in current.state_tables]} for "
+            f"{loaded.name}, this code location {[t.name for t in loaded.state_tables]}. Fix: reload the code "
+            f"location (Dagster UI: Deployment, Reload; `statetables dev` restarted), then run again.")
+    return current
 
 
 def _versions(result: StreamRunResult, name: str) -> dict:
@@ -92,7 +106,8 @@ def build_stream_assets(spec: StreamSpec, keeps_event_time: bool = True) -> list
     def stream(context: dg.AssetExecutionContext, config: StreamConfig, spark: SparkSessionResource,
                storage: StorageResource, check_policy: CheckPolicyResource):
         session, layout = spark.spark_session, storage.layout()
-        result = advance_stream(session, layout, spec, replace(config.settings(), event_time=event_time is not None))
+        result = advance_stream(session, layout, current_declaration(spec),
+                                replace(config.settings(), event_time=event_time is not None))
         bronze_commits = result.commits[spec.bronze_table]
         counts = {k: sum(c["user"].get(k, 0) for c in bronze_commits)
                   for k in ("files", "lines", "accepted", "quarantined", "duplicates", "already_ingested",

@@ -33,10 +33,10 @@ from pipelines.streaming import create_table_if_missing, history_rows, kept_on_d
 from pipelines.streams import StreamSpec
 from pipelines.validate import content_identity, validate_lines
 
-DEFAULT_DEDUP_HORIZON = timedelta(days=7)
 DEFAULT_MAX_FILES_PER_TRIGGER = 100
-_SPARK_TYPES = {"string": StringType(), "decimal": DecimalType(18, 2), "timestamp": TimestampType(),
-                "integer": LongType(), "boolean": BooleanType()}
+# What a field of each kind is kept as (bronze, and the state tables' keys and MIN/MAX columns).
+FIELD_TYPES = {"string": StringType(), "decimal": DecimalType(18, 2), "timestamp": TimestampType(),
+               "integer": LongType(), "boolean": BooleanType()}
 
 QUARANTINE_SCHEMA = StructType([
     StructField("raw_line", StringType()),  # the line as text (invalid UTF-8 bytes replaced)
@@ -54,7 +54,7 @@ QUARANTINE_SCHEMA = StructType([
 
 def bronze_schema(spec: StreamSpec) -> StructType:
     return StructType(
-        [StructField(rule.name, _SPARK_TYPES[rule.kind], nullable=not rule.required) for rule in spec.fields]
+        [StructField(rule.name, FIELD_TYPES[rule.kind], nullable=not rule.required) for rule in spec.fields]
         + [
             StructField("content_hash", StringType()),
             StructField("source_file", StringType()),

@@ -22,6 +22,7 @@ from pyspark.sql.types import (
 
 from pipelines import delta_sql
 from pipelines.delta_sql import ident
+from pipelines.bronze import FIELD_TYPES
 from pipelines.layout import StorageLayout
 from pipelines.checkpoints import new_app_id
 from pipelines.errors import ConfigurationError, DefinitionChangedError
@@ -38,8 +39,6 @@ from pipelines.streams import Aggregate, StateTableSpec, StreamSpec
 
 TOTAL_TYPE = DecimalType(28, 2)  # what Spark's SUM of DECIMAL(18,2) yields
 AVERAGE_TYPE = DecimalType(22, 6)  # ... and its AVG
-FIELD_TYPES = {"string": StringType(), "decimal": DecimalType(18, 2), "timestamp": TimestampType(),
-               "integer": LongType(), "boolean": BooleanType()}
 
 
 def _avg_sum(a: Aggregate) -> str:

@@ -49,7 +49,7 @@ from pipelines.event_time import LATE
 from pipelines.sessions import ACTIVITY, DEFAULT_STATE_TTL, SESSION_GAP
 from pipelines.changelog import changelog_name
 from pipelines.expiry import EXPIRED
-from tests.streams import MOVIE_TICKET_SALES, STREAMS
+from tests.streams import MOVIE_TICKET_SALES, STREAMS, project_with_ttl
 from pipelines.windows import HOURLY, TOP, TOP_N
 from tests.contract_oracle import expected_sessions, expected_state, expected_windows, landing_files
 
@@ -106,14 +106,19 @@ def _env(layout: StorageLayout, fault_dir: Path) -> dict[str, str]:
     return env
 
 
+def _project(layout: StorageLayout, ttl_days: dict[str, float]) -> list[str]:
+    """`--project FILE`: the shipped project file with the runs' TTLs (settings live in the project file)."""
+    path = project_with_ttl(ttl_days, layout.home.parent / "statetables.yaml")
+    return ["--project", str(path)]
+
+
 def _run_pipeline(layout: StorageLayout, fault_dir: Path, log: Path, kill_after: float | None,
                   job: str = "advance_all", ttl_days: dict[str, float] | None = None) -> tuple[int, float]:
     """One `statetables run` in a new process group; SIGKILL the group after `kill_after` s if given."""
     started = time.monotonic()
-    ttl = [arg for name, days in (ttl_days or {}).items() for arg in ("--ttl-days", f"{name}={days}")]
+    ttl = _project(layout, ttl_days or {})
     with open(log, "ab") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "statetables.cli", "run", "--job", job, "--log-level", "WARNING",
-                                 *ttl],
+        proc = subprocess.Popen([sys.executable, "-m", "statetables.cli", *ttl, "run", "--job", job, "--log-level", "WARNING"],
                                 env=_env(layout, fault_dir), stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         try:
@@ -131,10 +136,10 @@ def _run_continuous(layout: StorageLayout, fault_dir: Path, log: Path, rng: rand
     (after a random part of `kill_after`), and the process group is killed after `kill_after` s unless an
     armed fault point kills it first."""
     started = time.monotonic()
-    ttl = [arg for name, days in ttl_days.items() for arg in ("--ttl-days", f"{name}={days}")]
+    ttl = _project(layout, ttl_days)
     with open(log, "ab") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "statetables.cli", "run", "--job", "run_continuously",
-                                 "--log-level", "WARNING", *ttl],
+        proc = subprocess.Popen([sys.executable, "-m", "statetables.cli", *ttl, "run", "--job", "run_continuously",
+                                 "--log-level", "WARNING"],
                                 env=_env(layout, fault_dir), stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         try:
@@ -163,11 +168,11 @@ def _run_through_engine(layout: StorageLayout, fault_dir: Path, log: Path, port:
     SIGKILL after `kill_after` s, or by an armed fault point in its foreachBatch (which kills its whole process
     group: the server's). Returns the client's exit code, the seconds and whether the server died."""
     started = time.monotonic()
-    ttl = [arg for name, days in ttl_days.items() for arg in ("--ttl-days", f"{name}={days}")]
+    ttl = _project(layout, ttl_days)
     server = engine_pid(port)
     with open(log, "ab") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "statetables.cli", "run", "--job", job, "--log-level", "WARNING",
-                                 "--remote", f"sc://127.0.0.1:{port}", *ttl],
+        proc = subprocess.Popen([sys.executable, "-m", "statetables.cli", *ttl, "run", "--job", job, "--log-level", "WARNING",
+                                 "--remote", f"sc://127.0.0.1:{port}"],
                                 env=_env(layout, fault_dir), stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         try:

@@ -43,3 +43,20 @@ def advance(spark, layout: StorageLayout, spec: StreamSpec, *, dedup_horizon=Non
     spec = declared(spec, dedup_horizon=dedup_horizon, max_ahead=max_ahead, ttl=ttl,
                     watermark_delay=watermark_delay, sessions=sessions)
     return advance_stream(spark, layout, spec, StreamSettings(**settings))
+
+
+def project_with_ttl(ttl_days: dict[str, float], path) -> "Path":
+    """The shipped project file with `ttl_days` on the named state tables, written to `path`."""
+    out, current = [], None
+    for line in SHIPPED.read_text().splitlines():
+        if line.startswith("  - CREATE TABLE "):
+            name = line.split()[3]
+            current = name if name in ttl_days else None
+            if current:
+                out += [f"  - ttl_days: {ttl_days[name]}", "    sql: " + line[4:]]
+                continue
+        elif not line.startswith("    "):
+            current = None
+        out.append(("  " + line) if current else line)
+    path.write_text("\n".join(out) + "\n")
+    return path

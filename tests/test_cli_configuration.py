@@ -50,13 +50,23 @@ def test_a_storage_root_spark_cannot_address_is_refused(tmp_path, name):
     assert not (tmp_path / name).exists()
 
 
-@pytest.mark.parametrize("ttl, message", [("payments=30", "ttl_days names no state table: payments"),
-                                          ("payments_per_customer=soon", "is not TABLE=DAYS"),
-                                          ("payments_per_customer=-1", "positive number of days")])
-def test_a_bad_ttl_is_refused_before_anything_is_created(tmp_path, ttl, message):
+@pytest.mark.parametrize("item, message", [
+    ("  - ttl_days: 0\n    sql: CREATE TABLE t AS SELECT customer_id, COUNT(*) AS n FROM payments GROUP BY customer_id",
+     "ttl_days is 0"),
+    ("  - CREATE TABLE t AS SELECT customer_id, amount AS n FROM payments GROUP BY customer_id",
+     "`amount` is neither grouped nor aggregated"),
+    ("  - CREATE TABLE t AS SELECT customer_id, COUNT(*) AS n FROM refunds GROUP BY customer_id", "no such stream"),
+])
+def test_a_bad_project_file_is_refused_before_anything_is_created(tmp_path, item, message):
+    from pipelines.project import SHIPPED
+
+    project = tmp_path / "statetables.yaml"
+    project.write_text(SHIPPED.read_text() + item + "\n")
+    line = len(SHIPPED.read_text().splitlines()) + 1
     home = tmp_path / "home"
-    done = _statetables(home, "run", "--ttl-days", ttl)
+    done = _statetables(home, "--project", str(project), "run")
     assert done.returncode == 2 and message in done.stderr and "Fix:" in done.stderr, done.stderr
+    assert f"statetables.yaml:{line}:" in done.stderr
     assert "Traceback" not in done.stderr + done.stdout
     assert not home.exists()
 

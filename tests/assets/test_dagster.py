@@ -32,9 +32,10 @@ from pipelines.layout import StorageLayout
 from pipelines.session import delta_jars, engine_address, require_java, wait_for_engine
 from pipelines.stream_query import EVENT_TIME_ENV, event_time_streams, event_time_tables
 from pipelines.streaming import Continuous
-from tests.streams import PAYMENTS
+from tests.streams import project_with_ttl, PAYMENTS
 from pipelines.streams import stream_spec
-from resources import CheckPolicyResource, SparkSessionResource, StatePolicyResource, StorageResource
+from pipelines.project import PROJECT_ENV
+from resources import CheckPolicyResource, SparkSessionResource, StorageResource
 from resources.spark import ENGINE_TAG
 from statetables.definitions import defs
 from statetables.servers import free_port
@@ -71,8 +72,9 @@ def _config_fields(config_type, path: str):
 
 
 def test_the_launchpad_documents_every_config_field_with_a_default():
-    """What a person sees in the launchpad: every field of the assets', ops' and resources' config (watermark,
-    dedup horizon, TTL, engine, ...) has a description and a default, so a run can be changed there."""
+    """What a person sees in the launchpad: every field of the assets', ops' and resources' config (batch size,
+    lock timeout, engine, ...) has a description and a default, so a run can be changed there. What decides the
+    rows (watermarks, dedup horizon, TTL) is not among them: it is in the project file, for every run."""
     seen = {}
     for job in defs.resolve_all_job_defs():
         schema = job.run_config_schema.config_type
@@ -83,15 +85,16 @@ def test_the_launchpad_documents_every_config_field_with_a_default():
                 config = getattr(field.config_type, "fields", {}).get("config")
                 for path, leaf in _config_fields(config.config_type if config else None, f"{section}.{owner}"):
                     seen[path] = leaf
-    assert {"ops.movie_ticket_sales.watermark_delay_minutes", "ops.payments.dedup_horizon_days",
-            "resources.state_policy.ttl_days", "resources.spark.remote",
+    assert {"ops.movie_ticket_sales.max_files_per_trigger", "ops.payments.lock_timeout_s", "resources.spark.remote",
             "ops.keep_streams_running.trigger_seconds"} <= set(seen)
+    assert not [path for path in seen if any(word in path for word in ("ttl", "watermark", "horizon", "gap"))]
     undocumented = sorted(path for path, leaf in seen.items() if not leaf.description or leaf.is_required)
     assert not undocumented, f"config fields without a description or a default: {undocumented}"
 
 
 @pytest.mark.long
-def test_a_grown_landing_file_warns_and_a_ttl_set_in_run_config_expires_keys(spark, layout):
+def test_a_grown_landing_file_warns_and_a_ttl_set_in_the_project_file_expires_keys(spark, layout, tmp_path,
+                                                                                   monkeypatch):
     """Every asset of both streams under Dagster: tests/test_engines.py. Long tier: the grown file (test_ingest.py)
     and the TTL (test_state_ttl.py) have their main tests in the fast loop."""
     generate(PAYMENTS, layout.landing("payments"), events=600, seed=3, events_per_file=300)
@@ -102,10 +105,12 @@ def test_a_grown_landing_file_warns_and_a_ttl_set_in_run_config_expires_keys(spa
         grown = sorted(layout.landing("payments").glob("*.jsonl"))[0]
         with open(grown, "a") as handle:
             handle.write('{"payment_id":"late-append","customer_id":"c1","amount":1,"paid_at":"2026-11-01T10:00:00Z"}\n')
-        # ... in a run that also turns on a TTL for payments_per_customer (launchpad config of the resource):
-        # customers idle for 0.1 day of event time are expired, and the per-run check still reconciles.
-        ttl = {"resources": {"state_policy": {"config": {"ttl_days": {"payments_per_customer": 0.1}}}}}
-        again = _job("advance_payments").execute_in_process(instance=instance, run_config=ttl)
+        # ... in a run after the project file turned on a TTL for payments_per_customer (no reload of the code
+        # location): customers idle for 0.1 day of event time are expired, and the per-run check still reconciles.
+        project = tmp_path / "statetables.yaml"
+        project = project_with_ttl({"payments_per_customer": 0.1}, tmp_path / "statetables.yaml")
+        monkeypatch.setenv(PROJECT_ENV, str(project))
+        again = _job("advance_payments").execute_in_process(instance=instance)
         assert again.success
         state = _materialized(again, "payments", "payments_per_customer")
         assert state["ttl_days"].value == "0.1" and state["keys_expired_this_run"].value > 0
@@ -305,10 +310,6 @@ def test_bad_configuration_fails_fast_with_the_fix(tmp_path, monkeypatch):
     monkeypatch.delenv("JAVA_HOME", raising=False)
     with pytest.raises(ConfigurationError, match="Java was not found"):
         require_java()
-    with pytest.raises(ConfigurationError, match="ttl_days names no state table: payments.*payments_per_customer"):
-        StatePolicyResource(ttl_days={"payments": 30}).ttl("payments_per_customer")
-    with pytest.raises(ConfigurationError, match="positive number of days"):
-        StatePolicyResource(ttl_days={"payments_per_customer": 0}).ttl("payments_per_customer")
     with pytest.raises(ConfigurationError, match="names no stream refunds.*Fix: set it to all, none, or some of"):
         event_time_streams("payments, refunds")
 
@@ -325,7 +326,7 @@ def test_a_stream_configured_without_event_time_has_no_such_assets_and_writes_no
     generate(PAYMENTS, layout.landing("payments"), events=300, seed=5, events_per_file=300)
     with dg.DagsterInstance.ephemeral() as instance:
         result = dg.materialize([stream, *checks], instance=instance, resources={
-            "spark": SparkSessionResource(), "storage": StorageResource(), "state_policy": StatePolicyResource(),
+            "spark": SparkSessionResource(), "storage": StorageResource(),
             "check_policy": CheckPolicyResource()})
     assert result.success
     assert {event.asset_key.path[-1] for event in result.get_asset_materialization_events()} == {

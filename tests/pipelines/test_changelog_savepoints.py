@@ -151,7 +151,7 @@ def test_racing_writers_conflict_retry_and_count_exactly_once(spark, layout):
             "customer_id", F.col("amount").cast("decimal(18,2)").alias("amount"),
             F.lit("2026-11-01 10:00:00").cast("timestamp").alias("paid_at"))
         try:
-            batch = aggregate(events, spec.state_tables[0], "amount", "paid_at")
+            batch = aggregate(events, spec.state_tables[0])
             for batch_id in [0, 1, 2, 3, 3]:  # the second 3 is a replay: skipped by its txn id
                 upsert(session, path, spec.state_tables[0], batch, app_id, batch_id, {"app_id": app_id})
         except Exception as exc:  # surfaced by the assertion below

@@ -109,6 +109,6 @@ def test_state_ttl_checks_agree_at_exactly_the_ttl(spark, layout, landing):
     expected = expected_with_ttl(spec.name, [files], ttl)
     assert {r[table.key]: (r[table.count_column], r[table.sum_column]) for r in rows} == expected.rows
     assert [key for key, _, _ in expected.expired] == ["ttl_and_1us"]
-    assert table_checks.totals_match_bronze(spark, layout, spec)["passed"]
-    mismatched, totals = table_checks.mismatches_with_bronze(spark, layout, spec)
+    assert table_checks.totals_match_bronze(spark, layout, spec, spec.state_tables[0])["passed"]
+    mismatched, totals = table_checks.mismatches_with_bronze(spark, layout, spec, spec.state_tables[0])
     assert mismatched.count() == 0 and totals["sum_of_counts"] == totals["distinct_accepted_events"] == 3

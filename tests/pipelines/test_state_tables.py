@@ -94,7 +94,7 @@ def test_a_state_table_that_records_no_bronze_version_is_rebuilt_from_bronze(spa
         _advance(spark, layout, spec)
     shutil.rmtree(layout.table(changelog_name(spec.state_tables[0])))
     result = _advance(spark, layout, spec)
-    assert result.built_through_source_version == table_version(spark, layout.table(spec.bronze_table))
+    assert result.built_through[spec.state_tables[0].name] == table_version(spark, layout.table(spec.bronze_table))
     expected = expected_state(spec.name, landing_files(layout.landing(spec.name)))
     assert _read_state(layout, spec) == {k: (expected.counts[k], expected.sums[k]) for k in expected.counts}
     changelog = IndependentDeltaTable(str(layout.table(changelog_name(spec.state_tables[0])))).to_pyarrow_table()

@@ -76,15 +76,15 @@ def test_keys_expire_on_event_time_and_the_changelog_agrees(spark, layout, landi
         assert {r[TABLE.key]: (r[TABLE.count_column], r[TABLE.sum_column]) for r in restored} == \
             expected_with_ttl("payments", files[:number], TTL).rows, f"restore at delivery {number}"
 
-    per_run = table_checks.totals_match_bronze(spark, layout, SPEC)
-    mismatched, totals = table_checks.mismatches_with_bronze(spark, layout, SPEC)
+    per_run = table_checks.totals_match_bronze(spark, layout, SPEC, SPEC.state_tables[0])
+    mismatched, totals = table_checks.mismatches_with_bronze(spark, layout, SPEC, SPEC.state_tables[0])
     assert per_run["passed"] and per_run["expired_events"] == 6
     assert mismatched.count() == 0 and totals["expiries_match_change_feed"]
     assert totals["sum_of_counts"] == totals["distinct_accepted_events"] == 8
 
     spark.sql(f"UPDATE delta.`{layout.table(TABLE.name)}` SET {TABLE.count_column} = {TABLE.count_column} + 1")
-    assert not table_checks.totals_match_bronze(spark, layout, SPEC)["passed"]
-    assert table_checks.mismatches_with_bronze(spark, layout, SPEC)[0].count() == 1
+    assert not table_checks.totals_match_bronze(spark, layout, SPEC, SPEC.state_tables[0])["passed"]
+    assert table_checks.mismatches_with_bronze(spark, layout, SPEC, SPEC.state_tables[0])[0].count() == 1
 
 
 def test_a_ttl_that_is_not_positive_is_refused(spark, layout):
