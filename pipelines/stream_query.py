@@ -153,14 +153,6 @@ def _event_time_stage(spark: SparkSession, layout: StorageLayout, spec: StreamSp
     return None
 
 
-def _adopt_ingest_checkpoint(layout: StorageLayout, spec: StreamSpec) -> None:
-    """An earlier statetables ran the ingest as a query of its own (`<stream>_ingest`): its checkpoint reads
-    the same ledger into the same tables, so it becomes the stream's."""
-    old, new = layout.checkpoint(f"{spec.name}_ingest"), layout.checkpoint(spec.name)
-    if old.exists() and not new.exists():
-        os.replace(old, new)
-
-
 def _scan_continuously(spark: SparkSession, layout: StorageLayout, spec: StreamSpec, per_commit: int,
                        continuous: Continuous, changed: list[dict]) -> None:
     """The continuous run's landing scan: every trigger interval, record what arrived in the ledger, which the
@@ -213,7 +205,6 @@ def advance_stream(spark: SparkSession, layout: StorageLayout, spec: StreamSpec,
         scan = scan_landing(spark, layout.landing(spec.name), ledger_path, staging_dir)
         record_units(spark, ledger_path, scan.units, settings.max_files_per_trigger)
         ledger_id = table_id(spark, ledger_path)
-        _adopt_ingest_checkpoint(layout, spec)
         verdict, moved = checkpoint_for_run(spark, checkpoint, layout.set_aside_checkpoints,
                                             [quarantine_path, bronze_path], source_table_id=ledger_id)
         origin, recovery = verdict.origin, None
