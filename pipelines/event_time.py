@@ -22,6 +22,7 @@ from pyspark.sql.types import LongType, StringType, StructField, StructType, Tim
 
 from pipelines import delta_sql
 from pipelines.faults import fault_point
+from pipelines.errors import DefinitionChangedError
 from pipelines.layout import StorageLayout
 from pipelines.streaming import (
     commits_since, history_rows, kept_on_disk, retry_on_conflict, rows_added, table_version,
@@ -198,6 +199,24 @@ class EventTimeStage:
         fault_point(self.before_closing_fault)
         append_batch(folded.closed, closing, app_id, batch_id, progress)
         self.last = Progress(folded.watermark_ms, through, folded.state_versions, app_id, batch_id)
+
+
+SETTINGS_PROPERTY = "statetables.eventTimeSettings"  # what the step's rows were written under
+
+
+def require_settings(spark: SparkSession, closing_table: Path, settings: str, option: str) -> None:
+    """Refuse to go on under other settings than those the step's rows were written under (a watermark delay or a
+    gap changes which events are late and how rows are cut): old rows and new ones would disagree. A new table
+    gets the record before its first batch (later, the commit would shift the versions its batches record)."""
+    found = delta_sql.properties(spark, closing_table).get(SETTINGS_PROPERTY)
+    if found is None:
+        if table_version(spark, closing_table) == 0:
+            delta_sql.set_property(spark, closing_table, SETTINGS_PROPERTY, settings)
+    elif found != settings:
+        raise DefinitionChangedError(
+            f"{closing_table.name} was written under {found}, the project file now says {settings}: rows already "
+            f"written would follow other rules than new ones. Fix: put the old values back under `{option}:` in the "
+            f"project file (a refresh of the {option} under new settings is not built).")
 
 
 def resumed_stage(stage_of: Callable[[Progress], EventTimeStage], last: Progress | None,

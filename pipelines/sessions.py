@@ -312,6 +312,8 @@ def sessions_stage(spark: SparkSession, layout: StorageLayout, settings: Session
     stream's writer lock). The late_events rows of a batch that died before its closing commit are deleted
     first: the stream folds that batch's bronze rows again."""
     ensure_session_tables(spark, layout)
+    require_settings(spark, layout.table(ACTIVITY), f"watermark-delay-{settings.watermark_delay.total_seconds():g}s."
+                     f"gap-{settings.gap.total_seconds():g}s", "sessions")
     undone = undo_late_rows(spark, layout, sessions_stream().name, "activity_version",
                             table_version(spark, layout.table(ACTIVITY)) or 0)
     return resumed_stage(lambda last: SessionsStage(layout, last, settings), last_progress(spark, layout),

@@ -35,8 +35,8 @@ from pyspark.sql.types import LongType, StringType, StructField, StructType, Tim
 from pipelines import delta_sql, event_time
 from pipelines.checkpoints import new_app_id
 from pipelines.event_time import (
-    LATE, LATE_SCHEMA, EventTimeStage, FoldedBatch, Progress, append_batch, read_state, resumed_stage, undo_late_rows,
-    write_state,
+    LATE, LATE_SCHEMA, EventTimeStage, FoldedBatch, Progress, append_batch, read_state, require_settings,
+    resumed_stage, undo_late_rows, write_state,
 )
 from pipelines.faults import (
     WINDOWS_AFTER_LATE_COMMIT, WINDOWS_AFTER_OPEN_HOURS_COMMIT, WINDOWS_AFTER_TOP_COMMIT,
@@ -237,6 +237,7 @@ def windows_stage(spark: SparkSession, layout: StorageLayout, delay: dt.timedelt
     if delay < dt.timedelta(0):
         raise ValueError(f"watermark delay {delay} is negative. Fix: give a delay of 0 or more.")
     ensure_window_tables(spark, layout)
+    require_settings(spark, layout.table(HOURLY), f"watermark-delay-{delay.total_seconds():g}s", "windows")
     undone = _undo_unfinished_batch(spark, layout)
     return resumed_stage(lambda last: WindowsStage(layout, last, delay), last_progress(spark, layout),
                          lambda last: _first_state(spark, layout, last, delay), undone,

@@ -3,8 +3,8 @@ and Dagster, each assertion one that fails when the promise breaks:
 
 - the dedup horizon: a re-delivery counts once, one inside the horizon and one whose original lies far behind the
   stream's event time; an id reused with other content inside the horizon is `conflicting_duplicate`;
-- the event-time range, both ends, with the default allowance and with `event_time_max_ahead_hours` set in a
-  Dagster run's config (tests/pipelines/test_ingest.py has the far past and the far future, default allowance);
+- the event-time range, both ends, with the default allowance and with `event_time_max_ahead_hours` set in the
+  project file, which the next Dagster run follows without a reload (tests/pipelines/test_ingest.py has the far past and the far future, default allowance);
 - one writer between two OS processes: a run is refused, naming the lock and its holder, while another process
   holds the stream's writer lock; two runs that wait for it at once then advance the stream one after the other,
   and nothing counts twice;
@@ -35,11 +35,11 @@ from deltalake import DeltaTable as IndependentDeltaTable
 from pipelines.errors import StreamBusyError
 from pipelines.generate import generate
 from pipelines.streaming import table_version
-from pipelines.streams import MOVIE_TICKET_SALES, PAYMENTS, STREAMS
+from pipelines.project import PROJECT_ENV, SHIPPED
 from statetables import cli
 from statetables.definitions import defs
 from tests.contract_oracle import expected_state, landing_files
-from tests.streams import advance
+from tests.streams import MOVIE_TICKET_SALES, PAYMENTS, STREAMS, advance
 
 ROOT = Path(__file__).resolve().parents[1]
 SALES = MOVIE_TICKET_SALES
@@ -61,7 +61,7 @@ def _read(layout, name: str, version: int | None = None) -> list[dict]:
 
 def _state(layout, spec=SALES) -> dict:
     """key → (count, sum) of the stream's state table."""
-    table = spec.state_table
+    table = spec.state_tables[0]
     return {r[table.key]: (r[table.count_column], r[table.sum_column]) for r in _read(layout, table.name)}
 
 
@@ -133,7 +133,7 @@ def test_event_time_must_lie_between_the_epoch_and_the_configured_allowance_afte
                                                                                             monkeypatch):
     """Contract: event time, in UTC, lies between 1970-01-01T00:00:00Z and one day (configurable) after the line's
     ingestion; otherwise `out_of_range`. First a run with the default allowance (1 day), at both ends and at an
-    hour either side of the limit; then a Dagster run of advance_movie_ticket_sales whose launchpad config sets
+    hour either side of the limit; then a Dagster run of advance_movie_ticket_sales after the project file set
     `event_time_max_ahead_hours: 2`: 1 h ahead is accepted (also written with a +05:00 offset, 6 h ahead on the
     wall clock), 3 h ahead is quarantined, and so is 23 h ahead, which the default accepted."""
     now = datetime.now(timezone.utc)  # ingestion is later: only further from the upper limits than computed here
@@ -162,9 +162,13 @@ def test_event_time_must_lie_between_the_epoch_and_the_configured_allowance_afte
         _sale("ahead-3h", "Dune", "2.00", now + timedelta(hours=3)),
         _sale("ahead-23h-again", "Dune", "2.00", now + timedelta(hours=23)),
     ])
-    config = {"ops": {SALES.name: {"config": {"event_time_max_ahead_hours": 2.0}}}}
+    project = layout.home.parent / "statetables.yaml"
+    shipped = SHIPPED.read_text()
+    assert shipped.count("event_time_max_ahead_hours: 24") == 2
+    project.write_text(shipped.replace("event_time_max_ahead_hours: 24", "event_time_max_ahead_hours: 2", 1))
+    monkeypatch.setenv(PROJECT_ENV, str(project))
     with dg.DagsterInstance.ephemeral() as instance:
-        result = defs.resolve_job_def(f"advance_{SALES.name}").execute_in_process(instance=instance, run_config=config)
+        result = defs.resolve_job_def(f"advance_{SALES.name}").execute_in_process(instance=instance)
     assert result.success
     assert {r["event_id"] for r in _read(layout, SALES.bronze_table)} == {
         "epoch", "ahead-23h", "ahead-1h", "ahead-1h-offset"}
@@ -353,7 +357,7 @@ def test_savepoint_and_restore_changelog_commands(spark, layout, monkeypatch, ca
         generate(spec, layout.landing(spec.name), events=150, malformed=0.03, duplicates=0.05, conflicts=0.02,
                  seed=11, events_per_file=150)
     _run("advance_all", capsys)
-    state = {spec.name: spec.state_table.name for spec in STREAMS.values()}
+    state = {spec.name: spec.state_tables[0].name for spec in STREAMS.values()}
     at_savepoint = {name: _rows(layout, name) for name in state.values()}
 
     created = _statetables(layout.home, "savepoint", "create", "before-deploy").stdout
@@ -368,7 +372,7 @@ def test_savepoint_and_restore_changelog_commands(spark, layout, monkeypatch, ca
              seed=12, events_per_file=150)
     _redeliver(layout, SALES, 40)  # accepted lines re-delivered, malformed ones again, after the savepoint
     _run(f"advance_{SALES.name}", capsys)
-    mts = SALES.state_table.name
+    mts = SALES.state_tables[0].name
     undone = IndependentDeltaTable(str(layout.table(mts))).version()
     assert undone > versions[mts] and _rows(layout, mts) != at_savepoint[mts]
     assert _state(layout, SALES) == _expected(layout, SALES)
