@@ -25,48 +25,7 @@ from pipelines.errors import ConfigurationError, SavepointError, StorageError, S
 from pipelines.layout import StorageLayout
 from pipelines.project import PROJECT_ENV
 from pipelines.streams import stream_spec, streams
-
-# Run-granularity pools: the daemon's run queue never runs two runs that share a stream's pool.
-INSTANCE_YAML = """\
-# Written by `statetables instance`; edit freely, it is not overwritten.
-concurrency:
-  pools:
-    granularity: run
-    default_limit: 1
-run_coordinator:
-  module: dagster.core.run_coordinator
-  class: QueuedRunCoordinator
-  # A queued run starts within a second (default 5 s): the wait is part of a landing file's freshness.
-  config:
-    dequeue_interval_seconds: 1
-# A run stuck starting or cancelling is marked failed (and recovered by the run-failure sensor). A run
-# worker that dies (kill -9) is reported failed by the code server that launched it.
-run_monitoring:
-  enabled: true
-  start_timeout_seconds: 300
-  cancel_timeout_seconds: 600
-  poll_interval_seconds: 30
-telemetry:
-  enabled: false
-# The state tables' freshness policies (assets/keys.py) are only evaluated, and shown as fresh or stale, with this.
-freshness:
-  enabled: true
-# No sign-up dialog over the UI on a fresh instance.
-nux:
-  enabled: false
-"""
-
-
-def prepare_instance(layout: StorageLayout) -> Path:
-    """Point DAGSTER_HOME at the storage root's dagster/ folder (unless set) and give it a dagster.yaml."""
-    home = Path(os.environ.get("DAGSTER_HOME") or layout.dagster_home).resolve()
-    home.mkdir(parents=True, exist_ok=True)
-    config = home / "dagster.yaml"
-    if not config.exists():
-        config.write_text(INSTANCE_YAML)
-    os.environ["DAGSTER_HOME"] = str(home)
-    return home
-
+from statetables.servers import prepare_instance
 
 def _generate(args: argparse.Namespace) -> int:
     from pipelines.generate import generate

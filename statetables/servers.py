@@ -1,4 +1,5 @@
-"""Start and stop the real Dagster webserver + daemon (`dagster dev`) on 127.0.0.1, for tests and scripts.
+"""The Dagster instance under the storage root, and the real Dagster webserver + daemon (`dagster dev`) on 127.0.0.1,
+started and stopped for the CLI, tests and scripts.
 
     with dagster_dev(StorageLayout.under("/tmp/st"), port=3111) as url:
         graphql(url, "{ version }")
@@ -20,9 +21,49 @@ from pathlib import Path
 from typing import Iterator
 
 from pipelines.layout import HOME_ENV, StorageLayout
-from statetables.cli import prepare_instance
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+# Run-granularity pools: the daemon's run queue never runs two runs that share a stream's pool.
+INSTANCE_YAML = """\
+# Written by `statetables instance`; edit freely, it is not overwritten.
+concurrency:
+  pools:
+    granularity: run
+    default_limit: 1
+run_coordinator:
+  module: dagster.core.run_coordinator
+  class: QueuedRunCoordinator
+  # A queued run starts within a second (default 5 s): the wait is part of a landing file's freshness.
+  config:
+    dequeue_interval_seconds: 1
+# A run stuck starting or cancelling is marked failed (and recovered by the run-failure sensor). A run
+# worker that dies (kill -9) is reported failed by the code server that launched it.
+run_monitoring:
+  enabled: true
+  start_timeout_seconds: 300
+  cancel_timeout_seconds: 600
+  poll_interval_seconds: 30
+telemetry:
+  enabled: false
+# The state tables' freshness policies (assets/keys.py) are only evaluated, and shown as fresh or stale, with this.
+freshness:
+  enabled: true
+# No sign-up dialog over the UI on a fresh instance.
+nux:
+  enabled: false
+"""
+
+
+def prepare_instance(layout: StorageLayout) -> Path:
+    """Point DAGSTER_HOME at the storage root's dagster/ folder (unless set) and give it a dagster.yaml."""
+    home = Path(os.environ.get("DAGSTER_HOME") or layout.dagster_home).resolve()
+    home.mkdir(parents=True, exist_ok=True)
+    config = home / "dagster.yaml"
+    if not config.exists():
+        config.write_text(INSTANCE_YAML)
+    os.environ["DAGSTER_HOME"] = str(home)
+    return home
 
 
 def graphql(url: str, query: str, variables: dict | None = None) -> dict:
