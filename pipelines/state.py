@@ -297,6 +297,7 @@ def _combined(t: str, s: str) -> str:
 def _upsert_clauses(table: StateTableSpec) -> str:
     """Combine a key's row with the batch's partial aggregate column by column; new keys insert."""
     kinds = {f.name: f.kind for f in table.fields}
+    required = {f.name: f.required for f in table.fields}
     schema = state_schema(table)
     types = {f.name: f.dataType.simpleString() for f in schema}
     sets = []
@@ -305,7 +306,9 @@ def _upsert_clauses(table: StateTableSpec) -> str:
         if a.function == "count":
             sets.append(f"t.{c} = t.{c} + s.{c}")
         elif a.function == "sum":
-            sets.append(f"t.{c} = CAST({_combined(f't.{c}', f's.{c}')} AS {types[a.name]})")
+            # A required field's sums are never NULL: plain addition, as the MERGE always was for them.
+            total = f"t.{c} + s.{c}" if required[a.column] else _combined(f't.{c}', f's.{c}')
+            sets.append(f"t.{c} = CAST({total} AS {types[a.name]})")
         elif a.function in ("min", "max"):
             sets.append(f"t.{c} = {'least' if a.function == 'min' else 'greatest'}(t.{c}, s.{c})")
         elif a.function == "avg":
