@@ -143,8 +143,9 @@ class ContinuousReport:
             if key in self.state_tables:
                 spec, table = self.state_tables[key]
                 totals = table_checks.state_totals(self.spark, self.layout, table)
-                metadata.update({"keys": totals["keys"],
-                                 "latest_event_time": event_time_metadata(totals["latest_event_time"])})
+                metadata["keys"] = totals["keys"]
+                if table.last_ts_column:
+                    metadata["latest_event_time"] = event_time_metadata(totals["latest_event_time"])
                 if table.count_column:
                     metadata["events_counted"] = totals["events_counted"]
                 if table.sum_column:

@@ -194,7 +194,9 @@ def _state_result(session: SparkSession, layout, spec: StreamSpec, table: StateT
     found = folded_through(session, layout.table(table.name))
     built = result.built_through.get(table.name)
     order = [F.desc(table.count_column)] if table.count_column else []
-    figures = {"keys": totals["keys"], "latest_event_time": event_time_metadata(totals["latest_event_time"])}
+    figures = {"keys": totals["keys"]}
+    if table.last_ts_column:  # the newest event folded in, where the table keeps MAX(event time)
+        figures["latest_event_time"] = event_time_metadata(totals["latest_event_time"])
     if table.count_column:
         figures["events_counted"] = totals["events_counted"]
     if table.sum_column:
