@@ -19,6 +19,8 @@ MAX_RECOVERY_ATTEMPTS = 3
 DEEP_CHECK = "reconciles_with_bronze"  # reads all of bronze: nightly and on demand, not in every run
 DEEP_CHECK_JOB = "reconcile_state_tables"
 CONTINUOUS_JOB = "run_continuously"
+MAINTENANCE_JOB = "maintain_tables"
+REFRESH_JOB = "refresh_state_table"
 CONTINUOUS_TAG = "statetables/continuous"
 # A state table not materialized for this long shows as stale in the UI. The continuous job reports every
 # 30 s while a table moves; orchestrated runs follow the landing sensor (30 s) or the 5-minute schedule.
@@ -67,7 +69,7 @@ def stream_job_name(spec: StreamSpec) -> str:
 
 
 def job_names() -> list[str]:
-    return [ADVANCE_ALL_JOB, DEEP_CHECK_JOB, CONTINUOUS_JOB, *(stream_job_name(spec) for spec in streams().values())]
+    return [ADVANCE_ALL_JOB, DEEP_CHECK_JOB, CONTINUOUS_JOB, MAINTENANCE_JOB, REFRESH_JOB, *(stream_job_name(spec) for spec in streams().values())]
 
 
 def stream_op_name(spec: StreamSpec) -> str:

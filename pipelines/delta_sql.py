@@ -21,6 +21,7 @@ Safety of the SQL text:
 from __future__ import annotations
 
 import re
+from datetime import timedelta
 from pathlib import Path
 
 from pyspark.sql import DataFrame, Row, SparkSession
@@ -115,6 +116,21 @@ def properties(spark: SparkSession, path: str | Path) -> dict[str, str]:
 def detail(spark: SparkSession, path: str | Path) -> Row:
     """DESCRIBE DETAIL's one row: id, properties, numFiles, sizeInBytes, ..."""
     return spark.sql(f"DESCRIBE DETAIL {table_ref(path)}").first()
+
+
+def optimize(spark: SparkSession, path: str | Path) -> dict:
+    """OPTIMIZE (bin-packing small files); its metrics (numFilesAdded, numFilesRemoved, ...)."""
+    metrics = spark.sql(f"OPTIMIZE {table_ref(path)}").first()["metrics"]
+    return metrics.asDict() if metrics is not None else {}
+
+
+def vacuum(spark: SparkSession, path: str | Path, retain: timedelta) -> int:
+    """VACUUM keeping every file a version of the last `retain` needs; the number of files deleted."""
+    hours = int_literal(max(1, -(-int(retain.total_seconds()) // 3600)))
+    doomed = spark.sql(f"VACUUM {table_ref(path)} RETAIN {hours} HOURS DRY RUN").count()
+    if doomed:
+        spark.sql(f"VACUUM {table_ref(path)} RETAIN {hours} HOURS")
+    return doomed
 
 
 def restore(spark: SparkSession, path: str | Path, version: int) -> None:

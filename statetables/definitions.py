@@ -7,6 +7,7 @@ from assets.automation import (
     recover_failed_stream, spark_engine_health, stream_jobs,
 )
 from assets.continuous import run_continuously
+from assets.maintenance import maintain_all_tables, refresh_state_table_job, weekly_maintenance
 from assets.streams import build_stream_assets
 from pipelines.session import default_remote
 from pipelines.stream_query import event_time_streams
@@ -15,8 +16,9 @@ from resources import CheckPolicyResource, SparkSessionResource, StorageResource
 
 defs = dg.Definitions(
     assets=[a for spec in streams().values() for a in build_stream_assets(spec, spec.name in event_time_streams())],
-    jobs=[advance_all, reconcile_state_tables, *stream_jobs.values(), run_continuously],
-    schedules=[every_five_minutes, nightly_reconciliation],
+    jobs=[advance_all, reconcile_state_tables, *stream_jobs.values(), run_continuously, maintain_all_tables,
+          refresh_state_table_job],
+    schedules=[every_five_minutes, nightly_reconciliation, weekly_maintenance],
     sensors=[landing_files_sensor, recover_failed_stream, spark_engine_health],
     # A warm Spark Connect server when $STATETABLES_SPARK_REMOTE names one (`make dev`, `make serve`), else a JVM per run.
     resources={"spark": SparkSessionResource(remote=default_remote()), "storage": StorageResource(),
