@@ -400,6 +400,10 @@ def _state_table(where: _Where, item: yaml.Node, streams: dict[str, StreamSpec])
             if not isinstance(item_sql, exp.Alias):
                 raise where_of(f"`{item_sql.sql('spark')}` needs a column name: add `AS name`")
             out = item_sql.alias
+            if isinstance(item_sql.this, exp.Column):  # `col AS name`: a renamed key, or a bare column
+                column = field_of(item_sql.this, "a selected column")
+                raise where_of(f"select the key `{column}` as is, without AS" if column in keys
+                               else f"`{column}` is neither grouped nor aggregated")
             aggregates.append(_aggregate(item_sql.this, out, spec, field_of, where_of))
         if out in names:
             raise where_of(f"two columns are named {out!r}")

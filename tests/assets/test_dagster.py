@@ -339,7 +339,7 @@ def test_cli_refuses_an_unknown_stream_before_touching_data(tmp_path):
     env = {**os.environ, "STATETABLES_HOME": str(tmp_path)}
     result = subprocess.run([Path(sys.executable).parent / "statetables", "generate", "--stream", "refunds"],
                             env=env, capture_output=True, text=True, timeout=60)
-    assert result.returncode == 2 and "invalid choice: 'refunds'" in result.stderr
+    assert result.returncode == 2 and "Unknown stream 'refunds'. Fix: use one of movie_ticket_sales, payments" in result.stderr
     assert not any(tmp_path.iterdir())
 
 
