@@ -25,7 +25,6 @@ from typing import Callable, Iterator
 from pyspark.sql import SparkSession
 
 from pipelines.bronze import ensure_bronze_tables
-from pipelines.errors import ConfigurationError
 from pipelines.layout import StorageLayout
 from pipelines.changelog import ensure_changelog
 from pipelines.sessions import ensure_session_tables

@@ -159,7 +159,7 @@ def load_project(text: str, path: Path) -> Project:
         if (spec.windows or spec.sessions) and spec.value_field is None:
             raise where.fail(None, f"stream {spec.name} (line {spec.line}) declares `{'windows' if spec.windows else 'sessions'}:`, "
                              f"which total a value, but none of its state tables sums a required decimal field",
-                             f"add SUM(<decimal field>) to one of its state tables")
+                             "add SUM(<decimal field>) to one of its state tables")
     for kind in ("windows", "sessions"):
         using = [s for s in specs.values() if getattr(s, kind) is not None]
         if len(using) > 1:

@@ -46,8 +46,8 @@ from pyspark.sql.types import ArrayType, LongType, StringType, StructField, Stru
 from pipelines import event_time
 from pipelines.checkpoints import new_app_id
 from pipelines.event_time import (
-    LATE, LATE_SCHEMA, EventTimeStage, FoldedBatch, Progress, append_batch, read_state, resumed_stage, undo_late_rows,
-    write_state,
+    LATE, LATE_SCHEMA, EventTimeStage, FoldedBatch, Progress, append_batch, read_state, require_settings,
+    resumed_stage, undo_late_rows, write_state,
 )
 from pipelines.faults import (
     SESSIONS_AFTER_LAST_SESSIONS_COMMIT, SESSIONS_AFTER_LATE_COMMIT, SESSIONS_AFTER_OPEN_SESSIONS_COMMIT,

@@ -17,7 +17,7 @@ from pathlib import Path
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.types import (
-    BooleanType, DataType, DecimalType, DoubleType, LongType, StringType, StructField, StructType, TimestampType,
+    DataType, DecimalType, DoubleType, LongType, StructField, StructType, TimestampType,
 )
 
 from pipelines import delta_sql
@@ -212,7 +212,7 @@ class StateTableStage:
     def advance(self, spark: SparkSession, bronze_path: Path, through: int, app_id: str, batch_id: int) -> None:
         if through <= self.through:
             return
-        spec, table = self.spec, self.table
+        table = self.table
         table_path = str(self.layout.table(table.name))
         events = rows_added(spark, bronze_path, self.through, through)
         batch = aggregate(events, table)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 from pipelines.layout import StorageLayout
 from pipelines.project import SHIPPED, project
@@ -45,7 +46,7 @@ def advance(spark, layout: StorageLayout, spec: StreamSpec, *, dedup_horizon=Non
     return advance_stream(spark, layout, spec, StreamSettings(**settings))
 
 
-def project_with_ttl(ttl_days: dict[str, float], path) -> "Path":
+def project_with_ttl(ttl_days: dict[str, float], path) -> Path:
     """The shipped project file with `ttl_days` on the named state tables, written to `path`."""
     out, current = [], None
     for line in SHIPPED.read_text().splitlines():

@@ -16,7 +16,7 @@ from pipelines.savepoints import create_savepoint, restore_savepoint
 from pipelines.streaming import history_rows, table_version
 from statetables.definitions import defs
 from tests.contract_oracle import expected_state, landing_files
-from tests.streams import PAYMENTS, advance
+from tests.streams import MOVIE_TICKET_SALES as SALES, PAYMENTS, advance
 
 TABLE = PAYMENTS.state_tables[0]
 
@@ -33,6 +33,8 @@ def _expected(layout) -> dict:
 
 def test_maintenance_compacts_keeps_savepoints_readable_and_refresh_rebuilds(spark, layout, monkeypatch):
     monkeypatch.setenv("STATETABLES_HOME", str(layout.home))  # the code location's storage resource reads it
+    generate(SALES, layout.landing(SALES.name), events=50, seed=9)  # a savepoint covers every stream
+    advance(spark, layout, SALES, event_time=False)
     for seed in (1, 2, 3):  # three runs: bronze and the state table in several files each
         generate(PAYMENTS, layout.landing("payments"), events=200, seed=seed, events_per_file=200)
         advance(spark, layout, PAYMENTS, event_time=False)
