@@ -1,5 +1,5 @@
 """`statetables` command line: generate sample data, run the pipeline headless through Dagster,
-print the state tables, refresh one, prepare the Dagster instance.
+print the state tables, refresh one, show where each stream stands, prepare the Dagster instance.
 
     statetables generate --stream payments --events 100000 --malformed 0.005 --duplicates 0.01 --late 0.02 --seed 1
     statetables run [--job advance_all] [--show] [--warn-only-check ASSET:CHECK] [--remote sc://127.0.0.1:15002 | --master spark://127.0.0.1:7077]
