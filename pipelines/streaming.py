@@ -96,8 +96,8 @@ _HOLDER = re.compile(r"^pid (?P<pid>\d+)(?: host (?P<host>\S+))? since (?P<since
 def lock_state(locks_dir: Path, writer: str) -> dict:
     """Whether `writer`'s lock is held now, and who holds it (or held it last): {"file", "held", "pid", "host",
     "since"}. Creates nothing. Asks the kernel with a shared lock taken and dropped at once, so it answers for
-    holders on other hosts of an NFS root too; a run that tries the lock in that instant waits 0.5 s and tries
-    again (`writer_lock`)."""
+    holders on other hosts of an NFS root too; a run that tries the lock in that instant tries again 0.5 s later,
+    within its lock timeout (`writer_lock`)."""
     path = lock_path(locks_dir, writer)
     state = {"file": str(path), "held": False, "pid": None, "host": None, "since": None}
     try:
