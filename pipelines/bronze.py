@@ -291,9 +291,9 @@ def _isolate(lines: DataFrame, batch_id: int, settings: IngestSettings, ingested
     return culprits if passed_any or len(keys) == 1 else []
 
 
-def ingest_batch(units: DataFrame, batch_id: int, *, settings: IngestSettings) -> None:
+def ingest_batch(units: DataFrame, batch_id: int, *, settings: IngestSettings) -> dict:
     """The ingest step of a stream's micro-batch: read the batch's units, validate, dedup, append to quarantine
-    then bronze, both idempotently.
+    then bronze, both idempotently. Returns the batch's counts, as its commits record them (`_write_batch`).
 
     Both appends happen even when empty: each commit records `{"app_id", "batch_id"}` in its
     userMetadata, which is how the next run checks the checkpoint against the tables. If the batch
@@ -309,7 +309,7 @@ def ingest_batch(units: DataFrame, batch_id: int, *, settings: IngestSettings) -
     may_repeat = recheck is None or any(u <= recheck for u in unit_numbers)
     write = partial(_write_batch, lines, batch_id, settings, ingested_at, vanished, may_repeat=may_repeat)
     try:
-        write(None, None)
+        return write(None, None)
     except (StorageError, ConcurrentWriterError, InjectedFault):
         raise
     except Exception as exc:
@@ -319,7 +319,7 @@ def ingest_batch(units: DataFrame, batch_id: int, *, settings: IngestSettings) -
         if not culprits:
             raise
         bad = lines.sparkSession.createDataFrame(culprits, "unit bigint, line_number bigint")
-        write(bad, _first_line(exc))
+        return write(bad, _first_line(exc))
 
 
 ACCEPTED_TOTAL = "accepted_total"
@@ -365,7 +365,8 @@ def _by_event_time(accepted: DataFrame, spec: StreamSpec, rows: int) -> DataFram
 
 def _write_batch(lines: DataFrame, batch_id: int, settings: IngestSettings, ingested_at: datetime,
                  vanished: list[str], unprocessable: DataFrame | None, error: str | None, *,
-                 may_repeat: bool) -> None:
+                 may_repeat: bool) -> dict:
+    """Quarantine, then bronze, each one append carrying the batch's counts in its userMetadata; returns them."""
     spec = settings.spec
     classified, facts = _classify(lines, batch_id, settings, ingested_at, unprocessable, error, may_repeat)
     classified = kept_on_disk(classified)
@@ -401,3 +402,4 @@ def _write_batch(lines: DataFrame, batch_id: int, settings: IngestSettings, inge
             .save(path),
             f"append of micro-batch {batch_id} to {path}")
         fault_point(fault)
+    return counts

@@ -61,6 +61,14 @@ def ensure_changelog(spark: SparkSession, layout: StorageLayout, table: StateTab
     create_table_if_missing(spark, layout.table(changelog_name(table)), changelog_schema(table), change_data_feed=False)
 
 
+def coverage_record(spark: SparkSession, path: Path) -> dict | None:
+    """The metadata of the changelog's newest commit that records the state-table version it covers (`COVERS`),
+    among its newest 20; None when none does (no changelog yet, or one of an earlier statetables)."""
+    latest = table_version(spark, path) or 0
+    return next((c["user"] for c in reversed(commits_since(spark, path, max(-1, latest - 20)))
+                 if c["user"].get(COVERS) is not None), None)
+
+
 def changelog_stage(spark: SparkSession, layout: StorageLayout, table: StateTableSpec) -> ChangelogStage:
     """The changelog step as the changelog's newest commits left it. A changelog written by an earlier
     statetables (a query of its own, without the record) covers the newest version its rows hold."""
@@ -68,8 +76,7 @@ def changelog_stage(spark: SparkSession, layout: StorageLayout, table: StateTabl
     ensure_state_table(spark, layout, table)
     ensure_changelog(spark, layout, table)
     latest = table_version(spark, path) or 0
-    newest = next((c["user"] for c in reversed(commits_since(spark, path, max(-1, latest - 20)))
-                   if c["user"].get(COVERS) is not None), None)
+    newest = coverage_record(spark, path)
     state_id = table_id(spark, state_path)
     if newest is None:
         # Version 0 is the table's creation: no rows to read.

@@ -114,6 +114,11 @@ class LedgerView:
         rows = newest.collect()
         return cls({r["source_file"]: r for r in rows}, max((r["unit"] for r in rows), default=-1) + 1)
 
+    def has_seen(self, path: str, size: int, mtime_ns: int) -> bool:
+        """Whether the file's newest ledger row has this size and modification time: nothing new to read."""
+        before = self.latest.get(path)
+        return before is not None and (before["file_size"], before["file_mtime_ns"]) == (size, mtime_ns)
+
     def add(self, units: list[dict]) -> None:
         for unit in units:
             self.latest[unit["source_file"]] = unit
@@ -131,6 +136,13 @@ def landing_listing(landing_dir: Path) -> list[tuple[int, str, int]]:
             continue
         found.append((stat.st_mtime_ns, str(path), stat.st_size))
     return sorted(found)
+
+
+def unrecorded_files(landing_dir: Path, view: LedgerView) -> list[tuple[int, str, int]]:
+    """(mtime_ns, path, size) of the landing files, or the changes to one, that the ledger does not hold yet: what
+    the next scan records and the next run ingests. Reads no file."""
+    return [(mtime_ns, name, size) for mtime_ns, name, size in landing_listing(landing_dir)
+            if not view.has_seen(name, size, mtime_ns)]
 
 
 def scan_landing(spark: SparkSession, landing_dir: Path, ledger_path: Path, staging_dir: Path,
@@ -153,9 +165,9 @@ def scan_landing(spark: SparkSession, landing_dir: Path, ledger_path: Path, stag
     units, changed = [], []
     scanned_at = time.time()
     for mtime_ns, name, size in found:
-        before = latest.get(name)
-        if before is not None and (before["file_size"], before["file_mtime_ns"]) == (size, mtime_ns):
+        if view.has_seen(name, size, mtime_ns):
             continue
+        before = latest.get(name)
         compressed = name.endswith(".gz")
         prefix = before["file_size"] if before is not None and size >= before["file_size"] else None
         try:

@@ -26,7 +26,9 @@ what their tables record. Before the query starts, every step is brought up to b
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -101,6 +103,43 @@ def stream_tables(spec: StreamSpec, settings: StreamSettings) -> tuple[str, ...]
             *(changelog_name(t) for t in spec.state_tables))
 
 
+class _CurrentStderr(logging.StreamHandler):
+    """A handler that writes to `sys.stderr` as it is when a line is logged, not as it was when this module was
+    imported (as `logging.lastResort` does): whoever captures the process's stderr later gets the lines."""
+
+    def __init__(self):
+        logging.Handler.__init__(self)
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+
+# One line per micro-batch, on stderr: `statetables run` shows it, a Dagster step's captured stderr keeps it (the
+# step's logs), and over Spark Connect it goes where the server's Python worker writes (the server's log). Set up
+# here because every process that runs a batch imports this module; not propagated, so an application that also
+# configures the root logger does not print it twice.
+PROGRESS = logging.getLogger("statetables.progress")
+if not PROGRESS.handlers:
+    _handler = _CurrentStderr()
+    _handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(message)s"))
+    PROGRESS.addHandler(_handler)
+    PROGRESS.setLevel(logging.INFO)
+    PROGRESS.propagate = False
+
+
+def log_batch(stream: str, batch_id: int, counts: dict, elapsed_s: float) -> None:
+    """The micro-batch's line: its counts (what ingest_batch computed and bronze's commit records), its rate and
+    duration. The figures are also on the record (`figures`), for a handler that wants them as data."""
+    lines = int(counts.get("lines", 0))
+    figures = {"stream": stream, "batch": batch_id, "lines": lines, "accepted": int(counts.get("accepted", 0)),
+               "quarantined": int(counts.get("quarantined", 0)), "duplicates": int(counts.get("duplicates", 0)),
+               "rows_per_s": round(lines / elapsed_s, 1) if elapsed_s > 0 else 0.0, "elapsed_s": round(elapsed_s, 2)}
+    if counts.get("already_ingested"):  # a replay under a new checkpoint: lines that an earlier attempt wrote
+        figures["already_ingested"] = int(counts["already_ingested"])
+    PROGRESS.info(" ".join(f"{key}={value}" for key, value in figures.items()), extra={"figures": figures})
+
+
 class StreamBatch:
     """The foreachBatch body of a stream's query: one micro-batch of landing units through every table."""
 
@@ -110,8 +149,10 @@ class StreamBatch:
         self.states, self.event_time, self.changelogs = states, event_time, changelogs
 
     def __call__(self, units: DataFrame, batch_id: int) -> None:
-        ingest_batch(units, batch_id, settings=self.ingest)
+        started = time.monotonic()
+        counts = ingest_batch(units, batch_id, settings=self.ingest)
         self.fold(units.sparkSession, self.ingest.app_id, batch_id)
+        log_batch(self.spec.name, batch_id, counts, time.monotonic() - started)
         fault_point(STREAM_BATCH_END)
 
     def fold(self, spark: SparkSession, app_id: str, batch_id: int) -> None:

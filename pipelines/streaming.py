@@ -13,6 +13,7 @@ import json
 import os
 import random
 import re
+import socket
 import threading
 import time
 from contextlib import contextmanager
@@ -78,6 +79,45 @@ class StreamRunResult:
     built_through: dict[str, int | None] = field(default_factory=dict)
 
 
+def lock_path(locks_dir: Path, writer: str) -> Path:
+    return locks_dir / f"{writer}.lock"
+
+
+def lock_holder_line() -> str:
+    """What the holder of a writer lock writes into the lock file: who holds it, for a run refused the lock and for
+    `statetables status` (`lock_state`). The file keeps it after release: then it names the last holder."""
+    since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    return f"pid {os.getpid()} host {socket.gethostname()} since {since}\n"
+
+
+_HOLDER = re.compile(r"^pid (?P<pid>\d+)(?: host (?P<host>\S+))? since (?P<since>\S+)$")
+
+
+def lock_state(locks_dir: Path, writer: str) -> dict:
+    """Whether `writer`'s lock is held now, and who holds it (or held it last): {"file", "held", "pid", "host",
+    "since"}. Creates nothing. Asks the kernel with a shared lock taken and dropped at once, so it answers for
+    holders on other hosts of an NFS root too; a run that tries the lock in that instant tries again 0.5 s later,
+    within its lock timeout (`writer_lock`)."""
+    path = lock_path(locks_dir, writer)
+    state = {"file": str(path), "held": False, "pid": None, "host": None, "since": None}
+    try:
+        handle = open(path, "r", encoding="utf-8", errors="replace")
+    except FileNotFoundError:
+        return state
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            state["held"] = True
+        else:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+        # Empty in the instant between a holder's flock and its write; a line of an older statetables has no host.
+        holder = _HOLDER.match(handle.read().strip())
+    if holder:
+        state.update(pid=int(holder["pid"]), host=holder["host"], since=holder["since"])
+    return state
+
+
 @contextmanager
 def writer_lock(locks_dir: Path, writer: str, timeout_s: float) -> Iterator[None]:
     """Hold the exclusive writer lock of `writer`, waiting at most `timeout_s`.
@@ -87,7 +127,7 @@ def writer_lock(locks_dir: Path, writer: str, timeout_s: float) -> Iterator[None
     by the kernel when the holder dies, even by kill -9, so a crash never leaves a stale lock.
     """
     locks_dir.mkdir(parents=True, exist_ok=True)
-    path = locks_dir / f"{writer}.lock"
+    path = lock_path(locks_dir, writer)
     handle = open(path, "a+")
     deadline = time.monotonic() + timeout_s
     try:
@@ -107,7 +147,7 @@ def writer_lock(locks_dir: Path, writer: str, timeout_s: float) -> Iterator[None
                 time.sleep(0.5)
         handle.seek(0)
         handle.truncate()
-        handle.write(f"pid {os.getpid()} since {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n")
+        handle.write(lock_holder_line())
         handle.flush()
         yield
     finally:
@@ -167,10 +207,11 @@ def table_id(spark: SparkSession, path: Path) -> str:
 
 
 def history_rows(spark: SparkSession, path: Path, limit: int | None = None) -> list[dict]:
-    """DESCRIBE HISTORY's version, operation, operationParameters, operationMetrics and userMetadata of the
-    newest `limit` commits (all when None), newest first, read from the commit files of the table's log (Delta
-    protocol: each `<version>.json` holds the commit's `commitInfo`). DESCRIBE HISTORY costs a Spark job, and a
-    run asks some ten times; it answers instead for a log without commitInfo (another writer's)."""
+    """DESCRIBE HISTORY's version, operation, operationParameters, operationMetrics, userMetadata and timestamp
+    (`timestamp_ms`, epoch milliseconds) of the newest `limit` commits (all when None), newest first, read from the
+    commit files of the table's log (Delta protocol: each `<version>.json` holds the commit's `commitInfo`).
+    DESCRIBE HISTORY costs a Spark job, and a run asks some ten times; it answers instead for a log without
+    commitInfo (another writer's)."""
     latest = table_version(spark, path)
     if latest is None:
         return []
@@ -184,10 +225,12 @@ def history_rows(spark: SparkSession, path: Path, limit: int | None = None) -> l
             break  # cleaned up by log retention: DESCRIBE HISTORY would not show it either
         if info is None:
             columns = ("version", "operation", "operationParameters", "operationMetrics", "userMetadata")
-            return [r.asDict() for r in delta_sql.history(spark, path, limit).select(*columns).collect()]
+            return [r.asDict() for r in delta_sql.history(spark, path, limit)
+                    .select(*columns, F.unix_millis("timestamp").alias("timestamp_ms")).collect()]
         rows.append({"version": version, "operation": info.get("operation"),
                      "operationParameters": info.get("operationParameters") or {},
-                     "operationMetrics": info.get("operationMetrics") or {}, "userMetadata": info.get("userMetadata")})
+                     "operationMetrics": info.get("operationMetrics") or {}, "userMetadata": info.get("userMetadata"),
+                     "timestamp_ms": info.get("inCommitTimestamp", info.get("timestamp"))})
     return rows
 
 

@@ -1,5 +1,5 @@
 """`statetables` command line: generate sample data, run the pipeline headless through Dagster,
-print the state tables, refresh one, prepare the Dagster instance.
+print the state tables, refresh one, show where each stream stands, prepare the Dagster instance.
 
     statetables generate --stream payments --events 100000 --malformed 0.005 --duplicates 0.01 --late 0.02 --seed 1
     statetables run [--job advance_all] [--show] [--warn-only-check ASSET:CHECK] [--remote sc://127.0.0.1:15002 | --master spark://127.0.0.1:7077]
@@ -8,6 +8,7 @@ print the state tables, refresh one, prepare the Dagster instance.
     statetables savepoint create|list|restore [NAME]
     statetables restore-changelog --table movie_tickets_sold --version 12 [--into NAME]
     statetables refresh TABLE       # rebuild a state table from bronze after its declaration changed
+    statetables status [--json]     # per stream: files waiting, the last batch, versions, what each step folded, ...
     statetables --project FILE ...  # another project file than ./statetables.yaml
     statetables dev [--port 3000] [--engine-port 15002 | --embedded]   # Dagster UI + daemon + a warm Spark Connect engine
     statetables serve [--port 3000] [--engine-port 15002 | --embedded] # the same, with the continuous job running
@@ -164,6 +165,16 @@ def _refresh(args: argparse.Namespace) -> int:
     return 0
 
 
+def _status(args: argparse.Namespace) -> int:
+    import json
+
+    from pipelines.status import render, storage_status
+
+    report = storage_status(StorageLayout.under())
+    print(json.dumps(report, indent=2) if args.json else render(report))
+    return 0
+
+
 def _serve_until_interrupted(what: str, url: str) -> int:
     import time
 
@@ -311,6 +322,12 @@ def main(argv: list[str] | None = None) -> int:
                                                   "definition, replacing its content in one commit")
     refresh.add_argument("table")
     refresh.set_defaults(func=_refresh)
+
+    status = commands.add_parser("status", help="where each stream stands: landing files not ingested yet, the last "
+                                                "micro-batch, table versions, what each step has folded, quarantine "
+                                                "reasons, late events, the writer lock, the engine")
+    status.add_argument("--json", action="store_true", help="one JSON document (stable keys) instead of text")
+    status.set_defaults(func=_status)
 
     dev = commands.add_parser("dev", help="Dagster UI + daemon on 127.0.0.1 beside a warm Spark Connect engine")
     serve = commands.add_parser("serve", help="as `dev`, with the continuous job running")
