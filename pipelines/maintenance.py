@@ -47,11 +47,10 @@ def _retention(spark, path: Path, name: str, saved: dict[str, int], retain: time
     version = saved.get(name)
     if version is None:
         return retain
-    when = next((row["timestamp"] for row in history_rows(spark, path) if row["version"] == version), None)
-    if when is None:
+    when_ms = next((row["timestamp_ms"] for row in history_rows(spark, path) if row["version"] == version), None)
+    if when_ms is None:
         return retain
-    if when.tzinfo is None:  # Spark returns naive datetimes in the session's time zone (UTC here)
-        when = when.replace(tzinfo=timezone.utc)
+    when = datetime.fromtimestamp(when_ms / 1000, timezone.utc)
     return max(retain, datetime.now(timezone.utc) - when + SAVEPOINT_MARGIN)
 
 
