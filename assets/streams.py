@@ -26,12 +26,12 @@ from pipelines.bronze import DEFAULT_MAX_FILES_PER_TRIGGER
 from pipelines.changelog import changelog_name
 from pipelines.expiry import EXPIRY
 from pipelines import table_checks
-from pipelines.state import folded_through
+from pipelines.state import changed_definitions, folded_through
 from pipelines.stream_query import StreamSettings, advance_stream
 from pipelines.table_checks import quarantine_reasons, state_totals
 from pipelines.streaming import StreamRunResult, commits_since
-from pipelines.errors import ConfigurationError
-from pipelines.streams import StateTableSpec, StreamSpec, stream_spec
+from pipelines.errors import ConfigurationError, DefinitionChangedError
+from pipelines.streams import StateTableSpec, StreamSpec, stream_spec, streams
 from resources import CheckPolicyResource, SparkSessionResource, StorageResource
 
 class StreamConfig(dg.Config):
@@ -66,6 +66,14 @@ def _versions(result: StreamRunResult, name: str) -> dict:
 
 def _event_time_assets(spec: StreamSpec):
     return windows_assets if spec.windows else sessions_assets if spec.sessions else None
+
+
+def require_current_definitions(layout) -> None:
+    """When the code location loads: refuse state tables whose rows an earlier definition wrote, naming the fix (a
+    run would refuse them too, before touching data)."""
+    changed = changed_definitions(layout, [t for spec in streams().values() for t in spec.state_tables])
+    if changed:
+        raise DefinitionChangedError("The project file changed state tables that hold rows: " + "; ".join(changed))
 
 
 def build_stream_assets(spec: StreamSpec, keeps_event_time: bool = True) -> list:

@@ -116,6 +116,34 @@ def require_definition(spark: SparkSession, table_path: Path, table: StateTableS
     delta_sql.set_property(spark, table_path, DEFINITION_PROPERTY, wanted)
 
 
+LOG_SEARCHED = 200  # newest commit files searched for the table's metadata when the code location loads
+
+
+def recorded_definition(table_path: Path) -> str | None:
+    """The fingerprint the table's newest metadata records, read from its log's commit files (the Delta protocol:
+    a `metaData` action carries the table's properties), without Spark, so that the code location can check it
+    when it loads. None when none of the newest commit files holds metadata (older ones checkpointed away)."""
+    log = Path(table_path) / "_delta_log"
+    if not log.is_dir():
+        return None
+    commits = sorted((p for p in log.glob("*.json") if p.stem.isdigit()), reverse=True)[:LOG_SEARCHED]
+    for commit in commits:
+        with open(commit, encoding="utf-8") as handle:
+            for line in filter(str.strip, handle):
+                action = json.loads(line)
+                if "metaData" in action:
+                    return (action["metaData"].get("configuration") or {}).get(DEFINITION_PROPERTY)
+    return None
+
+
+def changed_definitions(layout: StorageLayout, tables: list[StateTableSpec]) -> list[str]:
+    """What to tell the operator about tables whose recorded definition is not the declared one."""
+    return [f"{t.name} (line {t.line}): its rows were written under another definition; its keys or aggregates "
+            f"changed. Fix: `statetables refresh {t.name}` rebuilds it from bronze under the new one (or put the "
+            f"old SQL back)" for t in tables
+            if (found := recorded_definition(layout.table(t.name))) is not None and found != definition_of(t)]
+
+
 def _average(a: Aggregate, total: Column, count: Column, decimal: bool) -> Column:
     """Spark's AVG from an exact sum and count: for decimals the division Average itself does."""
     if decimal:

@@ -8,11 +8,14 @@ from assets.automation import (
 )
 from assets.continuous import run_continuously
 from assets.maintenance import maintain_all_tables, refresh_state_table_job, weekly_maintenance
-from assets.streams import build_stream_assets
+from assets.streams import build_stream_assets, require_current_definitions
+from pipelines.layout import StorageLayout
 from pipelines.session import default_remote
 from pipelines.stream_query import event_time_streams
 from pipelines.streams import streams
 from resources import CheckPolicyResource, SparkSessionResource, StorageResource
+
+require_current_definitions(StorageLayout.under())  # a changed declaration fails the load, naming the fix
 
 defs = dg.Definitions(
     assets=[a for spec in streams().values() for a in build_stream_assets(spec, spec.name in event_time_streams())],

@@ -19,6 +19,7 @@ from deltalake import DeltaTable as IndependentDeltaTable
 from pipelines.errors import ConfigurationError, DefinitionChangedError
 from pipelines.project import PROJECT_ENV, load_project, project
 from pipelines.refresh import refresh_state_table
+from pipelines.state import changed_definitions
 from pipelines.stream_query import StreamSettings, advance_stream
 
 EXAMPLE = """\
@@ -163,6 +164,9 @@ def test_declared_stream_two_runs_refresh_and_a_new_table(spark, layout, landing
     # A changed aggregate is refused until the table is refreshed; then the table holds the new definition.
     project_file.write_text(EXAMPLE.replace("MAX(total) AS largest_order", "MAX(total) AS largest_order, "
                                             "SUM(total) AS revenue_again") + COUPONS)
+    # ... when the code location loads (read from the table's log, no Spark) and when a run starts:
+    changed = changed_definitions(layout, project().state_tables)
+    assert len(changed) == 1 and "statetables refresh orders_per_region" in changed[0]
     with pytest.raises(DefinitionChangedError, match=r"orders_per_region.*statetables refresh orders_per_region"):
         run()
     spec = project().stream("orders")
