@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
@@ -112,8 +112,7 @@ class _Where:
 
 
 def _value(node: yaml.Node):
-    return yaml.SafeLoader("").construct_object(node, deep=True) if not isinstance(node, yaml.ScalarNode) else \
-        yaml.SafeLoader("").construct_object(node)
+    return yaml.SafeLoader("").construct_object(node, deep=True)
 
 
 def _mapping(where: _Where, node: yaml.Node, what: str) -> dict[str, tuple[yaml.Node, yaml.Node]]:
@@ -154,7 +153,7 @@ def load_project(text: str, path: Path) -> Project:
             raise where.fail(item, f"the table name {table.name!r} is taken", "give the state table another name")
         taken.add(table.name)
         tables[table.stream].append(table)
-    specs = {name: _with_tables(spec, tuple(tables[name])) for name, spec in streams.items()}
+    specs = {name: replace(spec, state_tables=tuple(tables[name])) for name, spec in streams.items()}
     for spec in specs.values():
         if (spec.windows or spec.sessions) and spec.value_field is None:
             raise where.fail(None, f"stream {spec.name} (line {spec.line}) declares `{'windows' if spec.windows else 'sessions'}:`, "
@@ -166,11 +165,6 @@ def load_project(text: str, path: Path) -> Project:
             raise where.fail(None, f"{', '.join(s.name for s in using)} all declare `{kind}:`; their output tables "
                              f"have one name each", f"declare `{kind}:` on one stream")
     return Project(path, specs)
-
-
-def _with_tables(spec: StreamSpec, tables: tuple[StateTableSpec, ...]) -> StreamSpec:
-    from dataclasses import replace
-    return replace(spec, state_tables=tables)
 
 
 def _number(where: _Where, node: yaml.Node, what: str, *, positive: bool = True) -> float:
@@ -211,7 +205,6 @@ def _stream(where: _Where, name: str, key: yaml.Node, node: yaml.Node) -> Stream
         settings["windows"] = _windows(where, spec, entries["windows"][1])
     if "sessions" in entries:
         settings["sessions"] = _sessions(where, spec, entries["sessions"][1])
-    from dataclasses import replace
     return replace(spec, **settings)
 
 
