@@ -53,7 +53,9 @@ weekly_maintenance = dg.ScheduleDefinition(
 
 
 class RefreshConfig(dg.Config):
-    table: str = Field(description="The state table to rebuild from bronze under the project file's definition.")
+    table: str = Field(default="", description=(
+        "The state table to rebuild from bronze under the project file's definition (required: empty fails the "
+        "run, naming the tables there are)."))
 
 
 @dg.op(description="Rebuild one state table from its stream's bronze under the current definition, in one commit.")
