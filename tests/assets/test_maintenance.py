@@ -50,7 +50,7 @@ def test_maintenance_compacts_keeps_savepoints_readable_and_refresh_rebuilds(spa
     (output,) = [e for e in result.all_events if e.event_type_value == "STEP_OUTPUT"]
     records = {r.data["table"]: r.data for r in output.event_specific_data.metadata["tables"].value.records}
     assert records["payments_bronze"]["files_compacted"] >= 3 and records["payments_bronze"]["files_written"] >= 1
-    assert history_rows(spark, layout.table("payments_bronze"), 1)[0]["operation"] == "OPTIMIZE"
+    assert "OPTIMIZE" in {c["operation"] for c in history_rows(spark, layout.table("payments_bronze"), 5)}
     assert _state(layout) == before  # compaction changes no row
     # The savepoint's version is still readable, and a restore to it still works.
     assert IndependentDeltaTable(str(layout.table(TABLE.name)), version=saved).to_pyarrow_table().num_rows > 0
