@@ -114,8 +114,8 @@ def build_stream_assets(spec: StreamSpec, keeps_event_time: bool = True) -> list
     def stream(context: dg.AssetExecutionContext, config: StreamConfig, spark: SparkSessionResource,
                storage: StorageResource, check_policy: CheckPolicyResource):
         session, layout = spark.spark_session, storage.layout()
-        result = advance_stream(session, layout, current_declaration(spec),
-                                replace(config.settings(), event_time=event_time is not None))
+        current = current_declaration(spec)
+        result = advance_stream(session, layout, current, replace(config.settings(), event_time=event_time is not None))
         bronze_commits = result.commits[spec.bronze_table]
         counts = {k: sum(c["user"].get(k, 0) for c in bronze_commits)
                   for k in ("files", "lines", "accepted", "quarantined", "duplicates", "already_ingested",
@@ -150,8 +150,8 @@ def build_stream_assets(spec: StreamSpec, keeps_event_time: bool = True) -> list
             severity=dg.AssetCheckSeverity.WARN,
             metadata={"quarantine_rate": round(rate, 6), "threshold": config.quarantine_warn_rate,
                       "lines_read": counts["lines"], "rows_quarantined": counts["quarantined"]})
-        for table in spec.state_tables:
-            yield _state_result(session, layout, spec, table, result, counts, common)
+        for table in current.state_tables:
+            yield _state_result(session, layout, current, table, result, counts, common)
         if event_time is not None:
             yield from event_time.results(session, layout, result, check_policy)
         for table in spec.state_tables:

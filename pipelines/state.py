@@ -84,7 +84,9 @@ def state_schema(table: StateTableSpec) -> StructType:
 
 
 def ensure_state_table(spark: SparkSession, layout: StorageLayout, table: StateTableSpec) -> None:
-    create_table_if_missing(spark, layout.table(table.name), state_schema(table))
+    # The definition is recorded by the creation itself: a commit of its own would be a version with no rows.
+    create_table_if_missing(spark, layout.table(table.name), state_schema(table),
+                            properties={DEFINITION_PROPERTY: definition_of(table)})
 
 
 DEFINITION_PROPERTY = "statetables.definition"  # a fingerprint of the keys and aggregates that wrote the rows

@@ -155,7 +155,7 @@ def writer_lock(locks_dir: Path, writer: str, timeout_s: float) -> Iterator[None
 
 
 def create_table_if_missing(spark: SparkSession, path: Path, schema: StructType, *,
-                            change_data_feed: bool = True) -> None:
+                            change_data_feed: bool = True, properties: dict[str, str] | None = None) -> None:
     """Create the Delta table at `path` unless it exists.
 
     A process killed while creating a table can leave `_delta_log/` without its first commit; Delta
@@ -171,8 +171,8 @@ def create_table_if_missing(spark: SparkSession, path: Path, schema: StructType,
     if log.is_dir() and not any(p.suffix == ".json" or ".checkpoint" in p.name for p in log.iterdir()):
         os.replace(log, path / f"_delta_log.uncommitted-{time.time_ns()}")
     try:
-        delta_sql.create_table_if_missing(spark, path, schema,
-                                          {"delta.enableChangeDataFeed": "true"} if change_data_feed else None)
+        delta_sql.create_table_if_missing(spark, path, schema, {
+            **({"delta.enableChangeDataFeed": "true"} if change_data_feed else {}), **(properties or {})} or None)
     except Exception:
         if table_version(spark, path) is None:
             raise
