@@ -15,7 +15,6 @@ import json
 import os
 import re
 import time
-from pathlib import Path
 
 import dagster as dg
 
@@ -26,7 +25,8 @@ from assets.keys import (
 )
 from pipelines.errors import ConfigurationError, EngineUnavailableError
 from pipelines.session import REMOTE_ENV, engine_answers
-from pipelines.source import landing_files
+from pipelines.source import landing_listing
+from pipelines.storage import AnyPath
 from pipelines.streams import StreamSpec, streams
 from resources import SparkSessionResource, StorageResource
 
@@ -93,16 +93,10 @@ def landing_sensor_interval() -> int:
     return int(value)
 
 
-def _newest_landing_file(folder: Path) -> tuple[int, str] | None:
+def _newest_landing_file(folder: AnyPath) -> tuple[int, str] | None:
     """(mtime_ns, path) of the newest complete landing file at any depth (an append makes a file newer)."""
-    newest = None
-    for path in landing_files(folder):
-        try:
-            key = (path.stat().st_mtime_ns, str(path))
-        except FileNotFoundError:
-            continue
-        newest = key if newest is None or key > newest else newest
-    return newest
+    listing = landing_listing(folder)
+    return (listing[-1][0], listing[-1][1]) if listing else None
 
 
 @dg.sensor(jobs=list(stream_jobs.values()), minimum_interval_seconds=landing_sensor_interval(),

@@ -27,6 +27,8 @@ from pathlib import Path
 
 from pyspark.sql import SparkSession
 
+from pipelines import storage
+from pipelines.storage import AnyPath
 from pipelines.streaming import history_rows, table_version
 
 ORIGIN_FILE = "statetables_checkpoint.json"
@@ -128,11 +130,8 @@ def start_checkpoint(checkpoint_dir: Path, query_name: str, reason: str, *, firs
     return origin
 
 
-def write_origin(checkpoint_dir: Path, origin: CheckpointOrigin) -> None:
-    checkpoint_dir.mkdir(parents=True, exist_ok=True)
-    tmp = checkpoint_dir / f".{ORIGIN_FILE}.{os.getpid()}"
-    tmp.write_text(json.dumps(asdict(origin), indent=1) + "\n")
-    os.replace(tmp, checkpoint_dir / ORIGIN_FILE)
+def write_origin(checkpoint_dir: AnyPath, origin: CheckpointOrigin) -> None:
+    storage.write_atomic(checkpoint_dir / ORIGIN_FILE, (json.dumps(asdict(origin), indent=1) + "\n").encode())
 
 
 def set_aside(checkpoint_dir: Path, set_aside_root: Path) -> Path | None:
@@ -141,7 +140,7 @@ def set_aside(checkpoint_dir: Path, set_aside_root: Path) -> Path | None:
         return None
     set_aside_root.mkdir(parents=True, exist_ok=True)
     target = set_aside_root / f"{checkpoint_dir.name}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{os.getpid()}"
-    os.replace(checkpoint_dir, target)
+    storage.replace(checkpoint_dir, target)
     return target
 
 

@@ -11,7 +11,6 @@ calls add files instead of overwriting them.
 from __future__ import annotations
 
 import json
-import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ from datetime import datetime, timedelta, timezone
 from decimal import Decimal
 from pathlib import Path
 
+from pipelines import storage
 from pipelines.streams import FieldRule, StreamSpec
 
 DEMO_STREAMS = ("movie_ticket_sales", "payments")  # the shipped project file's, with the demo's own values
@@ -168,9 +168,7 @@ def generate(spec: StreamSpec, landing_dir: Path, *, events: int, malformed: flo
         if not lines:
             return
         name = f"{spec.name}-{tag}-{len(summary.files):05d}.jsonl"
-        hidden = landing_dir / f".{name}"
-        hidden.write_bytes(b"\n".join(lines) + b"\n")
-        os.replace(hidden, landing_dir / name)  # visible only once complete
+        storage.write_atomic(landing_dir / name, b"\n".join(lines) + b"\n")  # visible only once complete
         summary.files.append(name)
         lines.clear()
 

@@ -1,7 +1,7 @@
 """Where everything lives under the storage root ($STATETABLES_HOME, default ./data).
 
     landing/<stream>/**/*.jsonl[.gz] input files (written once, `_`/`.` prefix while in flight)
-    staging/<stream>/<unit>.jsonl    safe-named links to landing content (pipelines/source.py)
+    staging/<stream>/<unit>.jsonl    safe-named links to landing content (copies on S3; pipelines/source.py)
     tables/<stream>_bronze           accepted events
     tables/<stream>_quarantine       malformed lines and conflicting duplicates, with reasons
     tables/<stream>_files            the ledger: every unit of landing content, with size, mtime, sha256
@@ -9,8 +9,11 @@
     checkpoints/<query name>/        Structured Streaming checkpoints
     checkpoints/_set_aside/          checkpoints found untrusted, kept for inspection
     savepoints/<name>/               named snapshots: table versions + checkpoint copies
-    locks/<writer>.lock              one writer per stream (kernel file locks)
-    dagster/                         the Dagster instance (runs, schedules, sensors)
+    locks/<writer>.lock              one writer per stream (kernel file locks; pipelines/locks.py)
+    locks/<writer>.lease             the same on an object store: a lease renewed with conditional writes
+    dagster/                         the Dagster instance (runs, schedules, sensors); always local
+
+The root is a local folder or `s3a://bucket/prefix` (pipelines/storage.py): the same layout in both.
 """
 
 from __future__ import annotations
@@ -21,12 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipelines.errors import ConfigurationError
+from pipelines.storage import S3_SCHEME, AnyPath, S3Path
 
 HOME_ENV = "STATETABLES_HOME"
 DEFAULT_HOME = "data"
 
 
-def _inside(root: Path, path: Path) -> bool:
+def _inside(root: AnyPath, path: AnyPath) -> bool:
     return path == root or root in path.parents
 
 
@@ -35,27 +39,35 @@ def _inside(root: Path, path: Path) -> bool:
 UNSAFE_ROOT_CHARACTERS = ":[]{}*?"
 
 
-def _posix_root(raw: str) -> str:
-    """The storage root as a POSIX path; `file://` URIs are accepted, object-store URIs refused.
+def _root(raw: str) -> AnyPath:
+    """The storage root: a local folder (a path or a `file://` URI), or an S3 bucket and prefix (`s3a://`).
 
-    Without this, `s3a://bucket/x` would silently become the local folder `./s3a:/bucket/x`. And the
-    one-writer guarantee rests on a kernel file lock under the root (pipelines/streaming.py
-    `writer_lock`), which object stores do not have (docs/deploy.md)."""
+    Without this, `s3a://bucket/x` would silently become the local folder `./s3a:/bucket/x`."""
     scheme = re.match(r"^([A-Za-z][A-Za-z0-9+.-]*)://", raw)
     if scheme is None:
-        return raw
-    if scheme.group(1).lower() == "file":
-        return raw[len("file://"):] or "/"
+        return Path(raw).expanduser().resolve()
+    name = scheme.group(1).lower()
+    if name == "file":
+        return Path(raw[len("file://"):] or "/").resolve()
+    if name == S3_SCHEME:
+        root = S3Path.parse(raw)
+        bad = sorted({c for c in root.key if c in UNSAFE_ROOT_CHARACTERS})
+        if bad:
+            raise ConfigurationError(f"The storage root {raw} contains {' '.join(bad)}, which Spark and Hadoop paths "
+                                     f"cannot hold. Fix: choose a prefix without any of {UNSAFE_ROOT_CHARACTERS}.")
+        return root
+    hint = " (Spark's S3 connector is s3a://: write s3a://bucket/prefix)" if name in ("s3", "s3n") else ""
     raise ConfigurationError(
-        f"The storage root {raw} is on {scheme.group(1)}://, which statetables does not support yet: its one-writer "
-        f"lock and checkpoint checks need a POSIX file system, and on an object store two runs could advance a "
-        f"stream at once. Fix: set {HOME_ENV} to a local folder, or to a shared POSIX mount (NFS) at the same path "
-        f"on every host; docs/deploy.md says what an object-store root needs."
+        f"The storage root {raw} is on {name}://, which statetables does not support{hint}. Fix: set {HOME_ENV} "
+        f"to a local folder, a shared POSIX mount at the same path on every host, or s3a://bucket/prefix "
+        f"(docs/deploy.md)."
     )
 
 
-def _require_usable_root(root: Path) -> None:
+def _require_usable_root(root: AnyPath) -> None:
     """Fail before anything is created if the storage root can never work."""
+    if isinstance(root, S3Path):
+        return  # the bucket is asked when a run starts (`storage.require_bucket`): loading code makes no request
     bad = sorted({c for c in str(root) if c in UNSAFE_ROOT_CHARACTERS})
     if bad:
         raise ConfigurationError(
@@ -81,10 +93,10 @@ class StorageLayout:
     PosixPath('/srv/statetables/tables/movie_tickets_sold')
     """
 
-    home: Path
-    landing_root: Path
-    tables_root: Path
-    checkpoints_root: Path
+    home: AnyPath
+    landing_root: AnyPath
+    tables_root: AnyPath
+    checkpoints_root: AnyPath
 
     @classmethod
     def under(
@@ -101,10 +113,13 @@ class StorageLayout:
         everything the project writes lives under one root that can be backed up or wiped.
         """
         raw = str(home or os.environ.get(HOME_ENV) or DEFAULT_HOME)
-        root = Path(_posix_root(raw)).expanduser().resolve()
+        root = _root(raw)
         _require_usable_root(root)
         resolved = {}
         for name, sub in (("landing", landing), ("tables", tables), ("checkpoints", checkpoints)):
+            if isinstance(root, S3Path) and str(sub).startswith("/"):
+                raise ConfigurationError(f"The {name} folder {sub} is absolute, outside the storage root {root}. "
+                                         f"Fix: give it relative to the root.")
             path = (root / sub).resolve()
             if not _inside(root, path):
                 raise ConfigurationError(
@@ -147,5 +162,13 @@ class StorageLayout:
         return self.home / "savepoints"
 
     @property
+    def on_object_store(self) -> bool:
+        return isinstance(self.home, S3Path)
+
+    @property
     def dagster_home(self) -> Path:
+        """The Dagster instance (runs, schedules, sensors): SQLite files, so always on a local disk. With an object
+        store root, `$DAGSTER_HOME`, or ./data/dagster."""
+        if isinstance(self.home, S3Path):
+            return Path(os.environ.get("DAGSTER_HOME") or Path(DEFAULT_HOME) / "dagster").resolve()
         return self.home / "dagster"

@@ -23,7 +23,8 @@ from pipelines.event_time import LATE
 from pipelines.layout import StorageLayout
 from pipelines.savepoints import list_savepoints
 from pipelines.sessions import ACTIVITY, LAST_SESSIONS, OPEN_SESSIONS
-from pipelines.streaming import history_rows, table_version, writer_lock
+from pipelines.locks import writer_lock
+from pipelines.streaming import history_rows, table_version
 from pipelines.streams import StreamSpec
 from pipelines.windows import HOURLY, OPEN_HOURS, TOP
 

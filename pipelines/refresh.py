@@ -23,7 +23,8 @@ from pipelines.errors import ConfigurationError
 from pipelines.expiry import EXPIRED, ExpiredTotals, TTL_PROPERTY, expire_keys, newest_ingested_us
 from pipelines.layout import StorageLayout
 from pipelines.state import DEFINITION_PROPERTY, FOLDED_THROUGH, aggregate, definition_of
-from pipelines.streaming import USER_METADATA, commit_confs, table_id, table_version, writer_lock
+from pipelines.streaming import USER_METADATA, commit_confs, table_id, table_version
+from pipelines.locks import writer_lock
 from pipelines.streams import StateTableSpec, StreamSpec
 
 

@@ -13,7 +13,6 @@ after it again, exactly once, before its query starts.
 from __future__ import annotations
 
 import json
-import os
 import re
 import time
 from pathlib import Path
@@ -25,7 +24,8 @@ from pipelines.errors import ConfigurationError, SavepointError
 from pipelines.expiry import EXPIRED, expired_totals, ttl_property
 from pipelines.layout import StorageLayout
 from pipelines.state import FOLDED_THROUGH, folded_through, set_table_content
-from pipelines.streaming import writer_lock
+from pipelines import storage
+from pipelines.locks import writer_lock
 from pipelines.project import project
 from pipelines.streams import streams
 
@@ -44,7 +44,7 @@ def create_savepoint(spark: SparkSession, layout: StorageLayout, name: str, *, l
     if (folder / MANIFEST).exists():
         raise SavepointError(f"Savepoint {name} already exists ({folder}). Fix: choose another name.")
     if folder.exists():  # an earlier attempt died before its manifest: start it again
-        os.replace(folder, folder.with_name(f".{name}.incomplete-{time.time_ns()}"))
+        storage.replace(folder, folder.with_name(f".{name}.incomplete-{time.time_ns()}"))
     manifest = {"name": name, "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "tables": {}}
     for spec in streams().values():
         with writer_lock(layout.locks, spec.name, lock_timeout_s):
@@ -56,10 +56,7 @@ def create_savepoint(spark: SparkSession, layout: StorageLayout, name: str, *, l
                                          f"savepoint.")
                 manifest["tables"][table.name] = {"stream": spec.name, "version": found.version,
                                                   "bronze_version": found.through}
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / f".{MANIFEST}"
-    tmp.write_text(json.dumps(manifest, indent=1) + "\n")
-    os.replace(tmp, folder / MANIFEST)
+    storage.write_atomic(folder / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
     return manifest
 
 

@@ -22,6 +22,8 @@ from urllib.parse import urlparse
 from pyspark.sql import SparkSession
 
 from pipelines.errors import ConfigurationError, EngineUnavailableError
+from pipelines.layout import HOME_ENV
+from pipelines.storage import DEFAULT_REGION, ENDPOINT_ENV, REGION_ENV, is_object_store
 
 JARS_ENV = "STATETABLES_JARS_DIR"
 # The warm engine every run of the code location connects to when set (`make dev`, `make serve` set it to the
@@ -65,6 +67,8 @@ LOCAL_DEFAULTS = {
     "spark.driver.memory": "2g",
     "spark.sql.streaming.stopGracefullyOnShutdown": "true",
 }
+# S3A on an object-store root; measured and explained in docs/deploy.md.
+OBJECT_STORE_DEFAULTS: dict[str, str] = {}
 # What a driver JVM prints at its start whatever it is asked: Spark's launcher always adds the Vector API's
 # incubator module (JavaModuleOptions), and the JVM warns about it, with no flag to silence that; Spark, started as
 # PySpark's shell, says it set the shell's log level even when log4j2.properties sets every level.
@@ -138,6 +142,48 @@ def delta_jars(jars_dir: str | os.PathLike | None = None) -> list[Path]:
     return jars
 
 
+S3_JARS_SUBDIR = "s3"
+S3_JAR = "hadoop-aws-"
+
+
+def object_store_root() -> str | None:
+    """The storage root when it is on an object store ($STATETABLES_HOME = s3a://...), else None."""
+    home = os.environ.get(HOME_ENV, "").strip()
+    return home if is_object_store(home) else None
+
+
+def object_store_jars(jars_dir: str | os.PathLike | None = None) -> list[Path]:
+    """Hadoop's S3A connector and the AWS SDK modules it needs (`make jars-s3`), kept apart from the jars every run
+    loads, so that a local-disk install never fetches them."""
+    folder = Path(jars_dir or os.environ.get(JARS_ENV) or DEFAULT_JARS_DIR) / S3_JARS_SUBDIR
+    jars = sorted(folder.glob("*.jar")) if folder.is_dir() else []
+    if not any(j.name.startswith(S3_JAR) for j in jars):
+        raise ConfigurationError(
+            f"The storage root {object_store_root()} is on an object store, and Hadoop's S3 connector "
+            f"({S3_JAR}*.jar) is not in {folder}. Fix: run `make jars-s3` once (resolves it with Maven), or set "
+            f"{HOME_ENV} to a local folder.")
+    return jars
+
+
+def object_store_confs() -> dict[str, str]:
+    """Hadoop S3A's settings for the storage root's store, from the same environment boto3 reads
+    (pipelines/storage.py): the endpoint, the region, the credentials. Passed as Spark confs so that executors on
+    other hosts get them from the driver. Spark redacts the secret in its UI and logs (`spark.redaction.regex`)."""
+    endpoint = os.environ.get(ENDPOINT_ENV, "").strip()
+    conf = {"spark.hadoop.fs.s3a.endpoint.region": os.environ.get(REGION_ENV) or DEFAULT_REGION}
+    if endpoint:
+        conf.update({"spark.hadoop.fs.s3a.endpoint": endpoint, "spark.hadoop.fs.s3a.path.style.access": "true",
+                     "spark.hadoop.fs.s3a.connection.ssl.enabled": str(endpoint.startswith("https")).lower()})
+    for variable, key in (("AWS_ACCESS_KEY_ID", "access.key"), ("AWS_SECRET_ACCESS_KEY", "secret.key"),
+                          ("AWS_SESSION_TOKEN", "session.token")):
+        if os.environ.get(variable):
+            conf[f"spark.hadoop.fs.s3a.{key}"] = os.environ[variable]
+    if os.environ.get("AWS_SESSION_TOKEN"):
+        conf["spark.hadoop.fs.s3a.aws.credentials.provider"] = \
+            "org.apache.hadoop.fs.s3a.TemporaryAWSCredentialsProvider"
+    return {**conf, **OBJECT_STORE_DEFAULTS}
+
+
 def class_archive_options(jars_dir: str | os.PathLike | None = None) -> str | None:
     """Driver JVM options that map the class archive, if `make class-archive` built one."""
     archive = Path(jars_dir or os.environ.get(JARS_ENV) or DEFAULT_JARS_DIR) / CLASS_ARCHIVE
@@ -170,6 +216,8 @@ def session_confs(settings: SparkSettings | None = None) -> dict[str, str]:
 
     require_java()
     jars = delta_jars(settings.jars_dir)
+    if object_store_root():
+        jars += object_store_jars(settings.jars_dir)
     conf = {"spark.master": settings.master, "spark.app.name": settings.app_name,
             **SESSION_CONFS, **LOCAL_DEFAULTS, "spark.jars": ",".join(str(j) for j in jars)}
     if settings.master.startswith(("local", "spark://127.0.0.1:", "spark://localhost:")):
@@ -185,6 +233,8 @@ def session_confs(settings: SparkSettings | None = None) -> dict[str, str]:
     # for the 2 cores (8% less wall time on small runs, measured).
     options = [archive, PARALLEL_GC, f"-Dlog4j2.configurationFile=file:{LOG4J_CONFIG}"]
     conf["spark.driver.extraJavaOptions"] = " ".join(o for o in options if o)
+    if object_store_root():
+        conf.update(object_store_confs())
     conf.update(settings.conf)
     return conf
 

@@ -3,12 +3,13 @@
 Spark's file source cannot be pointed at the landing folder as it is: it reads every name as a
 glob pattern (`[x]`, `{a,b}` and `*` read other files twice), Hadoop rejects names with `:`, it does
 not descend into date folders, and it never looks at a file again once listed (an append or a
-rewrite would be lost without a word). So the landing folder is scanned here, in plain Python:
+rewrite would be lost without a word). So the landing folder is scanned here, in plain Python (on an object
+store, with its own listing: pipelines/storage.py):
 
 - every new piece of content becomes a *unit* (a new file, the bytes appended to a file, or the new
   content of a file rewritten under the same name) with a row in the stream's ledger table
   `<stream>_files` (size, modification time, sha256, lines) and a symlink under a safe name in
-  `staging/<stream>/`; names are only ever compared, never interpreted;
+  `staging/<stream>/` (on an object store, a server-side copy); names are only ever compared, never interpreted;
 - the ingest query streams the ledger (a Delta source, so each unit is planned exactly once per
   checkpoint) and reads each unit's link by exact path, keeping the unit's byte range only.
 
@@ -19,21 +20,18 @@ rewritten file's content is version 2, 3, … and its lines are labelled `<path>
 from __future__ import annotations
 
 import hashlib
-import os
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from pathlib import Path
-from typing import Iterator
 
 from pyspark.sql import Column, DataFrame, Row, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.types import BooleanType, IntegerType, LongType, StringType, StructField, StructType, TimestampType
 
+from pipelines import storage
 from pipelines.errors import ConfigurationError
 
 LANDING_SUFFIXES = (".jsonl", ".jsonl.gz")
-IN_FLIGHT_PREFIXES = ("_", ".")  # files (and folders) still being written
 READ_CHUNK = 1 << 20
 
 LEDGER_SCHEMA = StructType([
@@ -57,17 +55,7 @@ LEDGER_SCHEMA = StructType([
 
 
 def is_landing_name(name: str) -> bool:
-    return name.endswith(LANDING_SUFFIXES) and not name.startswith(IN_FLIGHT_PREFIXES)
-
-
-def landing_files(folder: Path) -> Iterator[Path]:
-    """Every landing file below `folder`, at any depth; in-flight names and folders are skipped."""
-    for root, dirs, files in os.walk(folder):
-        dirs[:] = sorted(d for d in dirs if not d.startswith(IN_FLIGHT_PREFIXES))
-        for name in sorted(files):
-            path = Path(root) / name
-            if is_landing_name(name) and path.is_file():
-                yield path
+    return name.endswith(LANDING_SUFFIXES) and not name.startswith(storage.IN_FLIGHT_PREFIXES)
 
 
 @dataclass
@@ -77,11 +65,11 @@ class ScanResult:
     changed: list[dict]  # {"file", "change", "version"} for files appended to or rewritten after ingestion
 
 
-def _digest(path: Path, prefix: int | None) -> tuple[str, str | None, int, bool]:
+def _digest(path: storage.AnyPath, prefix: int | None) -> tuple[str, str | None, int, bool]:
     """(sha256 of the file, sha256 of its first `prefix` bytes, newlines, ends with a newline)."""
     whole, head, newlines, last = hashlib.sha256(), None, 0, b""
     read = 0
-    with open(path, "rb") as handle:
+    with path.open("rb") as handle:
         while chunk := handle.read(READ_CHUNK):
             if prefix is not None and head is None and read + len(chunk) >= prefix:
                 cut = prefix - read
@@ -108,7 +96,7 @@ class LedgerView:
     next_unit: int
 
     @classmethod
-    def read(cls, spark: SparkSession, ledger_path: Path) -> "LedgerView":
+    def read(cls, spark: SparkSession, ledger_path: storage.AnyPath) -> "LedgerView":
         ledger = spark.read.format("delta").load(str(ledger_path))
         newest = ledger.groupBy("source_file").agg(F.max_by(F.struct(*ledger.columns), "unit").alias("u")).select("u.*")
         rows = newest.collect()
@@ -125,27 +113,23 @@ class LedgerView:
             self.next_unit = max(self.next_unit, unit["unit"] + 1)
 
 
-def landing_listing(landing_dir: Path) -> list[tuple[int, str, int]]:
-    """(mtime_ns, path, size) of every complete landing file, in arrival order. Costs no Spark job: a
-    continuous run compares it with the previous one before it scans (pipelines/continuous.py)."""
-    found = []
-    for path in landing_files(landing_dir):
-        try:
-            stat = path.stat()
-        except FileNotFoundError:  # renamed or deleted while scanning: the next scan sees it
-            continue
-        found.append((stat.st_mtime_ns, str(path), stat.st_size))
-    return sorted(found)
+def landing_listing(landing_dir: storage.AnyPath) -> list[tuple[int, str, int]]:
+    """(mtime_ns, path, size) of every complete landing file at any depth, in arrival order; names and folders
+    starting with `_` or `.` are still being written. Costs no Spark job (on S3: one listing, no request per file):
+    a continuous run compares it with the previous one before it scans (pipelines/continuous.py)."""
+    return sorted((stat.st_mtime_ns, str(path), stat.st_size) for path, stat in storage.walk(landing_dir)
+                  if is_landing_name(path.name))
 
 
-def unrecorded_files(landing_dir: Path, view: LedgerView) -> list[tuple[int, str, int]]:
+def unrecorded_files(landing_dir: storage.AnyPath, view: LedgerView) -> list[tuple[int, str, int]]:
     """(mtime_ns, path, size) of the landing files, or the changes to one, that the ledger does not hold yet: what
     the next scan records and the next run ingests. Reads no file."""
     return [(mtime_ns, name, size) for mtime_ns, name, size in landing_listing(landing_dir)
             if not view.has_seen(name, size, mtime_ns)]
 
 
-def scan_landing(spark: SparkSession, landing_dir: Path, ledger_path: Path, staging_dir: Path,
+def scan_landing(spark: SparkSession, landing_dir: storage.AnyPath, ledger_path: storage.AnyPath,
+                 staging_dir: storage.AnyPath,
                  view: LedgerView | None = None) -> ScanResult:
     """Find the content that arrived since the last scan, link it under staging names; returns the new
     ledger rows (not yet committed: `record_units` does that, after the links exist).
@@ -171,7 +155,7 @@ def scan_landing(spark: SparkSession, landing_dir: Path, ledger_path: Path, stag
         compressed = name.endswith(".gz")
         prefix = before["file_size"] if before is not None and size >= before["file_size"] else None
         try:
-            sha, head, newlines, ends_nl = _digest(Path(name), prefix)
+            sha, head, newlines, ends_nl = _digest(storage.storage_path(name), prefix)
         except FileNotFoundError:
             continue
         version, offset, first_line, change = 1, 0, 1, "new"
@@ -190,12 +174,8 @@ def scan_landing(spark: SparkSession, landing_dir: Path, ledger_path: Path, stag
         staged = None
         if length > 0:
             staged = f"{next_unit:012d}{'.jsonl.gz' if compressed else '.jsonl'}"
-            # A symlink is created whole under its final name; a leftover of a scan that died before
-            # its ledger commit carries the same unit number and is replaced.
-            tmp = staging_dir / f".{staged}.{os.getpid()}"
-            tmp.unlink(missing_ok=True)
-            os.symlink(name, tmp)
-            os.replace(tmp, staging_dir / staged)
+            # A leftover of a scan that died before its ledger commit carries the same unit number and is replaced.
+            storage.stage(name, staging_dir / staged)
         units.append({
             "unit": next_unit, "source_file": name, "file_version": version, "change": change,
             "staged_name": staged, "compressed": compressed, "byte_offset": offset, "byte_length": length,
@@ -212,7 +192,7 @@ def _utc(seconds: float) -> datetime:
     return datetime.fromtimestamp(seconds, tz=timezone.utc)
 
 
-def record_units(spark: SparkSession, ledger_path: Path, units: list[dict], per_commit: int) -> None:
+def record_units(spark: SparkSession, ledger_path: storage.AnyPath, units: list[dict], per_commit: int) -> None:
     """Append the scanned units to the ledger, `per_commit` units per commit: the ingest query's
     Delta source then plans at most one commit's file per micro-batch, in unit order."""
     for start in range(0, len(units), per_commit):
@@ -221,7 +201,7 @@ def record_units(spark: SparkSession, ledger_path: Path, units: list[dict], per_
             .coalesce(1).write.format("delta").mode("append").save(str(ledger_path))
 
 
-def read_units(units: DataFrame, staging_dir: Path) -> tuple[DataFrame, list[str], list[int]]:
+def read_units(units: DataFrame, staging_dir: storage.AnyPath) -> tuple[DataFrame, list[str], list[int]]:
     """The content of a micro-batch's units, one row per unit: unit, source_file (label),
     file_modified_at, first_line, content (the unit's bytes). Also the files that vanished before
     they could be read (deleted from landing before ingestion), and the numbers of the units read.

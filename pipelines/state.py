@@ -20,6 +20,7 @@ from pyspark.sql.types import (
     DataType, DecimalType, DoubleType, LongType, StructField, StructType, TimestampType,
 )
 
+from pipelines import storage
 from pipelines import delta_sql
 from pipelines.delta_sql import ident
 from pipelines.bronze import FIELD_TYPES
@@ -125,16 +126,17 @@ def recorded_definition(table_path: Path) -> str | None:
     """The fingerprint the table's newest metadata records, read from its log's commit files (the Delta protocol:
     a `metaData` action carries the table's properties), without Spark, so that the code location can check it
     when it loads. None when none of the newest commit files holds metadata (older ones checkpointed away)."""
-    log = Path(table_path) / "_delta_log"
-    if not log.is_dir():
+    log = storage.storage_path(table_path) / "_delta_log"
+    try:
+        commits = sorted((p for p in log.iterdir() if p.suffix == ".json" and p.stem.isdigit()),
+                         key=lambda p: p.name, reverse=True)[:LOG_SEARCHED]
+    except FileNotFoundError:
         return None
-    commits = sorted((p for p in log.glob("*.json") if p.stem.isdigit()), reverse=True)[:LOG_SEARCHED]
     for commit in commits:
-        with open(commit, encoding="utf-8") as handle:
-            for line in filter(str.strip, handle):
-                action = json.loads(line)
-                if "metaData" in action:
-                    return (action["metaData"].get("configuration") or {}).get(DEFINITION_PROPERTY)
+        for line in filter(str.strip, commit.read_text(encoding="utf-8").splitlines()):
+            action = json.loads(line)
+            if "metaData" in action:
+                return (action["metaData"].get("configuration") or {}).get(DEFINITION_PROPERTY)
     return None
 
 

@@ -35,7 +35,8 @@ from pipelines.session import REMOTE_ENV, build_spark_session, engine_answers
 from pipelines.source import LedgerView, unrecorded_files
 from pipelines.state import folded_through
 from pipelines.stream_query import StreamSettings, stream_tables
-from pipelines.streaming import history_rows, lock_state, table_version
+from pipelines.locks import lock_state
+from pipelines.streaming import history_rows, table_version
 from pipelines.streams import StreamSpec, streams
 
 PENDING_SHOWN = 20  # pending landing files named (all are counted)

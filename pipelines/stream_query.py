@@ -49,9 +49,10 @@ from pipelines.layout import StorageLayout
 from pipelines.sessions import ACTIVITY, LAST_SESSIONS, OPEN_SESSIONS, SessionSettings, sessions_stage
 from pipelines.source import LedgerView, landing_listing, record_units, scan_landing
 from pipelines.state import StateTableStage, state_table_stage
+from pipelines.locks import Fence, writer_lock
 from pipelines.streaming import (
     Continuous, StreamRunResult, TableVersions, commits_since, require_writable, run_query, storage_errors,
-    table_id, table_version, writer_lock,
+    table_id, table_version,
 )
 from pipelines.streams import StreamSpec, streams
 from pipelines.windows import HOURLY, OPEN_HOURS, TOP, windows_stage
@@ -144,12 +145,16 @@ class StreamBatch:
     """The foreachBatch body of a stream's query: one micro-batch of landing units through every table."""
 
     def __init__(self, layout: StorageLayout, spec: StreamSpec, ingest: IngestSettings,
-                 states: list[StateTableStage], event_time: EventTimeStage | None, changelogs: list[ChangelogStage]):
+                 states: list[StateTableStage], event_time: EventTimeStage | None, changelogs: list[ChangelogStage],
+                 fence: Fence | None = None):
         self.layout, self.spec, self.ingest = layout, spec, ingest
         self.states, self.event_time, self.changelogs = states, event_time, changelogs
+        self.fence = fence
 
     def __call__(self, units: DataFrame, batch_id: int) -> None:
         started = time.monotonic()
+        if self.fence is not None:  # an object-store root: this run must still hold the stream's lease
+            self.fence()
         counts = ingest_batch(units, batch_id, settings=self.ingest)
         self.fold(units.sparkSession, self.ingest.app_id, batch_id)
         log_batch(self.spec.name, batch_id, counts, time.monotonic() - started)
@@ -177,6 +182,8 @@ class StreamBatch:
                   or any(c.covers < (table_version(spark, self.layout.table(c.table.name)) or 0)
                          for c in self.changelogs))
         if behind:
+            if self.fence is not None:
+                self.fence()
             self.fold(spark, new_app_id(f"{self.spec.name}/catch-up"), 0)
         return behind
 
@@ -236,7 +243,7 @@ def advance_stream(spark: SparkSession, layout: StorageLayout, spec: StreamSpec,
     checkpoint = layout.checkpoint(spec.name)
     names = stream_tables(spec, settings)
     require_writable([layout.locks, layout.tables_root, staging_dir, layout.checkpoints_root])
-    with writer_lock(layout.locks, spec.name, settings.lock_timeout_s), storage_errors():
+    with writer_lock(layout.locks, spec.name, settings.lock_timeout_s) as fence, storage_errors():
         ensure_bronze_tables(spark, layout, spec)
         before = {name: table_version(spark, layout.table(name)) for name in names}
         # The changelogs first: one refuses to follow a state table created again before that table is rebuilt.
@@ -269,7 +276,7 @@ def advance_stream(spark: SparkSession, layout: StorageLayout, spec: StreamSpec,
         ingest = IngestSettings(spec=spec, bronze_path=str(bronze_path), quarantine_path=str(quarantine_path),
                                 staging_dir=staging_dir, app_id=origin.app_id, horizon=spec.dedup_horizon,
                                 max_ahead=spec.max_ahead, recheck_through_unit=origin.recheck_through_unit)
-        batch = StreamBatch(layout, spec, ingest, states, event_time, changelogs)
+        batch = StreamBatch(layout, spec, ingest, states, event_time, changelogs, fence)
         caught_up = batch.catch_up(spark)
         # One ledger commit file per micro-batch, in unit order (record_units writes them that way).
         units = spark.readStream.format("delta").option("maxFilesPerTrigger", "1").load(str(ledger_path))

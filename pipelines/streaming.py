@@ -8,12 +8,10 @@ change when the checkpoint is replaced (batch ids restart at 0), so it lives ins
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import random
 import re
-import socket
 import threading
 import time
 from contextlib import contextmanager
@@ -28,7 +26,8 @@ from pyspark.sql import functions as F
 from pyspark.sql.types import StructType
 
 from pipelines import delta_sql
-from pipelines.errors import ConcurrentWriterError, ConfigurationError, StorageError, StreamBusyError
+from pipelines import storage
+from pipelines.errors import ConcurrentWriterError, ConfigurationError, StorageError
 
 TXN_APP_ID = "spark.databricks.delta.write.txnAppId"
 TXN_VERSION = "spark.databricks.delta.write.txnVersion"
@@ -79,81 +78,6 @@ class StreamRunResult:
     built_through: dict[str, int | None] = field(default_factory=dict)
 
 
-def lock_path(locks_dir: Path, writer: str) -> Path:
-    return locks_dir / f"{writer}.lock"
-
-
-def lock_holder_line() -> str:
-    """What the holder of a writer lock writes into the lock file: who holds it, for a run refused the lock and for
-    `statetables status` (`lock_state`). The file keeps it after release: then it names the last holder."""
-    since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    return f"pid {os.getpid()} host {socket.gethostname()} since {since}\n"
-
-
-_HOLDER = re.compile(r"^pid (?P<pid>\d+)(?: host (?P<host>\S+))? since (?P<since>\S+)$")
-
-
-def lock_state(locks_dir: Path, writer: str) -> dict:
-    """Whether `writer`'s lock is held now, and who holds it (or held it last): {"file", "held", "pid", "host",
-    "since"}. Creates nothing. Asks the kernel with a shared lock taken and dropped at once, so it answers for
-    holders on other hosts of an NFS root too; a run that tries the lock in that instant tries again 0.5 s later,
-    within its lock timeout (`writer_lock`)."""
-    path = lock_path(locks_dir, writer)
-    state = {"file": str(path), "held": False, "pid": None, "host": None, "since": None}
-    try:
-        handle = open(path, "r", encoding="utf-8", errors="replace")
-    except FileNotFoundError:
-        return state
-    with handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            state["held"] = True
-        else:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-        # Empty in the instant between a holder's flock and its write; a line of an older statetables has no host.
-        holder = _HOLDER.match(handle.read().strip())
-    if holder:
-        state.update(pid=int(holder["pid"]), host=holder["host"], since=holder["since"])
-    return state
-
-
-@contextmanager
-def writer_lock(locks_dir: Path, writer: str, timeout_s: float) -> Iterator[None]:
-    """Hold the exclusive writer lock of `writer`, waiting at most `timeout_s`.
-
-    Dagster pools keep the daemon from launching two runs of a stream, but a run started by hand
-    or from a second instance bypasses them. A kernel file lock covers every path and is released
-    by the kernel when the holder dies, even by kill -9, so a crash never leaves a stale lock.
-    """
-    locks_dir.mkdir(parents=True, exist_ok=True)
-    path = lock_path(locks_dir, writer)
-    handle = open(path, "a+")
-    deadline = time.monotonic() + timeout_s
-    try:
-        while True:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    handle.seek(0)
-                    holder = handle.read().strip() or "unknown"
-                    raise StreamBusyError(
-                        f"Another run is advancing {writer} (lock {path} held by {holder}); "
-                        f"waited {timeout_s:.0f}s. Nothing was written. Fix: let that run finish, "
-                        f"then run again."
-                    ) from None
-                time.sleep(0.5)
-        handle.seek(0)
-        handle.truncate()
-        handle.write(lock_holder_line())
-        handle.flush()
-        yield
-    finally:
-        handle.close()  # closing the descriptor releases the lock
-
-
 def create_table_if_missing(spark: SparkSession, path: Path, schema: StructType, *,
                             change_data_feed: bool = True, properties: dict[str, str] | None = None) -> None:
     """Create the Delta table at `path` unless it exists.
@@ -167,9 +91,10 @@ def create_table_if_missing(spark: SparkSession, path: Path, schema: StructType,
     """
     if table_version(spark, path) is not None:
         return  # it has a first commit: no CREATE TABLE IF NOT EXISTS round trip (~20 ms, ~10 per run)
+    path = storage.storage_path(path)
     log = path / "_delta_log"
     if log.is_dir() and not any(p.suffix == ".json" or ".checkpoint" in p.name for p in log.iterdir()):
-        os.replace(log, path / f"_delta_log.uncommitted-{time.time_ns()}")
+        storage.replace(log, path / f"_delta_log.uncommitted-{time.time_ns()}")
     try:
         delta_sql.create_table_if_missing(spark, path, schema, {
             **({"delta.enableChangeDataFeed": "true"} if change_data_feed else {}), **(properties or {})} or None)
@@ -182,8 +107,8 @@ def table_version(spark: SparkSession, path: Path) -> int | None:
     """The table's latest committed version, from its log's file names (Delta protocol: one
     `<version>.json` per commit); None if it is not a table yet. Asking Spark costs a job each time."""
     try:
-        versions = [int(name[:-5]) for name in os.listdir(Path(path) / "_delta_log")
-                    if name.endswith(".json") and name[:-5].isdigit()]
+        versions = [int(p.name[:-5]) for p in (storage.storage_path(path) / "_delta_log").iterdir()
+                    if p.name.endswith(".json") and p.name[:-5].isdigit()]
     except FileNotFoundError:
         return None
     return max(versions) if versions else None
@@ -194,13 +119,12 @@ def table_id(spark: SparkSession, path: Path) -> str:
     when the log still holds it; otherwise asked of Delta. DESCRIBE DETAIL costs a Spark job on every
     run, and only the id is needed. A table deleted and created again has a new first commit, and so
     a new id."""
-    first = Path(path) / "_delta_log" / f"{0:020d}.json"
+    first = storage.storage_path(path) / "_delta_log" / f"{0:020d}.json"
     try:
-        with open(first, encoding="utf-8") as handle:
-            for line in handle:
-                action = json.loads(line) if line.strip() else {}
-                if "metaData" in action:
-                    return action["metaData"]["id"]
+        for line in first.read_text(encoding="utf-8").splitlines():
+            action = json.loads(line) if line.strip() else {}
+            if "metaData" in action:
+                return action["metaData"]["id"]
     except (FileNotFoundError, ValueError):
         pass
     return delta_sql.detail(spark, path)["id"]
@@ -218,9 +142,9 @@ def history_rows(spark: SparkSession, path: Path, limit: int | None = None) -> l
     rows = []
     for version in range(latest, -1 if limit is None else max(-1, latest - limit), -1):
         try:
-            with open(Path(path) / "_delta_log" / f"{version:020d}.json", encoding="utf-8") as handle:
-                info = next((a["commitInfo"] for a in map(json.loads, filter(str.strip, handle)) if "commitInfo" in a),
-                            None)
+            text = (storage.storage_path(path) / "_delta_log" / f"{version:020d}.json").read_text(encoding="utf-8")
+            info = next((a["commitInfo"] for a in map(json.loads, filter(str.strip, text.splitlines()))
+                         if "commitInfo" in a), None)
         except FileNotFoundError:
             break  # cleaned up by log retention: DESCRIBE HISTORY would not show it either
         if info is None:
@@ -396,8 +320,13 @@ def _storage_message(path: Path | str, cause: str) -> str:
             f"space, then run again: the next run resumes from the last commit, exactly once.")
 
 
-def require_writable(folders: list[Path]) -> None:
-    """Fail fast, before any table or checkpoint is touched, if a folder the run writes cannot be written."""
+def require_writable(folders: list[storage.AnyPath]) -> None:
+    """Fail fast, before any table or checkpoint is touched, if a folder the run writes cannot be written. On an
+    object store: that the endpoint answers, the credentials are accepted and the bucket exists, then a probe."""
+    if folders and isinstance(folders[0], storage.S3Path):
+        storage.require_bucket(folders[0])
+        storage.require_writable(folders[0])
+        return
     for folder in folders:
         while not folder.exists() and folder.parent != folder:  # not created yet: its parent must be writable
             folder = folder.parent

@@ -82,6 +82,13 @@ def _run(args: argparse.Namespace) -> int:
     if args.job not in job_names():  # before anything is created under the storage root
         raise ConfigurationError(f"Unknown job {args.job!r}. Fix: use one of {', '.join(job_names())}.")
     layout = StorageLayout.under()
+    if layout.on_object_store:  # before a JVM starts: a missing bucket, key, server or connector names its fix
+        from pipelines.session import REMOTE_ENV, object_store_jars
+        from pipelines.storage import require_bucket
+
+        require_bucket(layout.home)
+        if not (args.remote or os.environ.get(REMOTE_ENV)):
+            object_store_jars()
     prepare_instance(layout)
     import dagster as dg
 

@@ -40,18 +40,18 @@ from datetime import datetime, timedelta, timezone
 from decimal import Decimal
 from pathlib import Path
 
-from deltalake import DeltaTable as IndependentDeltaTable
 
 from pipelines import faults
 from pipelines.generate import generate
 from pipelines.layout import StorageLayout
+from pipelines.storage import S3Path
 from pipelines.event_time import LATE
 from pipelines.sessions import ACTIVITY, DEFAULT_STATE_TTL, SESSION_GAP
 from pipelines.changelog import changelog_name
 from pipelines.expiry import EXPIRED
 from tests.streams import MOVIE_TICKET_SALES, STREAMS, project_with_ttl
 from pipelines.windows import HOURLY, TOP, TOP_N
-from tests.contract_oracle import expected_sessions, expected_state, expected_windows, landing_files
+from tests.contract_oracle import expected_sessions, expected_state, expected_windows, independent_table, landing_files
 
 CHAOS_TTL_DAYS = {"payments_per_customer": 0.05}
 
@@ -101,14 +101,15 @@ class ChaosReport:
 
 def _env(layout: StorageLayout, fault_dir: Path) -> dict[str, str]:
     env = dict(os.environ)
-    env.update({"STATETABLES_HOME": str(layout.home), "DAGSTER_HOME": str(layout.dagster_home),
+    # The Dagster instance is local whatever the root (pipelines/layout.py): beside the faults folder.
+    env.update({"STATETABLES_HOME": str(layout.home), "DAGSTER_HOME": str(fault_dir.parent / "dagster"),
                 faults.FAULTS_ENV: str(fault_dir), "PYTHONUNBUFFERED": "1"})
     return env
 
 
-def _project(layout: StorageLayout, ttl_days: dict[str, float]) -> list[str]:
+def _project(fault_dir: Path, ttl_days: dict[str, float]) -> list[str]:
     """`--project FILE`: the shipped project file with the runs' TTLs (settings live in the project file)."""
-    path = project_with_ttl(ttl_days, layout.home.parent / "statetables.yaml")
+    path = project_with_ttl(ttl_days, fault_dir.parent.parent / "statetables.yaml")
     return ["--project", str(path)]
 
 
@@ -116,7 +117,7 @@ def _run_pipeline(layout: StorageLayout, fault_dir: Path, log: Path, kill_after:
                   job: str = "advance_all", ttl_days: dict[str, float] | None = None) -> tuple[int, float]:
     """One `statetables run` in a new process group; SIGKILL the group after `kill_after` s if given."""
     started = time.monotonic()
-    ttl = _project(layout, ttl_days or {})
+    ttl = _project(fault_dir, ttl_days or {})
     with open(log, "ab") as out:
         proc = subprocess.Popen([sys.executable, "-m", "statetables.cli", *ttl, "run", "--job", job, "--log-level", "WARNING"],
                                 env=_env(layout, fault_dir), stdout=out, stderr=subprocess.STDOUT,
@@ -136,7 +137,7 @@ def _run_continuous(layout: StorageLayout, fault_dir: Path, log: Path, rng: rand
     (after a random part of `kill_after`), and the process group is killed after `kill_after` s unless an
     armed fault point kills it first."""
     started = time.monotonic()
-    ttl = _project(layout, ttl_days)
+    ttl = _project(fault_dir, ttl_days)
     with open(log, "ab") as out:
         proc = subprocess.Popen([sys.executable, "-m", "statetables.cli", *ttl, "run", "--job", "run_continuously",
                                  "--log-level", "WARNING"],
@@ -168,7 +169,7 @@ def _run_through_engine(layout: StorageLayout, fault_dir: Path, log: Path, port:
     SIGKILL after `kill_after` s, or by an armed fault point in its foreachBatch (which kills its whole process
     group: the server's). Returns the client's exit code, the seconds and whether the server died."""
     started = time.monotonic()
-    ttl = _project(layout, ttl_days)
+    ttl = _project(fault_dir, ttl_days)
     server = engine_pid(port)
     with open(log, "ab") as out:
         proc = subprocess.Popen([sys.executable, "-m", "statetables.cli", *ttl, "run", "--job", job, "--log-level", "WARNING",
@@ -201,14 +202,26 @@ def _deliver(layout: StorageLayout, rng: random.Random, events: int, streams: li
     """New events, plus (sometimes) a whole earlier file delivered again under a new name."""
     for spec in (STREAMS[name] for name in streams):
         folder = layout.landing(spec.name)
-        old = sorted(folder.glob("*.jsonl")) if folder.exists() else []
+        old = sorted(folder.glob("*.jsonl"))
         generate(spec, folder, events=events, malformed=0.03, duplicates=0.03, conflicts=0.01, late=0.05,
                  seed=rng.randrange(1 << 30), events_per_file=max(events // 2, 1))
         if old and rng.random() < 0.5:
             source = rng.choice(old)
-            hidden = folder / f".redelivery-{rng.randrange(1 << 30)}.jsonl"
-            shutil.copyfile(source, hidden)
-            os.replace(hidden, folder / hidden.name[1:])
+            name = f"redelivery-{rng.randrange(1 << 30)}.jsonl"
+            if isinstance(folder, S3Path):
+                source.copy_to(folder / name)  # a PUT is whole: no hidden name needed
+            else:
+                hidden = folder / f".{name}"
+                shutil.copyfile(source, hidden)
+                os.replace(hidden, folder / name)
+
+
+def _delete_folder(folder) -> None:
+    if isinstance(folder, S3Path):
+        for path, _ in folder.files():
+            path.unlink(missing_ok=True)
+    else:
+        shutil.rmtree(folder)
 
 
 def _damage_checkpoint(layout: StorageLayout, rng: random.Random) -> str:
@@ -220,14 +233,14 @@ def _damage_checkpoint(layout: StorageLayout, rng: random.Random) -> str:
     choice = rng.choice(["delete all", "delete one", "truncate commit", "garbage offsets"])
     if choice == "delete all":
         for query in queries:
-            shutil.rmtree(query)
+            _delete_folder(query)
         return "deleted every checkpoint"
     query = rng.choice(queries)
     if choice == "delete one":
-        shutil.rmtree(query)
+        _delete_folder(query)
         return f"deleted {query.name}"
     folder = query / ("commits" if choice == "truncate commit" else "offsets")
-    files = sorted((p for p in folder.glob("[0-9]*")), key=lambda p: int(p.name)) if folder.exists() else []
+    files = sorted((p for p in folder.glob("[0-9]*")), key=lambda p: int(p.name))
     if not files:
         return f"{query.name} has no {folder.name} yet"
     if choice == "truncate commit":
@@ -239,7 +252,7 @@ def _damage_checkpoint(layout: StorageLayout, rng: random.Random) -> str:
 
 def _watermark(layout: StorageLayout, table: str) -> datetime | None:
     """The watermark recorded by the newest batch committed to an event-time query's closing table."""
-    history = IndependentDeltaTable(str(layout.table(table))).history(20)
+    history = independent_table(layout.table(table)).history(20)
     for commit in history:  # newest first
         user = json.loads(commit.get("userMetadata") or "{}")
         if "watermark_ms" in user:
@@ -258,7 +271,7 @@ def compare_event_time(layout: StorageLayout, report: ChaosReport, spec_name: st
     given, but checked: each is an accepted event, at or behind the watermark it names, written once.
     The rest is then decided: every on-time event of a closed window (or session) counted there once,
     the rankings, previous sessions and day totals included."""
-    late_rows = [r for r in IndependentDeltaTable(str(layout.table(LATE))).to_pyarrow_table().to_pylist()
+    late_rows = [r for r in independent_table(layout.table(LATE)).to_pyarrow_table().to_pylist()
                  if r["stream"] == spec_name]
     late = {r["event_id"] for r in late_rows}
     bad_late = (len(late_rows) - len(late)) + sum(
@@ -271,13 +284,13 @@ def compare_event_time(layout: StorageLayout, report: ChaosReport, spec_name: st
         every_window = expected_windows([on_time], timedelta(0), watermark_after_last=True).windows
         closed = {k: v for k, v in every_window.items()
                   if watermark is not None and k[1] + timedelta(hours=1) <= watermark}
-        rows = IndependentDeltaTable(str(layout.table(HOURLY))).to_pyarrow_table().to_pylist()
+        rows = independent_table(layout.table(HOURLY)).to_pyarrow_table().to_pylist()
         actual = {(r["title"], _utc(r["window_start"])): (r["tickets_sold"], r["total_ticket_value"]) for r in rows}
         keys = set(actual) | set(closed)
         report.keys_compared[HOURLY] = len(keys)
         report.keys_differing[HOURLY] = sum(actual.get(k) != closed.get(k) for k in keys) + len(rows) - len(actual)
         top = [(_utc(r["window_start"]), r["rank"], r["title"], r["tickets_sold"])
-               for r in IndependentDeltaTable(str(layout.table(TOP))).to_pyarrow_table().to_pylist()]
+               for r in independent_table(layout.table(TOP)).to_pyarrow_table().to_pylist()]
         wanted = []
         for start in {s for _, s in closed}:
             ranked = sorted(((n, v, t) for (t, s), (n, v) in closed.items() if s == start), key=lambda x: (-x[0], -x[1], x[2]))
@@ -289,7 +302,7 @@ def compare_event_time(layout: StorageLayout, report: ChaosReport, spec_name: st
         # One batch holding every on-time payment, its watermark the one the query recorded.
         delay = newest - watermark if newest is not None and watermark is not None else timedelta(days=36500)
         expected = expected_sessions([on_time], delay, SESSION_GAP, DEFAULT_STATE_TTL).sessions
-        rows = IndependentDeltaTable(str(layout.table(ACTIVITY))).to_pyarrow_table().to_pylist()
+        rows = independent_table(layout.table(ACTIVITY)).to_pyarrow_table().to_pylist()
         actual = {(r["customer_id"], _utc(r["session_start"])): (
             _utc(r["session_end"]), r["payment_count"], r["total_amount"], r["last_payment_ids"],
             _utc(r["previous_session_end"]), r["day_amount"]) for r in rows}
@@ -301,13 +314,13 @@ def compare_event_time(layout: StorageLayout, report: ChaosReport, spec_name: st
 def _expired(layout: StorageLayout, report: ChaosReport, table) -> dict:
     """Per key, the count and sum of every row the TTL expired (the changelog's deletes); and whether the
     running totals of the table's newest commit that carries them agree."""
-    changes = IndependentDeltaTable(str(layout.table(changelog_name(table)))).to_pyarrow_table().to_pylist()
+    changes = independent_table(layout.table(changelog_name(table))).to_pyarrow_table().to_pylist()
     expired: dict = {}
     for change in (c for c in changes if c["_change_type"] == "delete"):
         count, total = expired.get(change[table.key], (0, 0))
         expired[change[table.key]] = (count + change[table.count_column], total + change[table.sum_column])
     deletes = sum(c["_change_type"] == "delete" for c in changes)
-    commits = IndependentDeltaTable(str(layout.table(table.name))).history(50)
+    commits = independent_table(layout.table(table.name)).history(50)
     running = next((json.loads(c["userMetadata"])[EXPIRED] for c in commits
                     if EXPIRED in json.loads(c.get("userMetadata") or "{}")), None)
     in_feed = (deletes, sum(c for c, _ in expired.values()), sum(t for _, t in expired.values()))
@@ -322,7 +335,7 @@ def compare(layout: StorageLayout, report: ChaosReport, streams: list[str], ttl_
         expected = expected_state(spec.name, landing_files(layout.landing(spec.name)))
         compare_event_time(layout, report, spec.name, expected.events)
         table = spec.state_tables[0]
-        rows = IndependentDeltaTable(str(layout.table(table.name))).to_pyarrow_table().to_pylist()
+        rows = independent_table(layout.table(table.name)).to_pyarrow_table().to_pylist()
         actual = {r[table.key]: (r[table.count_column], r[table.sum_column]) for r in rows}
         repeated_keys = len(rows) - len(actual)
         if table.name in ttl_days:  # a key's row plus its expired rows hold all its events
@@ -334,7 +347,7 @@ def compare(layout: StorageLayout, report: ChaosReport, streams: list[str], ttl_
         report.keys_compared[table.name] = len(keys)
         report.keys_differing[table.name] = sum(actual.get(k) != wanted.get(k) for k in keys) + repeated_keys
         for name, want in ((spec.bronze_table, expected.accepted), (spec.quarantine_table, expected.quarantined)):
-            got = IndependentDeltaTable(str(layout.table(name))).to_pyarrow_table().num_rows
+            got = independent_table(layout.table(name)).to_pyarrow_table().num_rows
             report.rows_differing[name] = abs(got - want)
 
 
@@ -342,20 +355,21 @@ def run_chaos(home: Path, *, kills: int, seed: int, events: int = 600, random_sh
               damage_share: float = 0.15, typical_run_s: float = 60.0, named_only: bool = False,
               plan: list[tuple[str, dict]] | None = None, streams: list[str] | None = None,
               ttl_days: dict[str, float] | None = None, continuous_kills: int = 0, engine_kills: int = 0,
-              say=print) -> ChaosReport:
+              root: str | None = None, say=print) -> ChaosReport:
     """`plan`: the named kills to make, in order (default: NAMED_KILLS, cycled); `streams`: default all;
     `ttl_days`: the state tables' TTL in every run (default CHAOS_TTL_DAYS); `continuous_kills`: then as
     many kills of the continuous job (`run_continuously`), every other one at a named point (every query
     runs in it, so each point is on its path), the others at a random instant, files landing meanwhile;
     `engine_kills`: then as many kills of a supervised Spark Connect server (statetables/servers.py) while a thin
     client's run goes through it, every other one at a named point (in the server's foreachBatch), the others at
-    a random instant; the supervisor starts it again, and the next round's run waits for it."""
+    a random instant; the supervisor starts it again, and the next round's run waits for it. `root`: the storage
+    root (default `home`), e.g. s3a://bucket/prefix; `home` keeps the faults, the log and the Dagster instance."""
     ttl_days = CHAOS_TTL_DAYS if ttl_days is None else ttl_days
     streams = streams or list(STREAMS)
     job = "advance_all" if len(streams) == len(STREAMS) else f"advance_{streams[0]}"
     plan = plan or NAMED_KILLS
     rng = random.Random(seed)
-    layout = StorageLayout.under(home)
+    layout = StorageLayout.under(root or home)
     fault_dir = home / "faults"
     log = home / "chaos.log"
     report = ChaosReport()
@@ -460,11 +474,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine-kills", type=int, default=4,
                         help="then kills of a warm Spark Connect server while a run goes through it")
     parser.add_argument("--home", help="storage root to use (default: a new temporary folder, kept)")
+    parser.add_argument("--object-store", action="store_true",
+                        help="the storage root in a bucket of an S3 server started here (`statetables s3-server`), "
+                             "its data under the home folder; the writer lock is then the lease")
     args = parser.parse_args(argv)
     home = Path(args.home or tempfile.mkdtemp(prefix="statetables-chaos-")).resolve()
-    print(f"chaos: {args.kills} kills, seed {args.seed}, storage root {home}")
-    report = run_chaos(home, kills=args.kills, seed=args.seed, events=args.events, random_share=args.random_share,
-                       continuous_kills=args.continuous_kills, engine_kills=args.engine_kills)
+    if not args.object_store:
+        print(f"chaos: {args.kills} kills, seed {args.seed}, storage root {home}")
+        report = run_chaos(home, kills=args.kills, seed=args.seed, events=args.events, random_share=args.random_share,
+                           continuous_kills=args.continuous_kills, engine_kills=args.engine_kills)
+        return summary(report)
+    from tests.object_store import s3_store
+
+    with s3_store(home / "s3") as store:
+        root = f"s3a://{store.bucket}/chaos"
+        print(f"chaos: {args.kills} kills, seed {args.seed}, storage root {root} ({store.endpoint}, "
+              f"lease {os.environ['STATETABLES_LEASE_SECONDS']} s)")
+        report = run_chaos(home, kills=args.kills, seed=args.seed, events=args.events, random_share=args.random_share,
+                           continuous_kills=args.continuous_kills, engine_kills=args.engine_kills, root=root)
+        print(f"object-store requests: {store.requests()}")
+        return summary(report)
+
+
+def summary(report: ChaosReport) -> int:
     by_kind: dict[str, int] = {}
     for r in report.rounds:
         if r.killed:

@@ -356,8 +356,8 @@ def file_lines(path: Path) -> list[bytes]:
     return lines
 
 
-def arrival_key(path: Path) -> tuple[int, str]:
-    return os.stat(path).st_mtime_ns, str(path)
+def arrival_key(path) -> tuple[int, str]:
+    return (path.mtime_ns if isinstance(path, ObjectFile) else os.stat(path).st_mtime_ns), str(path)
 
 
 def expected_state(stream: str, files: list[Path], ingested_at: datetime | None = None,
@@ -380,14 +380,72 @@ def is_landing_file(relative: Path) -> bool:
             and not any(part.startswith(("_", ".")) for part in relative.parts))
 
 
-def landing_files(folder: Path) -> list[Path]:
-    """Every landing file under `folder`, at any depth (names are never patterns)."""
+def landing_files(folder) -> list:
+    """Every landing file under `folder`, at any depth (names are never patterns). `folder` may be an object-store
+    prefix (`s3a://bucket/key`, or the product's S3Path): then its objects, listed with boto3 (`ObjectFile`)."""
+    if str(folder).startswith("s3a://"):
+        return object_files(str(folder))
     found = []
     for root, dirs, names in os.walk(folder):
         for name in names:
             path = Path(root) / name
             if path.is_file() and is_landing_file(path.relative_to(folder)):
                 found.append(path)
+    return found
+
+
+@dataclass(frozen=True)
+class ObjectFile:
+    """A landing file in a bucket, as the oracle reads it: its URI, its LastModified, its bytes on demand."""
+
+    uri: str
+    mtime_ns: int
+
+    def __str__(self) -> str:
+        return self.uri
+
+    @property
+    def name(self) -> str:
+        return self.uri.rsplit("/", 1)[-1]
+
+    def read_bytes(self) -> bytes:
+        bucket, key = self.uri[len("s3a://"):].split("/", 1)
+        return _s3().get_object(Bucket=bucket, Key=key)["Body"].read()
+
+
+def independent_table(path):
+    """The Delta table at `path` through `deltalake` (delta-rs), not Spark; an s3a:// table with the credentials and
+    endpoint of the environment, over plain HTTP when the endpoint is."""
+    from deltalake import DeltaTable
+
+    if not str(path).startswith("s3a://"):
+        return DeltaTable(str(path))
+    endpoint = os.environ.get("AWS_ENDPOINT_URL", "")
+    options = {"AWS_REGION": os.environ.get("AWS_REGION") or "us-east-1",
+               "AWS_ACCESS_KEY_ID": os.environ.get("AWS_ACCESS_KEY_ID", ""),
+               "AWS_SECRET_ACCESS_KEY": os.environ.get("AWS_SECRET_ACCESS_KEY", "")}
+    if endpoint:
+        options.update({"AWS_ENDPOINT_URL": endpoint, "AWS_ALLOW_HTTP": str(endpoint.startswith("http:")).lower(),
+                        "AWS_VIRTUAL_HOSTED_STYLE_REQUEST": "false"})
+    return DeltaTable(str(path), storage_options=options)
+
+
+def _s3():
+    import boto3
+
+    return boto3.client("s3", endpoint_url=os.environ.get("AWS_ENDPOINT_URL") or None,
+                        region_name=os.environ.get("AWS_REGION") or "us-east-1")
+
+
+def object_files(prefix_uri: str) -> list[ObjectFile]:
+    bucket, _, prefix = prefix_uri[len("s3a://"):].partition("/")
+    prefix = prefix.rstrip("/") + "/"
+    found = []
+    for page in _s3().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+        for item in page.get("Contents", []):
+            if is_landing_file(Path(item["Key"][len(prefix):])):
+                found.append(ObjectFile(f"s3a://{bucket}/{item['Key']}",
+                                        int(item["LastModified"].timestamp() * 1_000_000) * 1000))
     return found
 
 

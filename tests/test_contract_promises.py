@@ -187,7 +187,7 @@ def test_event_time_must_lie_between_the_epoch_and_the_configured_allowance_afte
 HOLD_LOCK = """
 import sys, time
 from pathlib import Path
-from pipelines.streaming import writer_lock
+from pipelines.locks import writer_lock
 locks, stream, holding, release = sys.argv[1:5]
 with writer_lock(Path(locks), stream, 30):
     Path(holding).touch()
@@ -234,7 +234,7 @@ def _wait_for(condition, what: str, timeout_s: float = 180, alive: subprocess.Po
 
 def _has_open(pid: int, path: Path) -> bool:
     """Whether process `pid` holds `path` open: a run holds its lock file open from its first attempt to take the
-    lock until it lets go (pipelines/streaming.py, writer_lock), so while another process holds the lock, this is
+    lock until it lets go (pipelines/locks.py, writer_lock), so while another process holds the lock, this is
     a run waiting for it."""
     for fd in Path(f"/proc/{pid}/fd").iterdir():
         try:
@@ -248,7 +248,7 @@ def _has_open(pid: int, path: Path) -> bool:
 def test_one_writer_between_two_processes(spark, layout, landing, tmp_path):
     """Contract: two runs that would advance the same stream at once cannot both do so; the second waits or is
     refused, and nothing is double counted. The runs here are OS processes, as a hand-started run beside an
-    orchestrated one would be: the lock is a kernel file lock per stream (pipelines/streaming.py `writer_lock`).
+    orchestrated one would be: the lock is a kernel file lock per stream (pipelines/locks.py `writer_lock`).
 
     1. While another process holds the lock, a run with a 1 s lock timeout is refused with StreamBusyError naming
        the stream, the lock file and the holder's pid, and writes nothing.

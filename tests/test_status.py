@@ -24,7 +24,8 @@ import pytest
 
 from pipelines.layout import StorageLayout
 from pipelines.status import render, storage_status
-from pipelines.streaming import lock_state, table_version, writer_lock
+from pipelines.locks import lock_state, writer_lock
+from pipelines.streaming import table_version
 from tests.conftest import Landing
 from tests.streams import MOVIE_TICKET_SALES, advance
 

