@@ -7,10 +7,12 @@ JARS := .jars/.resolved
 CLASS_ARCHIVE := .jars/statetables.jsa
 JVM_JAR := .jars/statetables-jvm.jar
 JVM_SOURCES := $(wildcard jvm/src/statetables/jvm/*.java)
+JARS_S3 := .jars/s3/.resolved
+S3PROXY := .tools/s3proxy/.resolved
 BROWSER := $(VENV)/.browser
 export STATETABLES_HOME ?= $(CURDIR)/data
 
-.PHONY: install jars class-archive browser ui-screenshots demo run dev serve connect-server cluster test test-long bench bench-core bench-quick bench-event-time bench-engines bench-freshness bench-full chaos clean
+.PHONY: install jars jars-s3 s3proxy s3-server class-archive browser ui-screenshots demo run dev serve connect-server cluster test test-long bench bench-core bench-quick bench-event-time bench-engines bench-freshness bench-full chaos clean
 
 install: $(INSTALLED)
 $(INSTALLED): setup.py
@@ -31,6 +33,28 @@ $(JARS): build/delta-jars.pom.xml
 	mvn -B -q -f build/delta-jars.pom.xml dependency:copy-dependencies -DoutputDirectory=$(CURDIR)/.jars \
 	  -DincludeScope=runtime \
 	  -DexcludeGroupIds=org.apache.hadoop,org.apache.parquet,org.scala-lang,com.fasterxml.jackson.core,org.apache.logging.log4j,org.slf4j,org.xerial.snappy,com.github.luben,org.roaringbitmap,commons-logging,io.airlift,org.locationtech.jts,com.google.code.findbugs
+	@touch $@
+
+# The object-store root (STATETABLES_HOME=s3a://bucket/prefix): hadoop-aws 3.4.2 (pyspark's Hadoop) and the AWS SDK v2
+# modules it calls (build/s3-jars.pom.xml; ~10 MB, not the SDK's 641 MB bundle), into .jars/s3/, a subfolder that
+# runs on local disk never load. Spark already ships netty, httpclient/httpcore, commons-* and slf4j: not copied.
+jars-s3: $(JARS_S3)
+$(JARS_S3): build/s3-jars.pom.xml
+	@command -v mvn >/dev/null || { echo "mvn not found: install Maven (apt-get install maven) to fetch the S3 jars once"; exit 2; }
+	rm -rf .jars/s3 && mkdir -p .jars/s3
+	mvn -B -q -f build/s3-jars.pom.xml dependency:copy-dependencies -DoutputDirectory=$(CURDIR)/.jars/s3 \
+	  -DincludeScope=runtime \
+	  -DexcludeGroupIds=io.netty,org.apache.httpcomponents,commons-logging,commons-codec,org.slf4j,org.wildfly.openssl,software.amazon.s3.analyticsaccelerator
+	@touch $@
+
+# s3proxy (build/s3proxy.pom.xml): a real S3 server over a local folder, for development and the object-store tests;
+# its runtime jars into .tools/s3proxy/ once (~57 MB, its own JVM, never on Spark's classpath).
+s3proxy: $(S3PROXY)
+$(S3PROXY): build/s3proxy.pom.xml
+	@command -v mvn >/dev/null || { echo "mvn not found: install Maven (apt-get install maven) to fetch s3proxy once"; exit 2; }
+	@command -v java >/dev/null || { echo "java not found: install Java 17 (apt-get install openjdk-17-jdk-headless)"; exit 2; }
+	rm -rf .tools/s3proxy && mkdir -p .tools/s3proxy
+	mvn -B -q -f build/s3proxy.pom.xml dependency:copy-dependencies -DoutputDirectory=$(CURDIR)/.tools/s3proxy -DincludeScope=runtime
 	@touch $@
 
 # jvm/: compiled with javac against the jars pyspark ships (Spark, Jackson); no dependency of its own.
@@ -82,6 +106,11 @@ connect-server: install jars
 
 cluster: install jars
 	$(BIN)/statetables cluster --port 7077
+
+# A local S3 server (s3proxy) on 127.0.0.1:9000 over ./s3data/, with the bucket `statetables`; prints the environment
+# that points the product at it (STATETABLES_HOME=s3a://statetables/..., AWS_*). Ctrl-C stops it.
+s3-server: install s3proxy
+	$(BIN)/statetables s3-server --port 9000 --dir $(CURDIR)/s3data --bucket statetables
 
 # Two workers, each with its own SparkSession: a single test keeps ~65% of the 2 cores busy (much of a
 # small run is waiting on commits and query starts), two keep both busy; 23.7 -> 18.4 min measured.

@@ -17,6 +17,7 @@ setup(
         "pandas==2.3.3",  # the Spark Connect client needs it (pyspark[connect]); pinned for one resolvable stack
         "sqlglot==30.30.0",  # parses the project file's CREATE TABLE ... AS SELECT
         "PyYAML==6.0.4",  # reads the project file (dagster needs it too)
+        "boto3==1.44.5",  # the S3 client of the storage layer (an s3a:// root) and of the writer's lease lock
     ],
     extras_require={
         "test": ["pytest==9.2.0", "pytest-xdist==3.8.0", "deltalake==1.6.6", "pyarrow==22.0.0", "hypothesis==6.170.15",

@@ -7,16 +7,20 @@ DynamoDB log store is not available here), so the project's own lock must hold a
 Local root: `locks/<writer>.lock`, an exclusive `flock`. The kernel releases it when the holder dies, even by
 kill -9, so a crash never leaves a stale lock.
 
-Object-store root: `locks/<writer>.lease`, a small JSON object.
-- Taken with a conditional PUT that succeeds only if the object is absent (`If-None-Match: *`), or, when the last
-  holder released it or stopped renewing it, only if it is still the version this run read (`If-Match: <ETag>`):
-  of two runs that try at once, exactly one wins.
-- Renewed every third of its lifetime (`If-Match` on the ETag of the last renewal) by a thread of the holder.
-- Expired when its holder dies: a waiter takes it over once the same ETag has stood for a whole lifetime by the
-  waiter's own clock. No clocks are compared across hosts.
-- Fencing: before each micro-batch's first commit, the batch reads the lease (`Fence`); if another run holds it,
-  the batch raises `LeaseLostError` and commits nothing. A holder whose renewal finds another holder stops too.
-- Released by writing it as released (not deleted), so it keeps naming the last holder, as the lock file does.
+Object-store root: `locks/<writer>.lease/<generation>`, small JSON objects, one per holder, numbered 1, 2, 3, ...
+The holder is the newest generation. Only one kind of conditional write is relied on: create-if-absent
+(`If-None-Match: *`), which S3 and s3proxy make atomic (s3proxy's `If-Match` is checked, then written: measured
+racy, so it is not used).
+- Taken by creating the next generation: of two runs that try at once, exactly one creates it.
+- Renewed every third of its lifetime by a thread of the holder, which rewrites its own generation (no one else
+  writes it) and looks for a successor.
+- Expired when its holder dies: a waiter creates the next generation once the holder's object has stood unchanged
+  (same ETag) for a whole lifetime by the waiter's own clock. No clocks are compared across hosts.
+- Fencing: before each micro-batch's first commit, the batch asks whether its generation has a successor
+  (`Fence`, one HEAD request); if so it raises `LeaseLostError` and commits nothing. A holder whose renewal finds a
+  successor, or that could not renew for a whole lifetime, is lost too.
+- Released by rewriting its generation as released, so that it keeps naming the last holder, as the lock file
+  does; the next run creates the next generation at once. Generations older than the previous one are deleted.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ def lease_seconds() -> float:
 
 
 def lock_path(locks_dir: AnyPath, writer: str) -> AnyPath:
+    """The lock file, or on an object store the folder of the lease's generations."""
     return locks_dir / (f"{writer}.lease" if isinstance(locks_dir, S3Path) else f"{writer}.lock")
 
 
@@ -111,20 +116,22 @@ def lock_state(locks_dir: AnyPath, writer: str) -> dict:
 @dataclass(frozen=True)
 class Fence:
     """Checked by a micro-batch before its first commit, in whatever process runs the batch (over Spark Connect,
-    the server's Python worker): the stream's lease must still be this run's. Picklable: a path and a token."""
+    the server's Python worker): the stream's lease must still be this run's, i.e. its generation must have no
+    successor. One HEAD request. Picklable: the generation's URI and the holder's token."""
 
     lease: str
     token: str
 
     def __call__(self) -> None:
-        found = _read_lease(S3Path.parse(self.lease))
-        body = found[1] if found else None
-        if body is None or body.get("released") or body.get("token") != self.token:
-            holder = "nobody" if body is None or body.get("released") else f"pid {body['pid']} on {body['host']}"
+        lease = S3Path.parse(self.lease)
+        successor = _successor(lease)
+        if _exists(successor):
+            found = _read(successor)
+            holder = _holder_text(found[1]) if found else "a later run"
             raise LeaseLostError(
-                f"This run no longer holds the writer lease {self.lease} (now: {holder}); it stopped before "
-                f"committing this micro-batch, so nothing was written twice. It lost the lease by not renewing it "
-                f"for a whole lifetime ({LEASE_ENV}). Fix: nothing to repair; the lease's holder advances the "
+                f"This run no longer holds the writer lease {lease.parent} ({holder} took it over after this run "
+                f"did not renew it for a whole lifetime, {LEASE_ENV}); it stopped before committing this "
+                f"micro-batch, so nothing is written twice. Fix: nothing to repair; the lease's holder advances the "
                 f"stream, and the next run resumes from the last commit.")
 
 
@@ -167,8 +174,20 @@ def _busy(writer: str, path: AnyPath, holder: str, timeout_s: float) -> StreamBu
 
 # --- the lease ----------------------------------------------------------------------------------------------------
 
-def _read_lease(path: S3Path) -> tuple[str, dict] | None:
-    """(ETag, content) of the lease object, or None when there is none."""
+def _generation(path: S3Path) -> int:
+    return int(path.name)
+
+
+def _generations(folder: S3Path) -> list[S3Path]:
+    return sorted((p for p in folder.iterdir() if p.name.isdigit()), key=_generation)
+
+
+def _successor(lease: S3Path) -> S3Path:
+    return lease.with_name(f"{_generation(lease) + 1:012d}")
+
+
+def _read(path: S3Path) -> tuple[str, dict] | None:
+    """(ETag, content) of a lease generation, or None when there is none."""
     try:
         got = s3_client().get_object(Bucket=path.bucket, Key=path.key)
     except Exception as exc:
@@ -178,10 +197,25 @@ def _read_lease(path: S3Path) -> tuple[str, dict] | None:
     return got["ETag"], json.loads(got["Body"].read())
 
 
+def _read_lease(folder: S3Path) -> tuple[str, dict] | None:
+    """(ETag, content) of the newest generation of a lease: its holder, or its last holder."""
+    generations = _generations(folder)
+    return _read(generations[-1]) if generations else None
+
+
 def _put(path: S3Path, body: dict, **condition: str) -> str:
-    """A conditional PUT of the lease: its new ETag; raises on a failed precondition."""
     return s3_client().put_object(Bucket=path.bucket, Key=path.key, Body=json.dumps(body).encode(),
                                   ContentType="application/json", **condition)["ETag"]
+
+
+def _exists(path: S3Path) -> bool:
+    try:
+        s3_client().head_object(Bucket=path.bucket, Key=path.key)
+    except Exception as exc:
+        if is_missing(exc):
+            return False
+        raise
+    return True
 
 
 def _holder_text(body: dict) -> str:
@@ -189,9 +223,9 @@ def _holder_text(body: dict) -> str:
 
 
 class _Renewal(threading.Thread):
-    def __init__(self, path: S3Path, body: dict, etag: str, ttl: float):
-        super().__init__(name=f"lease-{path.name}", daemon=True)
-        self.path, self.body, self.etag, self.ttl = path, body, etag, ttl
+    def __init__(self, lease: S3Path, body: dict, ttl: float):
+        super().__init__(name=f"lease-{lease.parent.name}", daemon=True)
+        self.lease, self.body, self.ttl = lease, body, ttl
         self.stopping = threading.Event()
         self.lost: str | None = None
         self.renewed = time.monotonic()
@@ -199,64 +233,69 @@ class _Renewal(threading.Thread):
     def run(self) -> None:
         while not self.stopping.wait(self.ttl / 3):
             try:
-                self.etag = _put(self.path, {**self.body, "renewed_at": time.time()}, IfMatch=self.etag)
-                self.renewed = time.monotonic()
-            except Exception as exc:  # noqa: BLE001 - a failed renewal is retried until the lifetime runs out
-                if is_precondition_failed(exc):
+                if _exists(_successor(self.lease)):
                     self.lost = "another run took the lease over"
                     return
+                _put(self.lease, {**self.body, "renewed_at": time.time()})
+                self.renewed = time.monotonic()
+            except Exception as exc:  # noqa: BLE001 - a failed renewal is retried until the lifetime runs out
                 if time.monotonic() - self.renewed > self.ttl:
                     self.lost = f"no renewal succeeded for {self.ttl:.0f}s ({type(exc).__name__}: {exc})"
                     return
 
 
-def _acquire_lease(path: S3Path, body: dict, timeout_s: float, ttl: float) -> str:
-    """Take the lease; its ETag. Waits while another run renews it, takes it over once it stood still for a whole
-    lifetime (its holder died) or was released."""
+def _acquire_lease(folder: S3Path, body: dict, timeout_s: float, ttl: float) -> S3Path:
+    """Create the lease's next generation; its path. Waits while another run renews the newest one, goes past it
+    once it stood still for a whole lifetime (its holder died) or was released."""
     deadline = time.monotonic() + timeout_s
-    standing: tuple[str, float] | None = None  # (ETag seen, when first seen by this clock)
+    standing: tuple[str, str, float] | None = None  # (generation, ETag seen, when first seen by this clock)
     while True:
+        generations = _generations(folder)
+        newest = generations[-1] if generations else None
+        current = _read(newest) if newest is not None else None
+        if newest is not None and current is None:
+            continue  # deleted in between
+        if current is not None:
+            etag, held = current
+            if standing is None or standing[:2] != (newest.name, etag):
+                standing = (newest.name, etag, time.monotonic())
+            stood = time.monotonic() - standing[2]
+            if not held.get("released") and stood < float(held.get("ttl_s", ttl)):
+                if time.monotonic() >= deadline:
+                    raise _busy(body["writer"], folder, _holder_text(held), timeout_s)
+                time.sleep(min(1.0, ttl / 6))
+                continue
+        target = _successor(newest) if newest is not None else folder / f"{1:012d}"
+        claim = {**body, "generation": _generation(target),
+                 "took_over_from": None if current is None or current[1].get("released")
+                 else _holder_text(current[1])}
         try:
-            return _put(path, body, IfNoneMatch="*")
+            _put(target, claim, IfNoneMatch="*")
         except Exception as exc:
             if not is_precondition_failed(exc):
                 raise
-        found = _read_lease(path)
-        if found is None:
-            continue  # deleted by hand in between: create it again
-        etag, current = found
-        if standing is None or standing[0] != etag:
-            standing = (etag, time.monotonic())
-        stood = time.monotonic() - standing[1]
-        if current.get("released") or stood >= float(current.get("ttl_s", ttl)):
-            try:
-                return _put(path, {**body, "took_over_from": None if current.get("released")
-                                   else _holder_text(current)}, IfMatch=etag)
-            except Exception as exc:
-                if not is_precondition_failed(exc):
-                    raise
-                continue  # another waiter won the race: see who holds it now
-        if time.monotonic() >= deadline:
-            raise _busy(body["writer"], path, _holder_text(current), timeout_s)
-        time.sleep(min(1.0, ttl / 6))
+            continue  # another run created it first: see who holds it now
+        for old in generations[:-1]:  # keep the previous holder's record; the rest is history
+            old.unlink(missing_ok=True)
+        return target
 
 
 @contextmanager
-def _lease(path: S3Path, writer: str, timeout_s: float) -> Iterator[Fence]:
+def _lease(folder: S3Path, writer: str, timeout_s: float) -> Iterator[Fence]:
     ttl = lease_seconds()
-    token = str(uuid.uuid4())
-    body = {"writer": writer, "token": token, "pid": os.getpid(), "host": socket.gethostname(), "since": _since(),
-            "renewed_at": time.time(), "ttl_s": ttl}
-    etag = _acquire_lease(path, body, timeout_s, ttl)
-    renewal = _Renewal(path, body, etag, ttl)
+    body = {"writer": writer, "token": str(uuid.uuid4()), "pid": os.getpid(), "host": socket.gethostname(),
+            "since": _since(), "renewed_at": time.time(), "ttl_s": ttl}
+    lease = _acquire_lease(folder, body, timeout_s, ttl)
+    renewal = _Renewal(lease, body, ttl)
     renewal.start()
     try:
-        yield Fence(str(path), token)
+        yield Fence(str(lease), body["token"])
     finally:
         renewal.stopping.set()
         renewal.join()
         if renewal.lost is None:
             try:
-                _put(path, {**body, "released": True, "renewed_at": time.time()}, IfMatch=renewal.etag)
-            except Exception:  # noqa: BLE001 - lost in between, or the store is down: it expires by itself
+                if not _exists(_successor(lease)):
+                    _put(lease, {**body, "released": True, "renewed_at": time.time()})
+            except Exception:  # noqa: BLE001 - the store is down: the lease expires by itself
                 pass

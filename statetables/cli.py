@@ -5,6 +5,7 @@ print the state tables, refresh one, show where each stream stands, prepare the 
     statetables run [--job advance_all] [--show] [--warn-only-check ASSET:CHECK] [--remote sc://127.0.0.1:15002 | --master spark://127.0.0.1:7077]
     statetables connect-server [--port 15002]     # Spark Connect with Delta on 127.0.0.1, until Ctrl-C
     statetables cluster [--port 7077]             # a standalone master + worker on 127.0.0.1, until Ctrl-C
+    statetables s3-server --dir PATH [--port 9000] [--bucket NAME]   # a local S3 server (s3proxy), until Ctrl-C
     statetables savepoint create|list|restore [NAME]
     statetables restore-changelog --table movie_tickets_sold --version 12 [--into NAME]
     statetables refresh TABLE       # rebuild a state table from bronze after its declaration changed
@@ -202,6 +203,27 @@ def _connect_server(args: argparse.Namespace) -> int:
         return _serve_until_interrupted("Spark Connect server (Delta)", f"{url}   e.g. statetables run --remote {url}")
 
 
+def _s3_server(args: argparse.Namespace) -> int:
+    """s3proxy on 127.0.0.1 over a local folder until Ctrl-C; prints the environment that points the product at it."""
+    from statetables.servers import S3_DEV_ACCESS_KEY, S3_DEV_SECRET_KEY, _stop, s3_server
+
+    _stop_on_signals()
+    data_dir = Path(args.dir).resolve()
+    log = Path(args.log).resolve() if args.log else data_dir.with_name(data_dir.name + ".log")
+    proc = s3_server(port=args.port, data_dir=data_dir, log=log, access_key=S3_DEV_ACCESS_KEY,
+                     secret_key=S3_DEV_SECRET_KEY, bucket=args.bucket, log_requests=args.log_requests)
+    try:
+        endpoint = f"http://127.0.0.1:{args.port}"
+        home = f"s3a://{args.bucket or 'BUCKET'}/{args.prefix}"
+        print(f"S3 server (s3proxy) over {data_dir}, log {log}; request counts: {endpoint}/metrics\n"
+              f"Point statetables at it (a shell that runs the product):\n"
+              f"  export AWS_ENDPOINT_URL={endpoint} AWS_ACCESS_KEY_ID={S3_DEV_ACCESS_KEY} "
+              f"AWS_SECRET_ACCESS_KEY={S3_DEV_SECRET_KEY} AWS_REGION=us-east-1 STATETABLES_HOME={home}", flush=True)
+        return _serve_until_interrupted("S3 server", endpoint)
+    finally:
+        _stop(proc)
+
+
 def _cluster(args: argparse.Namespace) -> int:
     from statetables.servers import spark_standalone
 
@@ -307,6 +329,16 @@ def main(argv: list[str] | None = None) -> int:
     server = commands.add_parser("connect-server", help="serve Spark Connect with Delta on 127.0.0.1 until interrupted")
     server.add_argument("--port", type=int, default=15002)
     server.set_defaults(func=_connect_server)
+
+    s3 = commands.add_parser("s3-server", help="a local S3 server (s3proxy) over a folder on 127.0.0.1 until "
+                                               "interrupted, for an s3a:// storage root")
+    s3.add_argument("--port", type=int, default=9000)
+    s3.add_argument("--dir", required=True, metavar="PATH", help="where objects are stored: a folder per bucket")
+    s3.add_argument("--bucket", help="create this bucket (a folder under --dir) if it does not exist")
+    s3.add_argument("--prefix", default="statetables", help="the prefix under the bucket in the printed STATETABLES_HOME")
+    s3.add_argument("--log", metavar="FILE", help="s3proxy's log (default: PATH.log beside --dir)")
+    s3.add_argument("--log-requests", action="store_true", help="also log a line per request")
+    s3.set_defaults(func=_s3_server)
 
     cluster = commands.add_parser("cluster", help="a Spark standalone master and worker on 127.0.0.1 until interrupted")
     cluster.add_argument("--port", type=int, default=7077)

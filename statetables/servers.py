@@ -281,9 +281,15 @@ def _engine_env() -> dict[str, str]:
 def connect_server_command(port: int, *, jars_dir: str | None = None, conf: dict[str, str] | None = None) -> list[str]:
     """`spark-submit` of Spark's SparkConnectServer carrying Delta's jars, SQL extension and catalog,
     bound to 127.0.0.1 (Spark binds every interface unless told)."""
-    from pipelines.session import LOCAL_DEFAULTS, LOG4J_CONFIG, PARALLEL_GC, SESSION_CONFS, delta_jars
+    from pipelines.session import (LOCAL_DEFAULTS, LOG4J_CONFIG, PARALLEL_GC, SESSION_CONFS, delta_jars,
+                                   object_store_confs, object_store_jars, object_store_root)
 
-    confs = {**SESSION_CONFS, **LOCAL_DEFAULTS,
+    jars = delta_jars(jars_dir)
+    # An object-store root: the server reads and writes the bucket, with S3A and the environment's credentials.
+    store = object_store_root() is not None
+    if store:
+        jars += object_store_jars(jars_dir)
+    confs = {**SESSION_CONFS, **LOCAL_DEFAULTS, **(object_store_confs() if store else {}),
              "spark.driver.extraJavaOptions": f"{PARALLEL_GC} -Dlog4j2.configurationFile=file:{LOG4J_CONFIG}",
              "spark.connect.grpc.binding.address": "127.0.0.1",
              "spark.connect.grpc.binding.port": str(port), "spark.driver.host": "127.0.0.1",
@@ -291,7 +297,7 @@ def connect_server_command(port: int, *, jars_dir: str | None = None, conf: dict
     command = [str(spark_home() / "bin" / "spark-submit"), "--class",
                "org.apache.spark.sql.connect.service.SparkConnectServer", "--name", "statetables-connect",
                "--master", confs.pop("spark.master", "local[2]"),
-               "--jars", ",".join(str(j) for j in delta_jars(jars_dir))]
+               "--jars", ",".join(str(j) for j in jars)]
     for key, value in confs.items():
         command += ["--conf", f"{key}={value}"]
     return command + ["spark-internal"]
@@ -377,3 +383,124 @@ def spark_standalone(*, port: int, log_dir: Path, worker_cores: int = 2, worker_
             _stop(proc)
         for handle in logs:
             handle.close()
+
+
+# ---- A local S3 server: s3proxy (build/s3proxy.pom.xml, `make s3proxy`) over a folder, for the s3a:// root ----
+# Each top-level folder of `data_dir` is a bucket, each object a file under it (keys with `/` are folders).
+# Measured on s3proxy 4.1.0's filesystem backend: PUT If-None-Match: * is atomic (a hard link: one of 16
+# concurrent writers wins, every time); PUT If-Match is checked, then written: refused when the ETag differs
+# (412), but NOT atomic: of 16 concurrent writers holding the same ETag, up to 10 succeeded.
+
+S3PROXY_DIR = REPO_ROOT / ".tools" / "s3proxy"
+S3PROXY_MAIN = "org.gaul.s3proxy.Main"
+# The dev server's credentials (`statetables s3-server`): loopback only, not a secret.
+S3_DEV_ACCESS_KEY = "statetables"
+S3_DEV_SECRET_KEY = "statetables-secret"
+
+_S3PROXY_LOGBACK = """<configuration>
+  <appender name="OUT" class="ch.qos.logback.core.ConsoleAppender">
+    <encoder><pattern>%d{{yyyy-MM-dd HH:mm:ss.SSS}} %-5level %logger{{30}} %msg%n</pattern></encoder>
+  </appender>
+  <!-- DEBUG: one "request: ... {{METHOD@... URL HTTP/1.1}}" line per request (and each error response). -->
+  <logger name="org.gaul.s3proxy.S3ProxyHandler" level="{handler_level}"/>
+  <root level="INFO"><appender-ref ref="OUT"/></root>
+</configuration>
+"""
+
+
+def _s3proxy_java() -> str:
+    """The java that runs s3proxy; ConfigurationErrors naming the fix when s3proxy or Java is missing."""
+    import shutil
+
+    from pipelines.errors import ConfigurationError
+
+    if not (S3PROXY_DIR / ".resolved").is_file():
+        raise ConfigurationError(f"s3proxy, the local S3 server, is not installed in {S3PROXY_DIR}. "
+                                 f"Fix: run `make s3proxy` once (resolves it with Maven).")
+    java_home = os.environ.get("JAVA_HOME")
+    if java_home and (Path(java_home) / "bin" / "java").exists():
+        return str(Path(java_home) / "bin" / "java")
+    if java := shutil.which("java"):
+        return java
+    raise ConfigurationError("Java was not found (no JAVA_HOME/bin/java and no `java` on PATH); s3proxy needs "
+                             "Java 17. Fix: install it (`apt-get install openjdk-17-jdk-headless`) or set JAVA_HOME.")
+
+
+def s3proxy_command(properties: Path, logback: Path) -> list[str]:
+    """s3proxy's JVM, its jars from .tools/s3proxy/. A small heap and the serial collector: it streams objects to
+    disk, and the machine's cores are Spark's."""
+    return [_s3proxy_java(), "-Xmx512m", "-XX:+UseSerialGC", f"-Dlogback.configurationFile={logback}",
+            "-cp", f"{S3PROXY_DIR}/*", S3PROXY_MAIN, "--properties", str(properties)]
+
+
+def s3_server(*, port: int, data_dir: Path, log: Path, access_key: str, secret_key: str, bucket: str | None,
+              log_requests: bool = False, ready_timeout_s: float = 60) -> subprocess.Popen:
+    """s3proxy on http://127.0.0.1:`port`, storing under `data_dir` (each folder a bucket), signed requests only
+    (AWS Signature V2 or V4 with `access_key`/`secret_key`), in its own process group; `bucket` is created if given.
+    Returns once it listens; stop it with `_stop`. Request counts per operation and status:
+    `s3_request_counts(endpoint)` (its Prometheus /metrics); `log_requests` also logs a line per request in `log`.
+    `log` must be outside `data_dir`: s3proxy would list a file or folder there as a bucket."""
+    import shutil
+    import tempfile
+
+    import re
+
+    _s3proxy_java()
+    if bucket and not re.fullmatch(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]", bucket):
+        from pipelines.errors import ConfigurationError
+
+        raise ConfigurationError(f"{bucket!r} is not a valid S3 bucket name. Fix: 3 to 63 lower-case letters, digits, "
+                                 f"dots or hyphens, starting and ending with a letter or digit (e.g. statetables).")
+    _require_free_port(port, "the S3 server (s3proxy)")
+    data_dir = Path(data_dir).resolve()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    if bucket and not (data_dir / bucket).is_dir():
+        # The filesystem backend takes every top-level folder for a bucket: no request needed. Not readable by others:
+        # it derives the bucket's ACL from the folder's mode, and a world-readable folder lists without a signature.
+        (data_dir / bucket).mkdir()
+        (data_dir / bucket).chmod(0o750)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    # The configuration is read once at start: written to a private folder, removed once the server listens.
+    config_dir = Path(tempfile.mkdtemp(prefix="statetables-s3proxy-"))
+    properties, logback = config_dir / "s3proxy.properties", config_dir / "logback.xml"
+    properties.write_text("\n".join(f"{key}={value}" for key, value in {
+        "s3proxy.endpoint": f"http://127.0.0.1:{port}",
+        "s3proxy.authorization": "aws-v2-or-v4",
+        "s3proxy.identity": access_key,
+        "s3proxy.credential": secret_key,
+        "jclouds.provider": "filesystem",
+        "jclouds.filesystem.basedir": str(data_dir),
+        # GET /metrics on the same port (unsigned): a Prometheus histogram per S3 operation, method and status.
+        "s3proxy.metrics.enabled": "true",
+    }.items()) + "\n")
+    logback.write_text(_S3PROXY_LOGBACK.format(handler_level="DEBUG" if log_requests else "INFO"))
+    try:
+        command = s3proxy_command(properties, logback)
+        with open(log, "ab") as out:
+            proc = subprocess.Popen(command, cwd=REPO_ROOT, stdin=subprocess.DEVNULL, stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent)
+        try:
+            _wait_for_port(proc, port, "the S3 server (s3proxy)", log, ready_timeout_s)
+        except BaseException:
+            _stop(proc)
+            raise
+        return proc
+    finally:
+        shutil.rmtree(config_dir, ignore_errors=True)
+
+
+def s3_request_counts(endpoint: str) -> dict[tuple[str, int], int]:
+    """Requests the s3proxy at `endpoint` has served since it started, by (S3 operation, HTTP status), e.g.
+    {("PutObject", 200): 12, ("ListObjectsV2", 200): 40}: its /metrics. Requests refused before s3proxy names the
+    operation (a bad signature or access key, an invalid bucket name) are not counted."""
+    import re
+
+    with urllib.request.urlopen(f"{endpoint.rstrip('/')}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    counts: dict[tuple[str, int], int] = {}
+    for line in text.splitlines():
+        if line.startswith("http_server_request_duration_seconds_count{"):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', line.split("}", 1)[0]))
+            key = (labels.get("s3_operation", "?"), int(labels.get("http_response_status_code", 0)))
+            counts[key] = counts.get(key, 0) + int(float(line.rsplit(" ", 1)[1]))
+    return counts

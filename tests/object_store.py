@@ -8,13 +8,12 @@ filesystem backend, `statetables s3-server`), on a free port of 127.0.0.1, with 
 from __future__ import annotations
 
 import os
-import re
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from statetables.servers import DEV_S3_ACCESS_KEY, DEV_S3_SECRET_KEY, _stop, free_port, s3_server
+from statetables.servers import S3_DEV_ACCESS_KEY, S3_DEV_SECRET_KEY, _stop, free_port, s3_request_counts, s3_server
 
 LEASE_S = "8"  # short, so that a killed holder's lease runs out within a test
 
@@ -26,10 +25,10 @@ class Store:
     log: Path
 
     def requests(self) -> dict[str, int]:
-        """Requests the server has answered so far, by HTTP method (its request log)."""
+        """Requests the server has answered so far, by S3 operation (its metrics), e.g. {"PutObject": 120}."""
         counts: dict[str, int] = {}
-        for method in re.findall(r"\b(GET|PUT|POST|HEAD|DELETE)\b [^ ]*/", self.log.read_text(errors="replace")):
-            counts[method] = counts.get(method, 0) + 1
+        for (operation, _status), count in s3_request_counts(self.endpoint).items():
+            counts[operation] = counts.get(operation, 0) + count
         return counts
 
 
@@ -38,10 +37,10 @@ def s3_store(folder: Path, bucket: str = "statetables", lease_s: str = LEASE_S) 
     folder.mkdir(parents=True, exist_ok=True)
     port = free_port()
     log = folder / "s3-server.log"
-    proc = s3_server(port=port, data_dir=folder / "data", log=log, access_key=DEV_S3_ACCESS_KEY,
-                     secret_key=DEV_S3_SECRET_KEY, bucket=bucket)
-    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": DEV_S3_ACCESS_KEY,
-           "AWS_SECRET_ACCESS_KEY": DEV_S3_SECRET_KEY, "AWS_REGION": "us-east-1",
+    proc = s3_server(port=port, data_dir=folder / "data", log=log, access_key=S3_DEV_ACCESS_KEY,
+                     secret_key=S3_DEV_SECRET_KEY, bucket=bucket)
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": S3_DEV_ACCESS_KEY,
+           "AWS_SECRET_ACCESS_KEY": S3_DEV_SECRET_KEY, "AWS_REGION": "us-east-1",
            "STATETABLES_LEASE_SECONDS": lease_s}
     saved = {key: os.environ.get(key) for key in env}
     os.environ.update(env)
