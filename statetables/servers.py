@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -350,16 +351,41 @@ def spark_connect_server(*, port: int, log: Path, jars_dir: str | None = None, c
         out.close()
 
 
+def _apart(user: str | None) -> tuple[list[str], dict[str, str]]:
+    """How to start a worker that shares nothing with the driver but the network: the command prefix (another user,
+    when this process may switch to one) and an environment of its own, with neither the storage root nor the
+    object store's credentials (executors get those from the driver's confs), its home and working folder a new
+    temporary folder, unreadable to others."""
+    import pwd
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="statetables-worker-"))
+    prefix = []
+    if user is not None and os.geteuid() == 0:
+        account = pwd.getpwnam(user)
+        os.chown(folder, account.pw_uid, account.pw_gid)
+        prefix = ["setpriv", f"--reuid={account.pw_uid}", f"--regid={account.pw_gid}", "--clear-groups", "--"]
+    folder.chmod(0o700)
+    keep = ("PATH", "JAVA_HOME", "LANG", "LC_ALL")
+    env = {key: os.environ[key] for key in keep if key in os.environ}
+    env.update({"HOME": str(folder), "TMPDIR": str(folder), "SPARK_HOME": str(spark_home()),
+                "SPARK_LOCAL_IP": "127.0.0.1", "PYSPARK_PYTHON": sys.executable, "SPARK_NO_DAEMONIZE": "1",
+                "SPARK_WORKER_DIR": str(folder / "work"), "SPARK_LOCAL_DIRS": str(folder / "local")})
+    return prefix, env
+
+
 @contextmanager
 def spark_standalone(*, port: int, log_dir: Path, worker_cores: int = 2, worker_memory: str = "6g",
-                     ready_timeout_s: float = 120) -> Iterator[str]:
+                     ready_timeout_s: float = 120, worker_apart_as: str | None = None) -> Iterator[str]:
     """A standalone master on 127.0.0.1:`port` and one worker registered with it (web UIs off); yields
-    the `spark://` URL and stops both on exit."""
+    the `spark://` URL and stops both on exit. `worker_apart_as`: the worker runs as that user (when this process is
+    root), in a folder and an environment of its own (`_apart`): a second machine, as far as one host allows."""
     _require_free_port(port, "the standalone master")
     log_dir.mkdir(parents=True, exist_ok=True)
     spark_class = str(spark_home() / "bin" / "spark-class")
     env = {**_engine_env(), "SPARK_MASTER_OPTS": "-Dspark.ui.enabled=false", "SPARK_NO_DAEMONIZE": "1",
            "SPARK_WORKER_DIR": str(log_dir / "work")}
+    worker_prefix, worker_env = ([], env) if worker_apart_as is None else _apart(worker_apart_as)
     url = f"spark://127.0.0.1:{port}"
     procs: list[subprocess.Popen] = []
     logs = [open(log_dir / "master.log", "ab"), open(log_dir / "worker.log", "ab")]
@@ -369,9 +395,10 @@ def spark_standalone(*, port: int, log_dir: Path, worker_cores: int = 2, worker_
              "--webui-port", "0"], env=env, stdout=logs[0], stderr=subprocess.STDOUT, start_new_session=True))
         _wait_for_port(procs[0], port, "the standalone master", log_dir / "master.log", ready_timeout_s)
         procs.append(subprocess.Popen(
-            [spark_class, "org.apache.spark.deploy.worker.Worker", "--host", "127.0.0.1", "--webui-port", "0",
-             "--cores", str(worker_cores), "--memory", worker_memory, url],
-            env=env, stdout=logs[1], stderr=subprocess.STDOUT, start_new_session=True))
+            [*worker_prefix, spark_class, "org.apache.spark.deploy.worker.Worker", "--host", "127.0.0.1",
+             "--webui-port", "0", "--cores", str(worker_cores), "--memory", worker_memory, url],
+            env=worker_env, cwd=worker_env.get("HOME"), stdout=logs[1], stderr=subprocess.STDOUT,
+            start_new_session=True))
         deadline = time.monotonic() + ready_timeout_s
         while b"Successfully registered with master" not in (log_dir / "worker.log").read_bytes():
             if procs[1].poll() is not None or time.monotonic() > deadline:
@@ -383,6 +410,8 @@ def spark_standalone(*, port: int, log_dir: Path, worker_cores: int = 2, worker_
             _stop(proc)
         for handle in logs:
             handle.close()
+        if worker_apart_as is not None:
+            shutil.rmtree(worker_env["HOME"], ignore_errors=True)
 
 
 # ---- A local S3 server: s3proxy (build/s3proxy.pom.xml, `make s3proxy`) over a folder, for the s3a:// root ----

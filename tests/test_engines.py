@@ -23,15 +23,18 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import dagster as dg
 import pytest
-from deltalake import DeltaTable as IndependentDeltaTable
 
 from pipelines.session import JVM_START_NOISE
 from pipelines.generate import generate
 from pipelines.layout import HOME_ENV, StorageLayout
+from pipelines.storage import S3Path
+from tests.contract_oracle import independent_table
+from tests.object_store import s3_store
 from tests.streams import STREAMS
 from assets.automation import spark_engine_health
 from resources import SparkSessionResource
@@ -75,7 +78,7 @@ def table_rows(layout: StorageLayout) -> dict[str, list[tuple]]:
     root = str(layout.home)
     tables = {}
     for path in sorted(layout.table("x").parent.iterdir()):
-        rows = IndependentDeltaTable(str(path)).to_pyarrow_table().to_pylist()
+        rows = independent_table(path).to_pyarrow_table().to_pylist()
         normalised = [tuple(sorted((k, v.replace(root, "<root>") if isinstance(v, str) else v)
                                    for k, v in row.items() if k not in WHEN_WRITTEN)) for row in rows]
         tables[path.name] = sorted(normalised, key=repr)
@@ -165,3 +168,42 @@ def test_a_warm_connect_server_and_a_standalone_cluster_give_the_embedded_tables
             in_front = table_rows(run_pipeline(landing_files, front, "--remote", url,
                                                "--job", "advance_movie_ticket_sales"))
     assert_same_tables(in_front, one_stream(embedded, "movie_ticket_sales"))
+
+
+def upload(landing: Path, target: S3Path) -> None:
+    """The landing files into the bucket, under the same relative names, in their arrival order: a second apart, as
+    the store keeps modification times to the second (files of the same second arrive in path order)."""
+    files = sorted((p for p in landing.rglob("*") if p.is_file()), key=lambda p: (p.stat().st_mtime_ns, str(p)))
+    for path in files:
+        (target / str(path.relative_to(landing))).write_bytes(path.read_bytes())
+        time.sleep(1.05)
+
+
+@pytest.mark.long
+def test_a_cluster_that_shares_only_a_bucket_gives_the_embedded_tables(embedded, landing_files, tmp_path_factory):
+    """More than one machine, as one host allows: the storage root in a bucket of the project's S3 server; a
+    standalone master and a worker that runs as another user (nobody), in a folder and an environment of its own,
+    without the storage root or the credentials (its executors get them from the driver's confs); a Spark Connect
+    server in front of the master; `statetables run` as its thin client. Every table equals the embedded local run's,
+    key for key."""
+    work = tmp_path_factory.mktemp("object-store")
+    with s3_store(work / "s3") as store, pytest.MonkeyPatch.context() as patch:
+        root = f"s3a://{store.bucket}/cluster"
+        patch.setenv(HOME_ENV, root)  # the Connect server takes the S3 connector and its settings from it
+        upload(landing_files, S3Path.parse(root) / "landing")
+        with spark_standalone(port=free_port(), log_dir=work / "standalone-logs", worker_memory="3g",
+                              worker_apart_as="nobody") as master, \
+                spark_connect_server(port=free_port(), log=work / "connect-in-front.log",
+                                     conf={"spark.master": master, "spark.executor.memory": "1g"}) as url:
+            env = {**os.environ, "DAGSTER_HOME": str(work / "dagster")}
+            done = subprocess.run([STATETABLES, "run", "--log-level", "WARNING", "--remote", url], env=env,
+                                  capture_output=True, text=True, timeout=1200)
+            assert done.returncode == 0 and "SUCCESS" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+        # The batches' tasks ran in executors of the worker apart.
+        assert "Asked to launch executor" in (work / "standalone-logs" / "worker.log").read_text(errors="replace")
+        tables = table_rows(StorageLayout.under(root))
+    # Landing file paths differ only by the root, which table_rows replaces by <root>; the ledger's modification
+    # times are the upload's.
+    uploaded = {"file_mtime_ns", "file_modified_at"}
+    assert_same_tables(*({name: sorted((tuple(c for c in row if c[0] not in uploaded) for row in rows), key=repr)
+                          for name, rows in side.items()} for side in (tables, embedded)))
