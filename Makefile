@@ -12,7 +12,7 @@ S3PROXY := .tools/s3proxy/.resolved
 BROWSER := $(VENV)/.browser
 export STATETABLES_HOME ?= $(CURDIR)/data
 
-.PHONY: install jars jars-s3 s3proxy s3-server class-archive browser ui-screenshots demo run dev serve connect-server cluster test test-long bench bench-core bench-quick bench-event-time bench-engines bench-freshness bench-full chaos clean
+.PHONY: install jars jars-s3 s3proxy s3-server class-archive browser ui-screenshots demo run dev serve connect-server cluster test test-long bench bench-core bench-quick bench-event-time bench-engines bench-freshness bench-full chaos chaos-s3 clean
 
 install: $(INSTALLED)
 $(INSTALLED): setup.py
@@ -119,8 +119,9 @@ test: install jars class-archive browser
 	$(BIN)/pytest -q -n 2 --dist worksteal --durations=15 -m "not long" tests
 
 # The rest: kill -9 chaos, the continuous job under dagster dev, the same tables over Spark Connect and on a
-# standalone cluster, lost, damaged or set-back checkpoints, a savepoint restore. .ci/run runs it after `make test`.
-test-long: install jars class-archive
+# standalone cluster, lost, damaged or set-back checkpoints, a savepoint restore, the whole product on an s3a:// root
+# (its own S3 server: the S3 connector and s3proxy are fetched for it). .ci/run runs it after `make test`.
+test-long: install jars class-archive jars-s3 s3proxy
 	$(BIN)/pytest -q -n 2 --dist worksteal --durations=10 -m long tests
 
 # The browser test's screenshots of each step, into docs/ui/ (the README shows one).
@@ -161,6 +162,10 @@ CONTINUOUS_KILLS ?= 4
 ENGINE_KILLS ?= 4
 chaos: install jars class-archive
 	$(BIN)/python -m tests.chaos --kills $(KILLS) --continuous-kills $(CONTINUOUS_KILLS) --engine-kills $(ENGINE_KILLS)
+
+# The same on an s3a:// root, in a bucket of the development S3 server that it starts (the writer lock is the lease)
+chaos-s3: install jars class-archive jars-s3 s3proxy
+	$(BIN)/python -m tests.chaos --object-store --kills $(KILLS) --continuous-kills $(CONTINUOUS_KILLS) --engine-kills $(ENGINE_KILLS)
 
 clean:
 	rm -rf data

@@ -41,7 +41,7 @@ from pipelines.errors import ConfigurationError, StreamBusyError
 from pipelines.storage import AnyPath, S3Path, is_missing, is_precondition_failed, s3_client
 
 LEASE_ENV = "STATETABLES_LEASE_SECONDS"
-DEFAULT_LEASE_S = 60.0
+DEFAULT_LEASE_S = 30.0
 
 
 class LeaseLostError(RuntimeError):

@@ -488,6 +488,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with s3_store(home / "s3") as store:
         root = f"s3a://{store.bucket}/chaos"
+        os.environ["STATETABLES_HOME"] = root  # the engine rounds' Connect server takes the S3 connector from it
         print(f"chaos: {args.kills} kills, seed {args.seed}, storage root {root} ({store.endpoint}, "
               f"lease {os.environ['STATETABLES_LEASE_SECONDS']} s)")
         report = run_chaos(home, kills=args.kills, seed=args.seed, events=args.events, random_share=args.random_share,
