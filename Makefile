@@ -12,7 +12,7 @@ S3PROXY := .tools/s3proxy/.resolved
 BROWSER := $(VENV)/.browser
 export STATETABLES_HOME ?= $(CURDIR)/data
 
-.PHONY: install jars jars-s3 s3proxy s3-server class-archive browser ui-screenshots demo run dev serve connect-server cluster test test-long bench bench-core bench-quick bench-event-time bench-engines bench-freshness bench-full chaos chaos-s3 clean
+.PHONY: install jars jars-s3 s3proxy s3-server class-archive browser ui-screenshots demo run dev serve connect-server cluster test test-long bench bench-core bench-quick bench-event-time bench-engines bench-freshness bench-object-store bench-full chaos chaos-s3 clean
 
 install: $(INSTALLED)
 $(INSTALLED): setup.py
@@ -129,8 +129,14 @@ ui-screenshots: install jars class-archive browser
 	STATETABLES_UI_SHOTS=$(CURDIR)/docs/ui $(BIN)/pytest -q -p no:cacheprovider tests/assets/test_ui.py
 
 # Side by side with the alternatives on the same files; writes docs/bench/ (see docs/performance.md).
-bench: install jars class-archive
+bench: install jars class-archive jars-s3 s3proxy
 	$(BIN)/python -m benchmarks.run
+	$(BIN)/python -m benchmarks.run --only object-store
+
+# the 1M bulk run and a 10k increment with the root on local disk and in a bucket of the development S3 server,
+# with the S3 requests per micro-batch (docs/bench/object_store.json)
+bench-object-store: install jars class-archive jars-s3 s3proxy
+	$(BIN)/python -m benchmarks.run --only object-store
 
 bench-quick: install jars class-archive
 	$(BIN)/python -m benchmarks.run --quick

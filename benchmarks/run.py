@@ -536,6 +536,97 @@ def only_engines(repeat: int, work: Path, *, keep: bool, quick: bool) -> None:
     print(f"written: {target}/engines.json")
 
 
+def _upload(folder: Path, target, prefix: str = "") -> None:
+    """Landing files into the bucket, in name order (not timed: producers' work)."""
+    for path in sorted(folder.glob("*.jsonl")):
+        (target / f"{prefix}{path.name}").write_bytes(path.read_bytes())
+
+
+def _requests(endpoint: str) -> dict[str, int]:
+    from statetables.servers import s3_request_counts
+
+    totals: dict[str, int] = {}
+    for (operation, _status), count in s3_request_counts(endpoint).items():
+        totals[operation] = totals.get(operation, 0) + count
+    return totals
+
+
+def object_store_runs(repeat: int, work: Path, *, history: int, increment: int) -> dict:
+    """`statetables run` (advance_payments) with the storage root on local disk and in a bucket of the development
+    S3 server (s3proxy over this machine's disk, started here), side by side in each repetition: the bulk run over
+    `history` events, then a run of `increment` new events on it. For the bucket, the S3 requests each run made (the
+    server's metrics) in all and per micro-batch, by operation."""
+    from pipelines.storage import S3Path
+    from statetables.servers import S3_DEV_ACCESS_KEY, S3_DEV_SECRET_KEY, _stop, free_port, s3_server
+
+    data = Data(work / "data", INCREMENT_FILE_LINES)
+    port = free_port()
+    endpoint = f"http://127.0.0.1:{port}"
+    server = s3_server(port=port, data_dir=work / "s3", log=work / "s3-server.log", access_key=S3_DEV_ACCESS_KEY,
+                       secret_key=S3_DEV_SECRET_KEY, bucket="bench")
+    store_env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": S3_DEV_ACCESS_KEY,
+                 "AWS_SECRET_ACCESS_KEY": S3_DEV_SECRET_KEY, "AWS_REGION": "us-east-1"}
+    os.environ.update(store_env)  # this process's uploads and listings
+    runs: dict[str, list[dict]] = {f"{where}_{kind}": [] for where in ("local", "s3") for kind in ("bulk", "increment")}
+    try:
+        for rep in range(repeat):
+            home = work / f"local-{rep}"
+            link_into(data.history(history), home / "landing" / "payments")
+            runs["local_bulk"].append(measure(project_run(home), home))
+            root = S3Path("bench", f"rep-{rep}")
+            _upload(data.history(history), root / "landing" / "payments")
+            for kind in ("bulk", "increment"):
+                if kind == "increment":
+                    folder = data.increment(increment, seed=70 + rep, customers=max(2000, history // 10))
+                    link_into(folder, home / "landing" / "payments", prefix="inc-")
+                    runs["local_increment"].append(measure(project_run(home), home))
+                    _upload(folder, root / "landing" / "payments", prefix="inc-")
+                bronze = root / "tables" / "payments_bronze" / "_delta_log"
+                commits_before = sum(1 for p in bronze.iterdir() if p.suffix == ".json")
+                before = _requests(endpoint)
+                run = measure(project_run(home), env={"STATETABLES_HOME": str(root),
+                                                      "DAGSTER_HOME": str(work / "dagster")})
+                after = _requests(endpoint)
+                made = {op: after[op] - before.get(op, 0) for op in after if after[op] > before.get(op, 0)}
+                batches = sum(1 for p in bronze.iterdir() if p.suffix == ".json") - commits_before - (kind == "bulk")
+                run.update(requests=sum(made.values()), requests_by_operation=made, micro_batches=batches,
+                           requests_per_batch=round(sum(made.values()) / batches) if batches else None)
+                runs[f"s3_{kind}"].append(run)
+                print(f"{kind:9s} rep {rep + 1}: local {runs[f'local_{kind}'][-1]['wall_s']:6.1f} s, "
+                      f"s3 {run['wall_s']:6.1f} s, {run['requests']} requests in {batches} micro-batch(es)",
+                      flush=True)
+    finally:
+        _stop(server)
+    results = {key: {"runs": [round(r["wall_s"], 2) for r in rs], "wall_s": median(rs)} for key, rs in runs.items()}
+    for kind in ("bulk", "increment"):
+        s3 = runs[f"s3_{kind}"]
+        results[f"s3_{kind}"].update(
+            vs_local=round(results[f"s3_{kind}"]["wall_s"] / results[f"local_{kind}"]["wall_s"], 2),
+            requests=int(statistics.median(r["requests"] for r in s3)),
+            micro_batches=int(statistics.median(r["micro_batches"] for r in s3)),
+            requests_per_batch=statistics.median(r["requests_per_batch"] or 0 for r in s3),
+            requests_by_operation=s3[-1]["requests_by_operation"])
+    return results
+
+
+def only_object_store(repeat: int, work: Path, *, keep: bool, quick: bool) -> None:
+    started = time.monotonic()
+    sizes = (20_000, 2_000) if quick else (1_000_000, 10_000)
+    try:
+        results = {"object_store": object_store_runs(repeat, work, history=sizes[0], increment=sizes[1])}
+    finally:
+        if not keep:
+            shutil.rmtree(work, ignore_errors=True)
+    results["machine"] = {"cpus": os.cpu_count(), "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+                          "repeat": repeat, "history_events": sizes[0], "increment_events": sizes[1],
+                          "bench_s": round(time.monotonic() - started)}
+    print(json.dumps(results["object_store"], indent=1))
+    target = OUT if not quick else work.parent / f"statetables-bench-quick-{os.getpid()}"
+    target.mkdir(parents=True, exist_ok=True)
+    (target / "object_store.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+    print(f"written: {target}/object_store.json")
+
+
 def only_freshness(work: Path, *, keep: bool, quick: bool) -> None:
     """Freshness of payments_per_customer, continuous against orchestrated, under `dagster dev`
     (benchmarks/freshness.py), into docs/bench/freshness.json."""
@@ -574,12 +665,14 @@ def main() -> None:
     parser.add_argument("--full", action="store_true", help="also 10M events (~1M customers) and 10k increments")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--work", default=None, help="scratch folder (default: a temporary one, removed after)")
-    parser.add_argument("--only", choices=["core", "paths", "engines", "freshness"], help="core: the bulk run, the "
+    parser.add_argument("--only", choices=["core", "paths", "engines", "freshness", "object-store"], help="core: the bulk run, the "
                         "increment as a process and warm, against Spark's floor and a full recompute, with jobs and "
                         "commits per micro-batch, into docs/bench/core.json; paths: only case (g), the "
                         "event-time paths, into docs/bench/event_time_paths.json; engines: `statetables run` per Spark "
                         "engine, into docs/bench/engines.json; freshness: landing file to state table, continuous and "
-                        "orchestrated, into docs/bench/freshness.json. All leave the full results as they are")
+                        "orchestrated, into docs/bench/freshness.json; object-store: the 1M bulk run and a 10k increment on local disk and in "
+                        "a bucket of the development S3 server, with S3 requests per micro-batch, into "
+                        "docs/bench/object_store.json. All leave the full results as they are")
     args = parser.parse_args()
     sizes, increments, repeat = [1_000_000], [100_000], args.repeat
     if args.full:
@@ -597,6 +690,8 @@ def main() -> None:
         return only_engines(repeat if not args.quick else 2, work, keep=bool(args.work), quick=args.quick)
     if args.only == "freshness":
         return only_freshness(work, keep=bool(args.work), quick=args.quick)
+    if args.only == "object-store":
+        return only_object_store(repeat, work, keep=bool(args.work), quick=args.quick)
     try:
         results = bench(sizes, increments, repeat, work)
     finally:
