@@ -116,6 +116,15 @@ def test_two_deliveries_and_lost_checkpoints_on_an_object_store_equal_the_oracle
     _statetables(root, dagster, "generate", "--events", "600", "--seed", "3", "--events-per-file", "300")
     _statetables(root, dagster, "run")
 
+    # Operating it on a bucket: the status (landing listed from the store, the lease read back), a savepoint.
+    status = json.loads(_statetables(root, dagster, "status", "--json").stdout)
+    assert status["storage_root"] == root
+    payments = status["streams"]["payments"]
+    assert payments["landing"]["pending"] == 0 and payments["writer_lock"]["held"] is False
+    assert payments["writer_lock"]["file"].startswith(f"{root}/locks/payments.lease")
+    _statetables(root, dagster, "savepoint", "create", "on-s3")
+    assert _statetables(root, dagster, "savepoint", "list").stdout.startswith("on-s3\t")
+
     report = ChaosReport()
     compare(layout, report, ["movie_ticket_sales", "payments"], {})
     assert report.keys_compared["movie_tickets_sold"] > 20 and report.keys_compared["payments_per_customer"] > 50
@@ -146,3 +155,26 @@ def test_no_local_writes_outside_the_bucket(store, tmp_path):
                    capture_output=True)
     assert list(work.iterdir()) == []
     assert [p.name for p in S3Path.parse(f"{root}/landing/payments").iterdir()], "the files went to the bucket"
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"STATETABLES_HOME": "s3a://no-such-bucket/x"}, "the bucket no-such-bucket does not exist"),
+    ({"AWS_SECRET_ACCESS_KEY": "wrong"}, "refused the credentials"),
+    ({"AWS_ACCESS_KEY_ID": None, "AWS_SECRET_ACCESS_KEY": None}, "no credentials were found"),
+    ({"STATETABLES_JARS_DIR": "EMPTY"}, "make jars-s3"),
+])
+def test_bad_object_store_configuration_fails_before_anything_is_written(store, tmp_path, change, message):
+    root = f"s3a://{store.bucket}/refused"
+    env = {**os.environ, "STATETABLES_HOME": root, "DAGSTER_HOME": str(tmp_path / "dagster"),
+           "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"), "AWS_CONFIG_FILE": str(tmp_path / "none"),
+           "AWS_EC2_METADATA_DISABLED": "true"}
+    for key, value in change.items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = str(tmp_path) if value == "EMPTY" else value
+    done = subprocess.run([*COMMAND, "run"], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and message in done.stderr and "Fix:" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr + done.stdout
+    assert not S3Path.parse(root).is_dir()  # nothing written under the root
+    assert not (tmp_path / "dagster").exists()
