@@ -436,7 +436,7 @@ def _engine_rounds(layout: StorageLayout, fault_dir: Path, log: Path, rng: rando
 
     port = free_port()
     made = attempts = named_rounds = 0
-    with spark_connect_server(port=port, log=layout.home / "spark-connect.log", supervise=True,
+    with spark_connect_server(port=port, log=fault_dir.parent / "spark-connect.log", supervise=True,
                               extra_env={faults.FAULTS_ENV: str(fault_dir)}):
         while made < engine_kills:
             attempts += 1
