@@ -361,8 +361,13 @@ def _apart(user: str | None) -> tuple[list[str], dict[str, str]]:
 
     folder = Path(tempfile.mkdtemp(prefix="statetables-worker-"))
     prefix = []
-    if user is not None and os.geteuid() == 0:
-        account = pwd.getpwnam(user)
+    account = None
+    if user is not None and os.geteuid() == 0 and shutil.which("setpriv"):
+        try:
+            account = pwd.getpwnam(user)
+        except KeyError:  # no such user on this host: apart by folder and environment only
+            account = None
+    if account is not None:
         os.chown(folder, account.pw_uid, account.pw_gid)
         prefix = ["setpriv", f"--reuid={account.pw_uid}", f"--regid={account.pw_gid}", "--clear-groups", "--"]
     folder.chmod(0o700)
