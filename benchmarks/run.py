@@ -518,6 +518,20 @@ def engine_runs(repeat: int, work: Path, *, history: int, increment: int) -> dic
     return results
 
 
+def _write_sized(results: dict, name: str, repeat: int, sizes: tuple[int, int], started: float, work: Path,
+                 quick: bool) -> None:
+    """Print results[name] and write the results, with the machine and sizes, to docs/bench/<name>.json (a scratch
+    folder when quick)."""
+    results["machine"] = {"cpus": os.cpu_count(), "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+                          "repeat": repeat, "history_events": sizes[0], "increment_events": sizes[1],
+                          "bench_s": round(time.monotonic() - started)}
+    print(json.dumps(results[name], indent=1))
+    target = OUT if not quick else work.parent / f"statetables-bench-quick-{os.getpid()}"
+    target.mkdir(parents=True, exist_ok=True)
+    (target / f"{name}.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+    print(f"written: {target}/{name}.json")
+
+
 def only_engines(repeat: int, work: Path, *, keep: bool, quick: bool) -> None:
     started = time.monotonic()
     sizes = (2_000, 200) if quick else (20_000, 10_000)
@@ -526,14 +540,7 @@ def only_engines(repeat: int, work: Path, *, keep: bool, quick: bool) -> None:
     finally:
         if not keep:
             shutil.rmtree(work, ignore_errors=True)
-    results["machine"] = {"cpus": os.cpu_count(), "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
-                          "repeat": repeat, "history_events": sizes[0], "increment_events": sizes[1],
-                          "bench_s": round(time.monotonic() - started)}
-    print(json.dumps(results["engines"], indent=1))
-    target = OUT if not quick else work.parent / f"statetables-bench-quick-{os.getpid()}"
-    target.mkdir(parents=True, exist_ok=True)
-    (target / "engines.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
-    print(f"written: {target}/engines.json")
+    _write_sized(results, "engines", repeat, sizes, started, work, quick)
 
 
 def _upload(folder: Path, target, prefix: str = "") -> None:
@@ -617,14 +624,7 @@ def only_object_store(repeat: int, work: Path, *, keep: bool, quick: bool) -> No
     finally:
         if not keep:
             shutil.rmtree(work, ignore_errors=True)
-    results["machine"] = {"cpus": os.cpu_count(), "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
-                          "repeat": repeat, "history_events": sizes[0], "increment_events": sizes[1],
-                          "bench_s": round(time.monotonic() - started)}
-    print(json.dumps(results["object_store"], indent=1))
-    target = OUT if not quick else work.parent / f"statetables-bench-quick-{os.getpid()}"
-    target.mkdir(parents=True, exist_ok=True)
-    (target / "object_store.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
-    print(f"written: {target}/object_store.json")
+    _write_sized(results, "object_store", repeat, sizes, started, work, quick)
 
 
 def only_freshness(work: Path, *, keep: bool, quick: bool) -> None:

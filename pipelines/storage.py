@@ -335,10 +335,6 @@ def walk(folder: AnyPath) -> Iterator[tuple[AnyPath, FileStat]]:
             yield path, FileStat(stat.st_size, stat.st_mtime_ns)
 
 
-def open_binary(path: str | AnyPath) -> IO[bytes]:
-    return storage_path(path).open("rb")
-
-
 def require_bucket(root: S3Path) -> None:
     """Fail before any data is touched when the object store cannot be used, naming the fix."""
     endpoint = os.environ.get(ENDPOINT_ENV) or "AWS S3"
