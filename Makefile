@@ -9,10 +9,12 @@ JVM_JAR := .jars/statetables-jvm.jar
 JVM_SOURCES := $(wildcard jvm/src/statetables/jvm/*.java)
 JARS_S3 := .jars/s3/.resolved
 S3PROXY := .tools/s3proxy/.resolved
+JARS_KAFKA := .jars/kafka/.resolved
+KAFKA := .tools/kafka/.resolved
 BROWSER := $(VENV)/.browser
 export STATETABLES_HOME ?= $(CURDIR)/data
 
-.PHONY: install jars jars-s3 s3proxy s3-server class-archive browser ui-screenshots demo run dev serve connect-server cluster test test-long bench bench-core bench-quick bench-event-time bench-engines bench-freshness bench-object-store bench-full chaos chaos-s3 clean
+.PHONY: install jars jars-s3 s3proxy s3-server jars-kafka kafka kafka-broker class-archive browser ui-screenshots demo run dev serve connect-server cluster test test-long bench bench-core bench-quick bench-event-time bench-engines bench-freshness bench-object-store bench-full chaos chaos-s3 clean
 
 install: $(INSTALLED)
 $(INSTALLED): setup.py
@@ -55,6 +57,29 @@ $(S3PROXY): build/s3proxy.pom.xml
 	@command -v java >/dev/null || { echo "java not found: install Java 17 (apt-get install openjdk-17-jdk-headless)"; exit 2; }
 	rm -rf .tools/s3proxy && mkdir -p .tools/s3proxy
 	mvn -B -q -f build/s3proxy.pom.xml dependency:copy-dependencies -DoutputDirectory=$(CURDIR)/.tools/s3proxy -DincludeScope=runtime
+	@touch $@
+
+# Spark's Kafka source and sink (format("kafka")): spark-sql-kafka-0-10 4.1.1 and what pyspark/jars lacks of its runtime
+# set (build/kafka-jars.pom.xml: the connector, its token provider, kafka-clients 3.9.1, commons-pool2; ~9.9 MB) into
+# .jars/kafka/, which every engine loads when it is there. Hadoop's client, Scala, lz4, snappy, slf4j, jsr305 and
+# spark-tags are pyspark's own: not copied (a second scala-library or slf4j-api would shadow Spark's).
+jars-kafka: $(JARS_KAFKA)
+$(JARS_KAFKA): build/kafka-jars.pom.xml
+	@command -v mvn >/dev/null || { echo "mvn not found: install Maven (apt-get install maven) to fetch the Kafka jars once"; exit 2; }
+	rm -rf .jars/kafka && mkdir -p .jars/kafka
+	mvn -B -q -f build/kafka-jars.pom.xml dependency:copy-dependencies -DoutputDirectory=$(CURDIR)/.jars/kafka \
+	  -DincludeScope=runtime \
+	  -DexcludeArtifactIds=hadoop-client-api,hadoop-client-runtime,scala-library,scala-parallel-collections_2.13,lz4-java,snappy-java,slf4j-api,jsr305,spark-tags_2.13
+	@touch $@
+
+# A real Kafka broker (build/kafka-broker.pom.xml): Apache Kafka 4.4.0's runtime jars and a logging binding into
+# .tools/kafka/ once (~45 MB, its own JVM, never on Spark's classpath), for `make kafka-broker` and the Kafka tests.
+kafka: $(KAFKA)
+$(KAFKA): build/kafka-broker.pom.xml
+	@command -v mvn >/dev/null || { echo "mvn not found: install Maven (apt-get install maven) to fetch Kafka once"; exit 2; }
+	@command -v java >/dev/null || { echo "java not found: install Java 17 (apt-get install openjdk-17-jdk-headless)"; exit 2; }
+	rm -rf .tools/kafka && mkdir -p .tools/kafka
+	mvn -B -q -f build/kafka-broker.pom.xml dependency:copy-dependencies -DoutputDirectory=$(CURDIR)/.tools/kafka -DincludeScope=runtime
 	@touch $@
 
 # jvm/: compiled with javac against the jars pyspark ships (Spark, Jackson); no dependency of its own.
@@ -111,6 +136,11 @@ cluster: install jars
 # that points the product at it (STATETABLES_HOME=s3a://statetables/..., AWS_*). Ctrl-C stops it.
 s3-server: install s3proxy
 	$(BIN)/statetables s3-server --port 9000 --dir $(CURDIR)/s3data --bucket statetables
+
+# A single-node Kafka broker (KRaft, broker and controller in one JVM) on 127.0.0.1:9092 over ./kafka-data/; prints the
+# bootstrap address and the export that points a shell at it. Ctrl-C stops it; a restart keeps the topics.
+kafka-broker: install kafka
+	$(BIN)/statetables kafka-broker --port 9092 --dir $(CURDIR)/kafka-data
 
 # Two workers, each with its own SparkSession: a single test keeps ~65% of the 2 cores busy (much of a
 # small run is waiting on commits and query starts), two keep both busy; 23.7 -> 18.4 min measured.

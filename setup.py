@@ -18,6 +18,7 @@ setup(
         "sqlglot==30.30.0",  # parses the project file's CREATE TABLE ... AS SELECT
         "PyYAML==6.0.4",  # reads the project file (dagster needs it too)
         "boto3==1.44.5",  # the S3 client of the storage layer (an s3a:// root) and of the writer's lease lock
+        "confluent-kafka==2.16.1",  # the Kafka client (librdkafka) that creates topics and produces to a `make kafka` broker
     ],
     extras_require={
         "test": ["pytest==9.2.0", "pytest-xdist==3.8.0", "deltalake==1.6.6", "pyarrow==22.0.0", "hypothesis==6.170.15",

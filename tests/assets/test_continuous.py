@@ -57,10 +57,22 @@ def _wait_until_equal(layout, url: str, run_id: str, timeout_s: float) -> None:
         if all(_state(layout, spec) == _expected(layout, spec) for spec in STREAMS.values()):
             return
         status = run_status(url, run_id)
-        assert status in ("STARTING", "STARTED", "QUEUED", "NOT_STARTED"), f"run {run_id} is {status}"
+        assert status in ("STARTING", "STARTED", "QUEUED", "NOT_STARTED"), \
+            f"run {run_id} is {status}: {_failures(layout, run_id)}"
         assert time.monotonic() < deadline, {s: (len(_state(layout, spec) or {}), len(_expected(layout, spec)))
                                              for s, spec in STREAMS.items()}
         time.sleep(1)
+
+
+def _failures(layout, run_id: str) -> list[str]:
+    """The run's step and run failure messages, with their causes: what a failed run says about itself."""
+    found = []
+    with dg.DagsterInstance.from_config(str(layout.dagster_home)) as instance:
+        for kind in (dg.DagsterEventType.STEP_FAILURE, dg.DagsterEventType.RUN_FAILURE):
+            for record in instance.all_logs(run_id, of_type=kind):
+                error = getattr(record.dagster_event.event_specific_data, "error", None)
+                found.append(error.to_string() if error is not None else record.dagster_event.message)
+    return found
 
 
 def _run_worker_pid(instance: dg.DagsterInstance, run_id: str) -> int:
