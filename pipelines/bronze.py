@@ -24,6 +24,9 @@ from pyspark.sql.types import (
 
 from pipelines.layout import StorageLayout
 from pipelines.errors import ConcurrentWriterError, StorageError
+from pipelines.kafka_source import (
+    KAFKA_FIELDS, SOURCE_OFFSETS, batch_ranges, offsets_record, record_lines, recorded_offsets,
+)
 from pipelines.source import LEDGER_SCHEMA, arrival_order, read_units, split_lines
 from pipelines.faults import (
     INGEST_AFTER_BRONZE_COMMIT, INGEST_AFTER_QUARANTINE_COMMIT, INGEST_POISON, InjectedFault,
@@ -52,6 +55,11 @@ QUARANTINE_SCHEMA = StructType([
 ])
 
 
+def quarantine_schema(spec: StreamSpec) -> StructType:
+    """A topic's quarantine also keeps each record's topic, partition, offset, key and timestamp."""
+    return StructType([*QUARANTINE_SCHEMA.fields, *(KAFKA_FIELDS if spec.topic is not None else ())])
+
+
 def bronze_schema(spec: StreamSpec) -> StructType:
     return StructType(
         [StructField(rule.name, FIELD_TYPES[rule.kind], nullable=not rule.required) for rule in spec.fields]
@@ -66,8 +74,10 @@ def bronze_schema(spec: StreamSpec) -> StructType:
 
 
 def ensure_bronze_tables(spark: SparkSession, layout: StorageLayout, spec: StreamSpec) -> None:
-    for name, schema in ((spec.bronze_table, bronze_schema(spec)), (spec.quarantine_table, QUARANTINE_SCHEMA),
-                         (spec.files_table, LEDGER_SCHEMA)):
+    tables = [(spec.bronze_table, bronze_schema(spec)), (spec.quarantine_table, quarantine_schema(spec))]
+    if spec.topic is None:
+        tables.append((spec.files_table, LEDGER_SCHEMA))
+    for name, schema in tables:
         create_table_if_missing(spark, layout.table(name), schema)
 
 
@@ -172,6 +182,9 @@ class IngestSettings:
     horizon: timedelta
     max_ahead: timedelta
     recheck_through_unit: int | None  # CheckpointOrigin.recheck_through_unit
+    # A topic: partition → the offset below which records may already be in bronze or quarantine (the
+    # quarantine's recorded offsets: pipelines/kafka_source.py).
+    recheck_offsets: dict[int, int] | None = None
 
 
 def _micros(value: timedelta) -> int:
@@ -307,7 +320,28 @@ def ingest_batch(units: DataFrame, batch_id: int, *, settings: IngestSettings) -
     lines = split_lines(lines_of_units).repartition(_partitions(units.sparkSession))
     recheck = settings.recheck_through_unit
     may_repeat = recheck is None or any(u <= recheck for u in unit_numbers)
-    write = partial(_write_batch, lines, batch_id, settings, ingested_at, vanished, may_repeat=may_repeat)
+    return _ingest_lines(lines, batch_id, settings, ingested_at, vanished, may_repeat, {})
+
+
+def ingest_records(records: DataFrame, batch_id: int, *, settings: IngestSettings) -> dict:
+    """`ingest_batch` for a micro-batch of a topic's records: each record a line; both commits also record the
+    next offset of every partition (pipelines/kafka_source.py)."""
+    ingested_at = datetime.now(timezone.utc)
+    topic = settings.spec.topic
+    # Read from the brokers once: every later step of the batch reads these.
+    lines = kept_on_disk(record_lines(records))
+    ranges = batch_ranges(lines)
+    recheck = settings.recheck_offsets or {}
+    may_repeat = any(first < recheck.get(partition, 0) for partition, (first, _) in ranges.items())
+    before = recorded_offsets(lines.sparkSession, settings.bronze_path, topic)
+    return _ingest_lines(lines, batch_id, settings, ingested_at, [], may_repeat,
+                         {SOURCE_OFFSETS: offsets_record(topic, before, ranges)})
+
+
+def _ingest_lines(lines: DataFrame, batch_id: int, settings: IngestSettings, ingested_at: datetime,
+                  vanished: list[str], may_repeat: bool, recorded: dict) -> dict:
+    write = partial(_write_batch, lines, batch_id, settings, ingested_at, vanished, may_repeat=may_repeat,
+                    recorded=recorded)
     try:
         return write(None, None)
     except (StorageError, ConcurrentWriterError, InjectedFault):
@@ -365,7 +399,7 @@ def _by_event_time(accepted: DataFrame, spec: StreamSpec, rows: int) -> DataFram
 
 def _write_batch(lines: DataFrame, batch_id: int, settings: IngestSettings, ingested_at: datetime,
                  vanished: list[str], unprocessable: DataFrame | None, error: str | None, *,
-                 may_repeat: bool) -> dict:
+                 may_repeat: bool, recorded: dict) -> dict:
     """Quarantine, then bronze, each one append carrying the batch's counts in its userMetadata; returns them."""
     spec = settings.spec
     classified, facts = _classify(lines, batch_id, settings, ingested_at, unprocessable, error, may_repeat)
@@ -382,11 +416,11 @@ def _write_batch(lines: DataFrame, batch_id: int, settings: IngestSettings, inge
               UNPROCESSABLE: classified.where(F.col("reason") == UNPROCESSABLE).count() if error else 0,
               "files_vanished": vanished,
               ACCEPTED_TOTAL: events_before + (accepted["count"] if accepted else 0),
-              ACCEPTED_VALUE_TOTAL: str(value_before + (accepted["value"] or 0 if accepted else 0))}
+              ACCEPTED_VALUE_TOTAL: str(value_before + (accepted["value"] or 0 if accepted else 0)), **recorded}
     if counts["lines"] != sum(counts[k] for k in OUTCOMES):
         raise AssertionError(f"line accounting broken in batch {batch_id}: {counts}")
     writes = (
-        (classified.where(F.col("outcome") == "quarantined").select(*QUARANTINE_SCHEMA.fieldNames()),
+        (classified.where(F.col("outcome") == "quarantined").select(*quarantine_schema(spec).fieldNames()),
          settings.quarantine_path, INGEST_AFTER_QUARANTINE_COMMIT),
         # Each bronze file holds one range of event times: the dedup lookup of later batches (an
         # event-time window) then skips the other files by their statistics.
@@ -398,6 +432,8 @@ def _write_batch(lines: DataFrame, batch_id: int, settings: IngestSettings, inge
         retry_on_conflict(
             lambda: frame.write.format("delta").mode("append")
             .option("txnAppId", settings.app_id).option("txnVersion", batch_id)
+            # A stream that moved from a folder to a topic: its quarantine gains the record's columns.
+            .option("mergeSchema", "true" if spec.topic is not None else "false")
             .option("userMetadata", json.dumps(counts))
             .save(path),
             f"append of micro-batch {batch_id} to {path}")

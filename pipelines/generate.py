@@ -19,9 +19,10 @@ from decimal import Decimal
 from pathlib import Path
 
 from pipelines import storage
-from pipelines.streams import FieldRule, StreamSpec
+from pipelines.streams import FieldRule, KafkaTopic, StreamSpec
 
-DEMO_STREAMS = ("movie_ticket_sales", "payments")  # the shipped project file's, with the demo's own values
+DEMO_STREAMS = ("movie_ticket_sales", "payments")
+TOPIC_PARTITIONS = 4  # a source topic the generator creates  # the shipped project file's, with the demo's own values
 
 _ADJECTIVES = ["Silent", "Crimson", "Last", "Hidden", "Electric", "Broken", "Golden", "Midnight", "Lost", "Iron",
                "Wild", "Frozen", "Burning", "Distant", "Quiet", "Final", "Secret", "Endless", "Northern", "Paper"]
@@ -144,16 +145,56 @@ def _malformed(spec: StreamSpec, rng: random.Random, event: dict) -> bytes:
     return json.dumps(bad).encode()
 
 
-def generate(spec: StreamSpec, landing_dir: Path, *, events: int, malformed: float = 0.005,
+class _TopicWriter:
+    """Produces lines to a topic, each keyed by its event's id when it has one: every re-delivery of an id goes to
+    the id's partition, after the first, so the topic keeps their order (dedup's first arrival)."""
+
+    def __init__(self, spec: StreamSpec, topic: KafkaTopic):
+        from confluent_kafka import Producer
+        self.spec, self.topic = spec, topic
+        self.producer = Producer({"bootstrap.servers": topic.servers, "enable.idempotence": True, "linger.ms": 20,
+                                  "batch.num.messages": 10_000, "compression.type": "lz4"})
+
+    def key(self, line: bytes) -> bytes | None:
+        try:
+            value = json.loads(line).get(self.spec.id_field)
+        except (ValueError, AttributeError):
+            return None
+        return value.encode() if isinstance(value, str) else None
+
+    def write(self, lines: list[bytes]) -> None:
+        for line in lines:
+            while True:
+                try:
+                    self.producer.produce(self.topic.topic, value=line, key=self.key(line))
+                    break
+                except BufferError:  # the local queue is full: let it drain
+                    self.producer.poll(0.1)
+            self.producer.poll(0)
+        if self.producer.flush(60):
+            raise RuntimeError(f"records to {self.topic.topic} not delivered within 60 s")
+
+    def close(self) -> None:
+        self.producer.flush(60)
+        del self.producer  # librdkafka's handle closes with its last reference
+
+
+def generate(spec: StreamSpec, landing_dir: Path | KafkaTopic, *, events: int, malformed: float = 0.005,
              duplicates: float = 0.01, conflicts: float = 0.001, late: float = 0.02, seed: int = 1,
              events_per_file: int = 20_000, start: datetime | None = None, customers: int = 2000,
              max_step_s: int = 30) -> GenerationSummary:
-    """Write `events` lines for `spec` into `landing_dir`.
+    """Write `events` lines for `spec` into `landing_dir`, or produce them to a topic (`events_per_file` lines a
+    flush).
 
     >>> generate(stream_spec("payments"), Path("data/landing/payments"), events=100_000, seed=1).valid
     """
     rng = random.Random(seed)
-    landing_dir.mkdir(parents=True, exist_ok=True)
+    topic = _TopicWriter(spec, landing_dir) if isinstance(landing_dir, KafkaTopic) else None
+    if topic is not None:
+        from pipelines.kafka_source import ensure_topic
+        ensure_topic(landing_dir, TOPIC_PARTITIONS)
+    if topic is None:
+        landing_dir.mkdir(parents=True, exist_ok=True)
     # Events advance up to 30 s each; they must all lie in the past (the contract quarantines events
     # more than a day after ingestion), so a large run starts early enough.
     clock = start or min(datetime(2026, 11, 1, tzinfo=timezone.utc),
@@ -166,6 +207,11 @@ def generate(spec: StreamSpec, landing_dir: Path, *, events: int, malformed: flo
 
     def flush() -> None:
         if not lines:
+            return
+        if topic is not None:
+            topic.write(lines)
+            summary.files.append(f"kafka:{topic.topic.topic}")
+            lines.clear()
             return
         name = f"{spec.name}-{tag}-{len(summary.files):05d}.jsonl"
         storage.write_atomic(landing_dir / name, b"\n".join(lines) + b"\n")  # visible only once complete
@@ -202,4 +248,6 @@ def generate(spec: StreamSpec, landing_dir: Path, *, events: int, malformed: flo
         if len(lines) >= events_per_file:
             flush()
     flush()
+    if topic is not None:
+        topic.close()
     return summary

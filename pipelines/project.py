@@ -33,7 +33,7 @@ from sqlglot import exp
 
 from pipelines.errors import ConfigurationError
 from pipelines.streams import (
-    Aggregate, FieldRule, SessionOptions, StateTableSpec, StreamSpec, WindowOptions,
+    Aggregate, FieldRule, KafkaTopic, SessionOptions, StateTableSpec, StreamSpec, WindowOptions,
 )
 
 PROJECT_ENV = "STATETABLES_PROJECT"
@@ -43,7 +43,8 @@ NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,99}$")
 KINDS = ("string", "decimal", "timestamp", "integer", "boolean")
 RULES = {"type", "required", "trim", "max_length", "min", "max", "min_exclusive", "max_exclusive"}
 STREAM_KEYS = {"id", "event_time", "fields", "dedup_horizon_days", "event_time_max_ahead_hours", "windows",
-               "sessions"}
+               "sessions", "source"}
+TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,249}$")  # Kafka's own rule for topic names
 # The columns bronze adds to a stream's fields (pipelines/bronze.py): a state table may not aggregate them.
 SQL_HELP = ("Fix: write `CREATE TABLE name AS SELECT key, ..., COUNT(*) AS n, SUM(col) AS total, ... FROM stream "
             "GROUP BY key, ...` with aggregates COUNT(*), COUNT(col), SUM, MIN, MAX, AVG, MIN_BY, MAX_BY over the "
@@ -136,11 +137,13 @@ def load_project(text: str, path: Path) -> Project:
     if root is None:
         raise where.fail(None, "the project file is empty", "declare `streams:` and `state_tables:`")
     top = _mapping(where, root, "the project file")
-    if unknown := sorted(set(top) - {"streams", "state_tables"}):
-        raise where.fail(top[unknown[0]][0], f"unknown section {unknown[0]!r}", "use `streams:` and `state_tables:`")
+    if unknown := sorted(set(top) - {"streams", "state_tables", "kafka"}):
+        raise where.fail(top[unknown[0]][0], f"unknown section {unknown[0]!r}",
+                         "use `streams:`, `state_tables:` and `kafka:`")
     if "streams" not in top:
         raise where.fail(root, "no `streams:` section", "declare at least one stream under `streams:`")
-    streams = {name: _stream(where, name, key, node) for name, (key, node) in
+    servers = _kafka(where, top["kafka"][1]) if "kafka" in top else None
+    streams = {name: _stream(where, name, key, node, servers) for name, (key, node) in
                _mapping(where, top["streams"][1], "streams").items()}
     tables: dict[str, list[StateTableSpec]] = {name: [] for name in streams}
     items = top.get("state_tables", (None, yaml.SequenceNode("tag:yaml.org,2002:seq", [])))[1]
@@ -148,7 +151,7 @@ def load_project(text: str, path: Path) -> Project:
         raise where.fail(items, "`state_tables:` must be a list", "write each table as `- CREATE TABLE ...`")
     taken = {t for s in streams.values() for t in (s.bronze_table, s.quarantine_table, s.files_table)}
     for item in items.value:
-        table = _state_table(where, item, streams)
+        table = _state_table(where, item, streams, servers)
         if table.name in taken or table.name in {t.name for ts in tables.values() for t in ts}:
             raise where.fail(item, f"the table name {table.name!r} is taken", "give the state table another name")
         taken.add(table.name)
@@ -174,7 +177,52 @@ def _number(where: _Where, node: yaml.Node, what: str, *, positive: bool = True)
     return float(value)
 
 
-def _stream(where: _Where, name: str, key: yaml.Node, node: yaml.Node) -> StreamSpec:
+def _kafka(where: _Where, node: yaml.Node) -> str | None:
+    options = _mapping(where, node, "kafka")
+    if unknown := sorted(set(options) - {"bootstrap_servers"}):
+        raise where.fail(options[unknown[0]][0], f"kafka: unknown setting {unknown[0]!r}",
+                         "write `kafka: {bootstrap_servers: host:port}`")
+    if "bootstrap_servers" not in options:
+        return None
+    servers = _value(options["bootstrap_servers"][1])
+    if not isinstance(servers, str) or not servers.strip():
+        raise where.fail(options["bootstrap_servers"][1], f"kafka: bootstrap_servers {servers!r}",
+                         "write host:port, several separated by commas")
+    return servers.strip()
+
+
+def _topic_name(where: _Where, node: yaml.Node, what: str) -> str:
+    name = _value(node)
+    if not isinstance(name, str) or not TOPIC.match(name) or name in (".", ".."):
+        raise where.fail(node, f"{what} {name!r} is not a Kafka topic name",
+                         "use up to 249 letters, digits, '.', '_' and '-'")
+    return name
+
+
+def _source(where: _Where, stream: str, node: yaml.Node, servers: str | None) -> KafkaTopic | None:
+    options = _mapping(where, node, f"source of {stream}")
+    allowed = {"landing", "topic", "max_records_per_batch"}
+    if unknown := sorted(set(options) - allowed):
+        raise where.fail(options[unknown[0]][0], f"source of {stream}: unknown setting {unknown[0]!r}",
+                         "write `source: {topic: name}` (a Kafka topic) or `source: {landing: folder}` (the default)")
+    if ("topic" in options) == ("landing" in options):
+        raise where.fail(node, f"source of {stream} names {'both a topic and' if 'topic' in options else 'neither a topic nor'}"
+                         f" the landing folder", "write `source: {topic: name}` or `source: {landing: folder}`")
+    if "landing" in options:
+        if _value(options["landing"][1]) != "folder":
+            raise where.fail(options["landing"][1], f"source of {stream}: landing {_value(options['landing'][1])!r}",
+                             "write `landing: folder`: landing files live under the storage root's landing/<stream>/")
+        return None
+    limit = None
+    if "max_records_per_batch" in options:
+        limit = _value(options["max_records_per_batch"][1])
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise where.fail(options["max_records_per_batch"][1], f"max_records_per_batch {limit!r}",
+                             "give a whole number >= 1, or remove it")
+    return KafkaTopic(_topic_name(where, options["topic"][1], f"source of {stream}: topic"), servers, limit)
+
+
+def _stream(where: _Where, name: str, key: yaml.Node, node: yaml.Node, servers: str | None = None) -> StreamSpec:
     if not NAME.match(name):
         raise where.fail(key, f"stream name {name!r} is not allowed", "use letters, digits and '_'")
     entries = _mapping(where, node, f"stream {name}")
@@ -205,6 +253,8 @@ def _stream(where: _Where, name: str, key: yaml.Node, node: yaml.Node) -> Stream
         settings["windows"] = _windows(where, spec, entries["windows"][1])
     if "sessions" in entries:
         settings["sessions"] = _sessions(where, spec, entries["sessions"][1])
+    if "source" in entries:
+        settings["topic"] = _source(where, name, entries["source"][1], servers)
     return replace(spec, **settings)
 
 
@@ -324,18 +374,21 @@ _AGGREGATES = {exp.Count: "count", exp.Sum: "sum", exp.Min: "min", exp.Max: "max
 NUMERIC = ("decimal", "integer")
 
 
-def _state_table(where: _Where, item: yaml.Node, streams: dict[str, StreamSpec]) -> StateTableSpec:
-    ttl = None
+def _state_table(where: _Where, item: yaml.Node, streams: dict[str, StreamSpec],
+                 servers: str | None = None) -> StateTableSpec:
+    ttl = changelog_topic = None
     if isinstance(item, yaml.MappingNode):
         options = _mapping(where, item, "a state table")
-        if unknown := sorted(set(options) - {"sql", "ttl_days"}):
+        if unknown := sorted(set(options) - {"sql", "ttl_days", "changelog_topic"}):
             raise where.fail(options[unknown[0]][0], f"state table: unknown option {unknown[0]!r}",
-                             "write `- sql: CREATE TABLE ...` with an optional `ttl_days: N`")
+                             "write `- sql: CREATE TABLE ...` with an optional `ttl_days: N` and `changelog_topic: name`")
         if "sql" not in options:
             raise where.fail(item, "state table without `sql:`", "add `sql: CREATE TABLE name AS SELECT ...`")
         sql_node = options["sql"][1]
         if "ttl_days" in options:
             ttl = timedelta(days=_number(where, options["ttl_days"][1], "ttl_days"))
+        if "changelog_topic" in options:
+            changelog_topic = KafkaTopic(_topic_name(where, options["changelog_topic"][1], "changelog_topic"), servers)
     else:
         sql_node = item
     sql = _value(sql_node)
@@ -417,7 +470,8 @@ def _state_table(where: _Where, item: yaml.Node, streams: dict[str, StreamSpec])
                            count_column=counted, sum_column=summed.name if summed else None,
                            summed_field=summed.column if summed else None,
                            last_ts_column=next((a.name for a in aggregates if a.function == "max"
-                                                and a.column == spec.event_time_field), None))
+                                                and a.column == spec.event_time_field), None),
+                           changelog_topic=changelog_topic)
     if ttl is not None:
         _check_ttl(table, spec, where_of)
     return table

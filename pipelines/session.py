@@ -165,6 +165,30 @@ def object_store_jars(jars_dir: str | os.PathLike | None = None) -> list[Path]:
     return jars
 
 
+KAFKA_JARS_SUBDIR = "kafka"
+KAFKA_JAR = "spark-sql-kafka-"
+
+
+def kafka_jars(jars_dir: str | os.PathLike | None = None) -> list[Path]:
+    """Spark's Kafka source and sink (format("kafka")) and what they need beyond pyspark (`make jars-kafka`), or [] when
+    they were not fetched: in a subfolder of their own, so that an install without Kafka (`make demo`) never needs
+    them, and every engine loads them whenever they are there."""
+    folder = Path(jars_dir or os.environ.get(JARS_ENV) or DEFAULT_JARS_DIR) / KAFKA_JARS_SUBDIR
+    jars = sorted(folder.glob("*.jar")) if folder.is_dir() else []
+    return jars if any(j.name.startswith(KAFKA_JAR) for j in jars) else []
+
+
+def require_kafka_jars(jars_dir: str | os.PathLike | None = None) -> list[Path]:
+    """The Kafka jars, or a ConfigurationError naming the command that fetches them."""
+    jars = kafka_jars(jars_dir)
+    if not jars:
+        folder = Path(jars_dir or os.environ.get(JARS_ENV) or DEFAULT_JARS_DIR) / KAFKA_JARS_SUBDIR
+        raise ConfigurationError(
+            f"Spark's Kafka connector ({KAFKA_JAR}*.jar) is not in {folder}, so Spark cannot read or write Kafka. "
+            f"Fix: run `make jars-kafka` once (resolves it with Maven).")
+    return jars
+
+
 def object_store_confs() -> dict[str, str]:
     """Hadoop S3A's settings for the storage root's store, from the same environment boto3 reads
     (pipelines/storage.py): the endpoint, the region, the credentials. Passed as Spark confs so that executors on
@@ -218,6 +242,8 @@ def session_confs(settings: SparkSettings | None = None) -> dict[str, str]:
     jars = delta_jars(settings.jars_dir)
     if object_store_root():
         jars += object_store_jars(settings.jars_dir)
+    # Spark's Kafka connector when fetched: on spark.jars it reaches a cluster's executors too.
+    jars += kafka_jars(settings.jars_dir)
     conf = {"spark.master": settings.master, "spark.app.name": settings.app_name,
             **SESSION_CONFS, **LOCAL_DEFAULTS, "spark.jars": ",".join(str(j) for j in jars)}
     if settings.master.startswith(("local", "spark://127.0.0.1:", "spark://localhost:")):

@@ -36,9 +36,10 @@ from dataclasses import dataclass, replace
 from pyspark.sql import DataFrame, SparkSession
 
 from pipelines.bronze import (
-    DEFAULT_MAX_FILES_PER_TRIGGER, IngestSettings, ensure_bronze_tables, ingest_batch,
+    DEFAULT_MAX_FILES_PER_TRIGGER, IngestSettings, ensure_bronze_tables, ingest_batch, ingest_records,
 )
 from pipelines.changelog import ChangelogStage, changelog_name, changelog_stage
+from pipelines.changelog_topic import ChangelogTopicStage, changelog_topic_stage, close_producers
 from pipelines.checkpoints import (
     checkpoint_for_run, new_app_id, planned_source_version, read_through, start_checkpoint, write_origin,
 )
@@ -46,8 +47,10 @@ from pipelines.event_time import LATE, EventTimeStage
 from pipelines.faults import STREAM_BATCH_END, fault_point
 from pipelines.errors import ConfigurationError
 from pipelines.layout import StorageLayout
+from pipelines.session import require_kafka_jars
 from pipelines.sessions import ACTIVITY, LAST_SESSIONS, OPEN_SESSIONS, SessionSettings, sessions_stage
-from pipelines.source import LedgerView, landing_listing, record_units, scan_landing
+from pipelines.kafka_source import recorded_offsets, source_id, starting_offsets, topic_partitions, topic_records
+from pipelines.source import LedgerView, ScanResult, landing_listing, record_units, scan_landing
 from pipelines.state import StateTableStage, state_table_stage
 from pipelines.locks import Fence, writer_lock
 from pipelines.streaming import (
@@ -146,16 +149,18 @@ class StreamBatch:
 
     def __init__(self, layout: StorageLayout, spec: StreamSpec, ingest: IngestSettings,
                  states: list[StateTableStage], event_time: EventTimeStage | None, changelogs: list[ChangelogStage],
-                 fence: Fence | None = None):
+                 fence: Fence | None = None, topics: dict[str, ChangelogTopicStage] | None = None):
         self.layout, self.spec, self.ingest = layout, spec, ingest
         self.states, self.event_time, self.changelogs = states, event_time, changelogs
         self.fence = fence
+        self.topics = topics or {}  # state table → its changelog topic's stage
 
     def __call__(self, units: DataFrame, batch_id: int) -> None:
         started = time.monotonic()
         if self.fence is not None:  # an object-store root: this run must still hold the stream's lease
             self.fence()
-        counts = ingest_batch(units, batch_id, settings=self.ingest)
+        ingest = ingest_batch if self.spec.topic is None else ingest_records
+        counts = ingest(units, batch_id, settings=self.ingest)
         self.fold(units.sparkSession, self.ingest.app_id, batch_id)
         log_batch(self.spec.name, batch_id, counts, time.monotonic() - started)
         fault_point(STREAM_BATCH_END)
@@ -171,6 +176,8 @@ class StreamBatch:
             self.event_time.advance(spark, bronze_path, through, app_id, batch_id)
         for changelog in self.changelogs:
             changelog.advance(spark, app_id, batch_id)
+            if (topic := self.topics.get(changelog.table.name)) is not None:
+                topic.advance(spark, changelog)
 
     def catch_up(self, spark: SparkSession) -> bool:
         """Bring every step up to bronze's newest version before the query starts, under an app id of its own;
@@ -180,7 +187,9 @@ class StreamBatch:
         behind = through > 0 and (any(state.through < through for state in self.states)
                   or (self.event_time is not None and self.event_time.last.bronze_version < through)
                   or any(c.covers < (table_version(spark, self.layout.table(c.table.name)) or 0)
-                         for c in self.changelogs))
+                         for c in self.changelogs)
+                  or any(t.published < c.covers for c in self.changelogs
+                         if (t := self.topics.get(c.table.name)) is not None))
         if behind:
             if self.fence is not None:
                 self.fence()
@@ -250,45 +259,65 @@ def advance_stream(spark: SparkSession, layout: StorageLayout, spec: StreamSpec,
         changelogs = [changelog_stage(spark, layout, table) for table in spec.state_tables]
         states = [state_table_stage(spark, layout, spec, table) for table in spec.state_tables]
         event_time = _event_time_stage(spark, layout, spec, settings)
-        scan = scan_landing(spark, layout.landing(spec.name), ledger_path, staging_dir)
-        record_units(spark, ledger_path, scan.units, settings.max_files_per_trigger)
-        ledger_id = table_id(spark, ledger_path)
+        if spec.topic is None:
+            scan = scan_landing(spark, layout.landing(spec.name), ledger_path, staging_dir)
+            record_units(spark, ledger_path, scan.units, settings.max_files_per_trigger)
+            source = table_id(spark, ledger_path)
+        else:
+            require_kafka_jars()
+            topic_partitions(spec.topic)  # the brokers answer and the topic exists, before any query starts
+            scan, source = ScanResult([], 0, []), source_id(spec.topic)
         verdict, moved = checkpoint_for_run(spark, checkpoint, layout.set_aside_checkpoints,
-                                            [quarantine_path, bronze_path], source_table_id=ledger_id)
+                                            [quarantine_path, bronze_path], source_table_id=source)
         origin, recovery = verdict.origin, None
         if origin is None:
             reason = verdict.problem or "no checkpoint yet"
             # Lines of the units recorded so far may already be in bronze or quarantine (written under
             # the checkpoint that was lost); units scanned later are new content.
             holds_lines = any(before[name] not in (None, 0) for name in (spec.bronze_table, spec.quarantine_table))
-            origin = start_checkpoint(checkpoint, spec.name, reason, source_table_id=ledger_id,
+            origin = start_checkpoint(checkpoint, spec.name, reason, source_table_id=source,
                                       recheck_through_unit=scan.known_units + len(scan.units) - 1 if holds_lines
                                       else -1)
             if verdict.problem or moved:
                 recovery = {"problem": reason, "set_aside": str(moved) if moved else None,
                             "action": "new checkpoint: every landing file is read again; lines already in "
                                       "bronze or quarantine are recognised by file and line number and skipped; "
-                                      "the later tables resume from the bronze version each records"}
+                                      "the later tables resume from the bronze version each records"
+                                      if spec.topic is None else
+                                      "new checkpoint: the topic is read from the offsets bronze's newest commit "
+                                      "records; records quarantine already holds are recognised by partition and "
+                                      "offset and skipped; the later tables resume from the bronze version each "
+                                      "records"}
         elif origin.recheck_through_unit is None:
             # A checkpoint started by an earlier version: units scanned from now on are new content.
             origin = replace(origin, recheck_through_unit=scan.known_units - 1)
             write_origin(checkpoint, origin)
         ingest = IngestSettings(spec=spec, bronze_path=str(bronze_path), quarantine_path=str(quarantine_path),
                                 staging_dir=staging_dir, app_id=origin.app_id, horizon=spec.dedup_horizon,
-                                max_ahead=spec.max_ahead, recheck_through_unit=origin.recheck_through_unit)
-        batch = StreamBatch(layout, spec, ingest, states, event_time, changelogs, fence)
+                                max_ahead=spec.max_ahead, recheck_through_unit=origin.recheck_through_unit,
+                                recheck_offsets=recorded_offsets(spark, quarantine_path, spec.topic)
+                                if spec.topic is not None else None)
+        topics = {table.name: changelog_topic_stage(layout, table, table_version(spark, layout.table(table.name)))
+                  for table in spec.state_tables if table.changelog_topic is not None}
+        batch = StreamBatch(layout, spec, ingest, states, event_time, changelogs, fence, topics)
         caught_up = batch.catch_up(spark)
-        # One ledger commit file per micro-batch, in unit order (record_units writes them that way).
-        units = spark.readStream.format("delta").option("maxFilesPerTrigger", "1").load(str(ledger_path))
+        if spec.topic is None:
+            # One ledger commit file per micro-batch, in unit order (record_units writes them that way).
+            units = spark.readStream.format("delta").option("maxFilesPerTrigger", "1").load(str(ledger_path))
+        else:
+            # Read only without a checkpoint (Spark's own offsets win): where bronze's newest commit ends.
+            units = topic_records(spark, spec.topic,
+                                  starting_offsets(spec.topic, recorded_offsets(spark, bronze_path, spec.topic)))
         changed = list(scan.changed)
         scanner = None
-        if continuous is not None:
+        if continuous is not None and spec.topic is None:
             scanner = threading.Thread(target=_scan_continuously, name=f"{spec.name}-landing-scan", daemon=True,
                                        args=(spark, layout, spec, settings.max_files_per_trigger, continuous,
                                              changed))
             scanner.start()
         try:
-            if continuous is None and read_through(checkpoint, table_version(spark, ledger_path)):
+            if continuous is None and spec.topic is None and read_through(checkpoint,
+                                                                          table_version(spark, ledger_path)):
                 batches = 0  # no new ledger commit since the last committed batch
             else:
                 batches, _ = run_query(units, query_name=spec.name, checkpoint_dir=checkpoint, on_batch=batch,
@@ -297,6 +326,7 @@ def advance_stream(spark: SparkSession, layout: StorageLayout, spec: StreamSpec,
             if scanner is not None:
                 continuous.stop.set()
                 scanner.join()
+            close_producers()
         # One recovery is shown: the checkpoint's first, then the event-time step's, then the state table's.
         if recovery is None and event_time is not None and event_time.recovered:
             recovery = {**event_time.recovered, "set_aside": None}

@@ -6,6 +6,7 @@ MERGE and the checks are written once for every stream.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
@@ -27,6 +28,30 @@ class FieldRule:
     min_inclusive: bool = True
     max_value: str | None = None  # decimals and integers: upper bound, as exact text
     max_inclusive: bool = True
+
+
+KAFKA_BOOTSTRAP_ENV = "STATETABLES_KAFKA_BOOTSTRAP_SERVERS"
+
+
+@dataclass(frozen=True)
+class KafkaTopic:
+    """A Kafka topic the project file names: a stream's source, or a state table's changelog topic. The brokers are
+    the project file's `kafka: bootstrap_servers`, unless $STATETABLES_KAFKA_BOOTSTRAP_SERVERS names others (one
+    project file, several deployments)."""
+
+    topic: str
+    bootstrap_servers: str | None = None
+    max_records_per_batch: int | None = None  # a source: at most this many records a micro-batch (None: no limit)
+
+    @property
+    def servers(self) -> str:
+        servers = os.environ.get(KAFKA_BOOTSTRAP_ENV) or self.bootstrap_servers
+        if not servers:
+            from pipelines.errors import ConfigurationError
+            raise ConfigurationError(
+                f"Topic {self.topic} has no brokers to read or write it. Fix: add `kafka: {{bootstrap_servers: "
+                f"host:port}}` to the project file, or set {KAFKA_BOOTSTRAP_ENV}.")
+        return servers
 
 
 @dataclass(frozen=True)
@@ -60,6 +85,7 @@ class StateTableSpec:
     sum_column: str | None = None
     summed_field: str | None = None
     last_ts_column: str | None = None
+    changelog_topic: KafkaTopic | None = None  # its changes also go to this compacted topic (changelog_topic.py)
 
     def field(self, name: str) -> FieldRule:
         return next(f for f in self.fields if f.name == name)
@@ -100,6 +126,7 @@ class StreamSpec:
     windows: WindowOptions | None = None
     sessions: SessionOptions | None = None
     line: int = 0  # where the project file declares it
+    topic: KafkaTopic | None = None  # read from this topic (pipelines/kafka_source.py); None: the landing folder
 
     @property
     def bronze_table(self) -> str:

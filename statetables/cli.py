@@ -6,8 +6,10 @@ print the state tables, refresh one, show where each stream stands, prepare the 
     statetables connect-server [--port 15002]     # Spark Connect with Delta on 127.0.0.1, until Ctrl-C
     statetables cluster [--port 7077]             # a standalone master + worker on 127.0.0.1, until Ctrl-C
     statetables s3-server --dir PATH [--port 9000] [--bucket NAME]   # a local S3 server (s3proxy), until Ctrl-C
+    statetables kafka-broker --dir PATH [--port 9092]   # a single-node Kafka broker (KRaft) on 127.0.0.1, until Ctrl-C
     statetables savepoint create|list|restore [NAME]
     statetables restore-changelog --table movie_tickets_sold --version 12 [--into NAME]
+    statetables restore-topic --table payments_per_customer --into NEW   # rebuild a table from its changelog topic
     statetables refresh TABLE       # rebuild a state table from bronze after its declaration changed
     statetables status [--json]     # per stream: files waiting, the last batch, versions, what each step folded, ...
     statetables --project FILE ...  # another project file than ./statetables.yaml
@@ -36,10 +38,13 @@ def _generate(args: argparse.Namespace) -> int:
     names = list(streams()) if args.stream == "all" else [args.stream]
     for name in names:
         spec = stream_spec(name)
-        summary = generate(spec, layout.landing(name), events=args.events, malformed=args.malformed,
+        target = spec.topic or layout.landing(name)  # a stream read from a topic: produced to the topic
+        summary = generate(spec, target, events=args.events, malformed=args.malformed,
                            duplicates=args.duplicates, conflicts=args.conflicts, late=args.late, seed=args.seed,
                            events_per_file=args.events_per_file)
-        print(f"{name}: {len(summary.files)} files in {layout.landing(name)}: {summary.valid} valid "
+        where = (f"records to topic {spec.topic.topic}" if spec.topic is not None
+                 else f"{len(summary.files)} files in {layout.landing(name)}")
+        print(f"{name}: {where}: {summary.valid} valid "
               f"({summary.late} late), {summary.malformed} malformed, {summary.duplicates} re-deliveries, "
               f"{summary.conflicts} conflicting ids")
     return 0
@@ -161,6 +166,17 @@ def _restore_changelog(args: argparse.Namespace) -> int:
     return 0
 
 
+def _restore_topic(args: argparse.Namespace) -> int:
+    from pipelines.changelog_topic import restore_from_topic
+    from pipelines.project import project
+    from pipelines.session import build_spark_session
+
+    _, table = project().state_table(args.table)
+    target, version = restore_from_topic(build_spark_session(), StorageLayout.under(), table, args.into)
+    print(f"{args.table} as of version {version}, rebuilt from topic {table.changelog_topic.topic} only: {target}")
+    return 0
+
+
 def _refresh(args: argparse.Namespace) -> int:
     from pipelines.project import project
     from pipelines.refresh import refresh_state_table
@@ -222,6 +238,21 @@ def _s3_server(args: argparse.Namespace) -> int:
         return _serve_until_interrupted("S3 server", endpoint)
     finally:
         _stop(proc)
+
+
+def _kafka_broker(args: argparse.Namespace) -> int:
+    """A single-node Kafka broker on 127.0.0.1 over a local folder until Ctrl-C; prints its bootstrap address."""
+    from pipelines.streams import KAFKA_BOOTSTRAP_ENV
+    from statetables.servers import kafka_broker
+
+    _stop_on_signals()
+    with kafka_broker(Path(args.dir), args.port) as broker:
+        print(f"Kafka broker (KRaft, one node) over {broker.data_dir}, log {broker.log}; topics are created "
+              f"explicitly (auto-creation is off)\n"
+              f"Point statetables at it (a shell that runs the product; overrides the project file's "
+              f"kafka: bootstrap_servers):\n"
+              f"  export {KAFKA_BOOTSTRAP_ENV}={broker.bootstrap}", flush=True)
+        return _serve_until_interrupted("Kafka broker", broker.bootstrap)
 
 
 def _cluster(args: argparse.Namespace) -> int:
@@ -340,6 +371,12 @@ def main(argv: list[str] | None = None) -> int:
     s3.add_argument("--log-requests", action="store_true", help="also log a line per request")
     s3.set_defaults(func=_s3_server)
 
+    kafka = commands.add_parser("kafka-broker", help="a single-node Kafka broker (KRaft) over a folder on 127.0.0.1 "
+                                                     "until interrupted; a restart on the same folder keeps the topics")
+    kafka.add_argument("--port", type=int, default=9092)
+    kafka.add_argument("--dir", required=True, metavar="PATH", help="the broker's topics, metadata, config and log")
+    kafka.set_defaults(func=_kafka_broker)
+
     cluster = commands.add_parser("cluster", help="a Spark standalone master and worker on 127.0.0.1 until interrupted")
     cluster.add_argument("--port", type=int, default=7077)
     cluster.add_argument("--cores", type=int, default=2)
@@ -356,6 +393,10 @@ def main(argv: list[str] | None = None) -> int:
     restore.add_argument("--version", type=int, required=True)
     restore.add_argument("--into", help="table name under tables/ to write (default <table>_restored_v<version>)")
     restore.set_defaults(func=_restore_changelog)
+    from_topic = commands.add_parser("restore-topic", help="rebuild a state table from its compacted changelog topic")
+    from_topic.add_argument("--table", required=True)
+    from_topic.add_argument("--into", required=True, help="table name under tables/ to write")
+    from_topic.set_defaults(func=_restore_topic)
 
     refresh = commands.add_parser("refresh", help="rebuild a state table from bronze under the project file's "
                                                   "definition, replacing its content in one commit")

@@ -282,7 +282,7 @@ def _engine_env() -> dict[str, str]:
 def connect_server_command(port: int, *, jars_dir: str | None = None, conf: dict[str, str] | None = None) -> list[str]:
     """`spark-submit` of Spark's SparkConnectServer carrying Delta's jars, SQL extension and catalog,
     bound to 127.0.0.1 (Spark binds every interface unless told)."""
-    from pipelines.session import (LOCAL_DEFAULTS, LOG4J_CONFIG, PARALLEL_GC, SESSION_CONFS, delta_jars,
+    from pipelines.session import (LOCAL_DEFAULTS, LOG4J_CONFIG, PARALLEL_GC, SESSION_CONFS, delta_jars, kafka_jars,
                                    object_store_confs, object_store_jars, object_store_root)
 
     jars = delta_jars(jars_dir)
@@ -290,6 +290,8 @@ def connect_server_command(port: int, *, jars_dir: str | None = None, conf: dict
     store = object_store_root() is not None
     if store:
         jars += object_store_jars(jars_dir)
+    # Spark's Kafka connector when fetched (`make jars-kafka`): a client's format("kafka") runs in the server.
+    jars += kafka_jars(jars_dir)
     confs = {**SESSION_CONFS, **LOCAL_DEFAULTS, **(object_store_confs() if store else {}),
              "spark.driver.extraJavaOptions": f"{PARALLEL_GC} -Dlog4j2.configurationFile=file:{LOG4J_CONFIG}",
              "spark.connect.grpc.binding.address": "127.0.0.1",
@@ -538,3 +540,304 @@ def s3_request_counts(endpoint: str) -> dict[tuple[str, int], int]:
             key = (labels.get("s3_operation", "?"), int(labels.get("http_response_status_code", 0)))
             counts[key] = counts.get(key, 0) + int(float(line.rsplit(" ", 1)[1]))
     return counts
+
+
+# ---- A local Kafka broker: Apache Kafka 4.4 (build/kafka-broker.pom.xml, `make kafka`), single-node KRaft ----
+# One JVM that is both broker and controller, on 127.0.0.1 only, its topics and metadata under a data folder that a
+# restart keeps. For development and the Kafka tests; every replication factor is 1 (there is one node).
+
+KAFKA_DIR = REPO_ROOT / ".tools" / "kafka"
+KAFKA_MAIN = "kafka.Kafka"
+KAFKA_STORAGE_TOOL = "kafka.tools.StorageTool"
+KAFKA_NODE_ID = 1
+
+_KAFKA_LOG4J = """\
+# Written by statetables (KafkaBroker) at every start. Everything to one file; nothing to the console.
+status = warn
+# Kafka's own shutdown hook logs its controlled shutdown: Log4j's would stop the logging first.
+shutdownHook = disable
+appender.file.type = File
+appender.file.name = FILE
+appender.file.fileName = {log}
+appender.file.append = true
+appender.file.layout.type = PatternLayout
+appender.file.layout.pattern = [%d] %p %m (%c)%n
+rootLogger.level = INFO
+rootLogger.appenderRef.file.ref = FILE
+# A line per client request at INFO and below: only its warnings.
+logger.request.name = kafka.request.logger
+logger.request.level = WARN
+"""
+
+
+def _kafka_java() -> str:
+    """The java that runs the broker; ConfigurationErrors naming the fix when Kafka or Java is missing."""
+    from pipelines.errors import ConfigurationError
+
+    if not (KAFKA_DIR / ".resolved").is_file():
+        raise ConfigurationError(f"Apache Kafka, the local broker, is not installed in {KAFKA_DIR}. "
+                                 f"Fix: run `make kafka` once (resolves it with Maven).")
+    java_home = os.environ.get("JAVA_HOME")
+    if java_home and (Path(java_home) / "bin" / "java").exists():
+        return str(Path(java_home) / "bin" / "java")
+    if java := shutil.which("java"):
+        return java
+    raise ConfigurationError("Java was not found (no JAVA_HOME/bin/java and no `java` on PATH); the Kafka broker "
+                             "needs Java 17. Fix: install it (`apt-get install openjdk-17-jdk-headless`) or set JAVA_HOME.")
+
+
+def _kafka_cluster_id() -> str:
+    """A new cluster id as Kafka writes one (kafka-storage random-uuid: 16 random bytes, URL-safe base64 without
+    padding), made here rather than by a JVM start of its own. Never one that starts with `-`: the tool would read it
+    as an option."""
+    import base64
+    import uuid
+
+    while True:
+        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode()
+        if not cluster_id.startswith("-"):
+            return cluster_id
+
+
+def _quiet_admin(bootstrap: str, **conf):
+    """A confluent-kafka AdminClient that does not print librdkafka's connection errors (a broker that is starting or
+    was just killed refuses connections; the caller's timeout is what reports it)."""
+    from confluent_kafka.admin import AdminClient
+
+    return AdminClient({"bootstrap.servers": bootstrap, "log_level": 0, **conf})
+
+
+class KafkaBroker:
+    """Apache Kafka 4.4 in KRaft mode, one node that is broker and controller, on 127.0.0.1:`port` (a free port when
+    None), storing under `data_dir`: `kafka-logs/` (topics and the cluster metadata), `server.properties` and
+    `log4j2.properties` (written at every start) and `broker.log`. The storage is formatted once, at the first start;
+    later starts, after stop() or kill(), find the topics and their records again.
+
+        broker = KafkaBroker(tmp_path / "kafka"); broker.start()
+        create_topic(broker.bootstrap, "events", partitions=2)
+        ...
+        broker.stop()
+
+    Topics are created explicitly (`create_topic`): auto.create.topics.enable is off, so that a misspelt topic
+    fails at the producer instead of becoming an empty topic of its own."""
+
+    def __init__(self, data_dir: str | os.PathLike, port: int | None = None, *, heap: str = "512m",
+                 ready_timeout_s: float = 60):
+        self.data_dir = Path(data_dir).resolve()
+        self.port = port or free_port()
+        self.controller_port: int | None = None
+        self.heap = heap
+        self.ready_timeout_s = ready_timeout_s
+        self.proc: subprocess.Popen | None = None
+        self._log_start = 0  # where the current start's lines begin in broker.log
+
+    @property
+    def bootstrap(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def log(self) -> Path:
+        return self.data_dir / "broker.log"
+
+    @property
+    def log_dirs(self) -> Path:
+        return self.data_dir / "kafka-logs"
+
+    def _properties(self) -> dict[str, str]:
+        return {
+            "node.id": str(KAFKA_NODE_ID),
+            "process.roles": "broker,controller",
+            "listeners": f"PLAINTEXT://127.0.0.1:{self.port},CONTROLLER://127.0.0.1:{self.controller_port}",
+            "advertised.listeners": f"PLAINTEXT://127.0.0.1:{self.port}",
+            "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
+            "inter.broker.listener.name": "PLAINTEXT",
+            "controller.listener.names": "CONTROLLER",
+            # A static quorum of this one node: the voters are read from here at every start, so the controller's
+            # port may differ from one start to the next (a dynamic quorum, `format --standalone`, records the
+            # controller's endpoint in the metadata log at format time, and a later start must find that port free).
+            "controller.quorum.voters": f"{KAFKA_NODE_ID}@127.0.0.1:{self.controller_port}",
+            "log.dirs": str(self.log_dirs),
+            "auto.create.topics.enable": "false",
+            "num.partitions": "1",
+            "default.replication.factor": "1",
+            "min.insync.replicas": "1",
+            # The internal topics (consumer offsets, transactions, share groups), created at first use: Kafka's
+            # defaults want 3 replicas, which one node cannot hold, and then every group or transaction fails.
+            "offsets.topic.replication.factor": "1",
+            "transaction.state.log.replication.factor": "1",
+            "transaction.state.log.min.isr": "1",
+            "share.coordinator.state.topic.replication.factor": "1",
+            "share.coordinator.state.topic.min.isr": "1",
+            # After a kill -9, the new start registers only once the controller has expired the previous one's
+            # session: 9 s by default, 3 s here (heartbeats every 0.5 s over loopback).
+            "broker.heartbeat.interval.ms": "500",
+            "broker.session.timeout.ms": "3000",
+            # A consumer group's first member starts at once, not after 3 s of waiting for others.
+            "group.initial.rebalance.delay.ms": "0",
+        }
+
+    def _command(self, main: str, *args: str) -> list[str]:
+        """A JVM on Kafka's jars (.tools/kafka/): a small heap and the serial collector (the machine's cores are
+        Spark's), C1 only: a start took 3.6 s instead of 4.5 s (measured), and a broker of tests and development moves
+        too little data for C2's code to matter."""
+        return [_kafka_java(), f"-Xmx{self.heap}", "-XX:+UseSerialGC", "-XX:TieredStopAtLevel=1",
+                "-Djava.awt.headless=true", f"-Dlog4j2.configurationFile=file:{self.data_dir / 'log4j2.properties'}",
+                "-cp", f"{KAFKA_DIR}/*", main, *args]
+
+    def start(self) -> "KafkaBroker":
+        """Start the broker (formatting its storage first, the first time) and return once it answers; raises with
+        the log's tail when it exits or does not answer within `ready_timeout_s`."""
+        if self.proc is not None and self.proc.poll() is None:
+            raise RuntimeError(f"the Kafka broker on {self.bootstrap} is already running")
+        _kafka_java()
+        _require_free_port(self.port, "the Kafka broker")
+        self._require_unused()
+        self.controller_port = free_port()
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        properties = self.data_dir / "server.properties"
+        properties.write_text("# Written by statetables (KafkaBroker) at every start.\n" + "".join(
+            f"{key}={value}\n" for key, value in self._properties().items()))
+        (self.data_dir / "log4j2.properties").write_text(_KAFKA_LOG4J.format(log=self.log))
+        began = time.monotonic()
+        self._log_start = self.log.stat().st_size if self.log.exists() else 0
+        with open(self.log, "ab") as out:
+            if not (self.log_dirs / "meta.properties").is_file():
+                # Once: a restart must keep the topics (the tool refuses a formatted folder anyway).
+                formatted = subprocess.run(
+                    self._command(KAFKA_STORAGE_TOOL, "format", "--config", str(properties),
+                                  "--cluster-id", _kafka_cluster_id()),
+                    cwd=self.data_dir, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, timeout=120)
+                if formatted.returncode != 0:
+                    raise RuntimeError(f"formatting the Kafka broker's storage {self.log_dirs} failed "
+                                       f"({formatted.returncode}):\n{self.log_tail()}")
+            self.proc = subprocess.Popen(self._command(KAFKA_MAIN, str(properties)), cwd=self.data_dir,
+                                         stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                         start_new_session=True, preexec_fn=_die_with_parent)
+        try:
+            self._wait_until_ready(began)
+        except BaseException:
+            self.kill()
+            raise
+        return self
+
+    def _wait_until_ready(self, began: float) -> None:
+        """Until the broker lists topics with itself among the brokers: registered with its controller and
+        unfenced, so that a topic can be created and written at once."""
+        import socket
+
+        from confluent_kafka import KafkaException
+
+        deadline = began + self.ready_timeout_s
+        admin = None
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the Kafka broker exited with {self.proc.returncode} before it answered on "
+                                   f"{self.bootstrap}; {self.log}:\n{self.log_tail()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the Kafka broker did not answer on {self.bootstrap} within "
+                                   f"{self.ready_timeout_s:.0f}s; {self.log}:\n{self.log_tail()}")
+            try:
+                # First the port (quiet and cheap), then the metadata.
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                    pass
+                admin = admin or _quiet_admin(self.bootstrap)
+                if admin.list_topics(timeout=2).brokers:
+                    return
+            except (OSError, KafkaException):
+                pass
+            time.sleep(0.2)
+
+    def _require_unused(self) -> None:
+        """Refuse a data folder that a running broker holds (Kafka's lock on kafka-logs/.lock, an fcntl lock), before
+        its server.properties is written over: the new broker would only fail later, its error deep in the log."""
+        import fcntl
+
+        lock = self.log_dirs / ".lock"
+        if not lock.is_file():
+            return
+        with open(lock, "rb+") as handle:
+            try:
+                fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                raise RuntimeError(f"{self.data_dir} is in use by another Kafka broker. Fix: stop it (an earlier "
+                                   f"`make kafka-broker`?) or give this one another folder.") from None
+            fcntl.lockf(handle, fcntl.LOCK_UN)
+
+    def log_tail(self, lines: int = 40) -> str:
+        """What this start logged that says why it failed: its ERROR lines and the line after each (the exception),
+        else its last `lines` lines."""
+        try:
+            with open(self.log, "rb") as handle:
+                handle.seek(self._log_start)
+                logged = handle.read().decode(errors="replace").splitlines()
+        except FileNotFoundError:
+            return "(no log)"
+        errors = [line for i, line in enumerate(logged) for line in logged[i:i + 2]
+                  if " ERROR " in logged[i] or " FATAL " in logged[i]]
+        return "\n".join(errors[:20] if errors else logged[-lines:])
+
+    def stop(self) -> None:
+        """SIGTERM (a controlled shutdown: logs flushed, clean-shutdown marker written), then SIGKILL to what is left
+        after 30 s."""
+        if self.proc is not None:
+            _stop(self.proc)
+            self.proc = None
+
+    def kill(self) -> None:
+        """kill -9, for chaos: the next start recovers the logs from what reached the disk."""
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        self.proc = None
+
+    def restart(self) -> "KafkaBroker":
+        """stop() and start() on the same data and port."""
+        self.stop()
+        return self.start()
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+@contextmanager
+def kafka_broker(data_dir: str | os.PathLike, port: int | None = None, **options) -> Iterator[KafkaBroker]:
+    """A started KafkaBroker over `data_dir`, stopped on exit."""
+    broker = KafkaBroker(data_dir, port, **options)
+    broker.start()
+    try:
+        yield broker
+    finally:
+        broker.stop()
+
+
+def create_topic(bootstrap: str, name: str, partitions: int, config: dict[str, str] | None = None,
+                 timeout_s: float = 30) -> None:
+    """Create topic `name` (replication factor 1) with `partitions` partitions and topic `config` (e.g.
+    {"retention.ms": "-1"}); a topic of that name that already exists is left as it is. Returns once every partition
+    has a leader, so that a producer can write at once."""
+    from confluent_kafka import KafkaError, KafkaException
+    from confluent_kafka.admin import NewTopic
+
+    admin = _quiet_admin(bootstrap)
+    future = admin.create_topics([NewTopic(name, num_partitions=partitions, replication_factor=1,
+                                           config={k: str(v) for k, v in (config or {}).items()})],
+                                 operation_timeout=timeout_s, request_timeout=timeout_s)[name]
+    try:
+        future.result(timeout=timeout_s)
+    except KafkaException as error:
+        if error.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
+            raise
+    deadline = time.monotonic() + timeout_s
+    while True:
+        topic = admin.list_topics(topic=name, timeout=timeout_s).topics.get(name)
+        if topic is not None and topic.error is None and topic.partitions and \
+                all(p.leader >= 0 for p in topic.partitions.values()):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"topic {name} on {bootstrap} has partitions without a leader after {timeout_s:.0f}s")
+        time.sleep(0.2)

@@ -583,3 +583,44 @@ def expected_with_ttl(stream: str, batches: list[list[Path]], ttl: timedelta) ->
             expired.append((key, rows[key][0], rows[key][1]))
             del rows[key]
     return TtlExpected({k: (r[0], r[1]) for k, r in rows.items()}, expired)
+
+
+def topic_lines(bootstrap: str, topic: str, timeout_s: float = 30.0) -> dict[int, list[tuple[int, bytes]]]:
+    """Every record of a topic as (offset, value) per partition, read with confluent-kafka (not Spark); a record
+    without a value is an empty line."""
+    from confluent_kafka import Consumer, KafkaError, TopicPartition
+
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "oracle", "enable.auto.commit": False,
+                         "enable.partition.eof": True, "auto.offset.reset": "earliest"})
+    try:
+        partitions = sorted(consumer.list_topics(topic, timeout=timeout_s).topics[topic].partitions)
+        out: dict[int, list[tuple[int, bytes]]] = {}
+        for partition in partitions:
+            low, high = consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=timeout_s)
+            out[partition] = []
+            if high <= low:
+                continue
+            consumer.assign([TopicPartition(topic, partition, low)])
+            while True:
+                message = consumer.poll(timeout_s)
+                assert message is not None, f"no answer reading {topic} [{partition}]"
+                if message.error():
+                    assert message.error().code() == KafkaError._PARTITION_EOF, message.error()
+                    break
+                out[partition].append((message.offset(), message.value() or b""))
+                if message.offset() + 1 >= high:
+                    break
+        return out
+    finally:
+        consumer.close()
+
+
+def expected_from_topic(stream: str, bootstrap: str, topic: str) -> Expected:
+    """`expected_state` of a topic's records: each partition in offset order, a record's source
+    `kafka:<topic>/<partition>` and its line number its offset. The generator keys every record by its event's id,
+    so all deliveries of an id share a partition and their order there is their arrival order."""
+    oracle = Oracle(stream)
+    for partition, records in topic_lines(bootstrap, topic).items():
+        for offset, value in records:
+            oracle.deliver(f"kafka:{topic}/{partition}", [value], first_line_number=offset)
+    return oracle.expected

@@ -250,3 +250,55 @@ def test_the_shipped_project_declares_the_contract_streams_as_before():
     amount = payments.field("amount")
     assert (amount.min_value, amount.min_inclusive) == ("0", False)
     assert payments.sessions.gap == timedelta(minutes=30) and payments.value_field == "amount"
+
+
+KAFKA_STREAM = """\
+streams:
+  s:
+    id: i
+    event_time: t
+    fields:
+      i: {type: string}
+      t: {type: timestamp}
+      v: {type: decimal}
+"""
+
+
+def test_a_stream_read_from_a_topic_and_a_table_published_to_one(monkeypatch):
+    text = KAFKA_STREAM.replace("    id: i\n", "    id: i\n    source: {topic: s.events, max_records_per_batch: 500}\n") + \
+        "state_tables:\n  - changelog_topic: s-per-i\n    sql: CREATE TABLE per_i AS SELECT i, SUM(v) AS total FROM s GROUP BY i\n" \
+        "kafka: {bootstrap_servers: 'broker-a:9092'}\n"
+    monkeypatch.delenv("STATETABLES_KAFKA_BOOTSTRAP_SERVERS", raising=False)
+    spec = load_project(text, Path("p.yaml")).stream("s")
+    assert (spec.topic.topic, spec.topic.servers, spec.topic.max_records_per_batch) == ("s.events", "broker-a:9092", 500)
+    assert spec.state_tables[0].changelog_topic.topic == "s-per-i"
+    # One project file, several deployments: the environment names the brokers.
+    monkeypatch.setenv("STATETABLES_KAFKA_BOOTSTRAP_SERVERS", "broker-b:9092")
+    assert spec.topic.servers == "broker-b:9092"
+    # The default source is the landing folder, said or not.
+    folder = load_project(KAFKA_STREAM.replace("    id: i\n", "    id: i\n    source: {landing: folder}\n"),
+                          Path("p.yaml")).stream("s")
+    assert folder.topic is None
+
+
+@pytest.mark.parametrize("source, message", [
+    ("{topic: 'a b'}", "is not a Kafka topic name"),
+    ("{topic: t, landing: folder}", "names both a topic and the landing folder"),
+    ("{}", "names neither a topic nor the landing folder"),
+    ("{topic: t, max_records_per_batch: 0}", "max_records_per_batch 0"),
+    ("{landing: s3}", "landing 's3'"),
+    ("{topic: t, group: g}", "unknown setting 'group'"),
+])
+def test_a_bad_source_fails_the_load_naming_the_fix(source, message):
+    text = KAFKA_STREAM.replace("    id: i\n", f"    id: i\n    source: {source}\n")
+    with pytest.raises(ConfigurationError, match=message) as raised:
+        load_project(text, Path("p.yaml"))
+    assert "Fix:" in str(raised.value)
+
+
+def test_a_topic_without_brokers_fails_naming_the_fix(monkeypatch):
+    monkeypatch.delenv("STATETABLES_KAFKA_BOOTSTRAP_SERVERS", raising=False)
+    spec = load_project(KAFKA_STREAM.replace("    id: i\n", "    id: i\n    source: {topic: t}\n"),
+                        Path("p.yaml")).stream("s")
+    with pytest.raises(ConfigurationError, match="has no brokers.*Fix: add `kafka: {bootstrap_servers"):
+        spec.topic.servers
