@@ -14,7 +14,7 @@ KAFKA := .tools/kafka/.resolved
 BROWSER := $(VENV)/.browser
 export STATETABLES_HOME ?= $(CURDIR)/data
 
-.PHONY: install jars jars-s3 s3proxy s3-server jars-kafka kafka kafka-broker class-archive browser ui-screenshots demo run dev serve connect-server cluster test test-long bench bench-core bench-quick bench-event-time bench-engines bench-freshness bench-object-store bench-full chaos chaos-s3 clean
+.PHONY: install jars jars-s3 s3proxy s3-server jars-kafka kafka kafka-broker class-archive browser ui-screenshots demo run dev serve connect-server cluster test test-long bench bench-core bench-quick bench-event-time bench-engines bench-freshness bench-object-store bench-full chaos chaos-s3 chaos-kafka clean
 
 install: $(INSTALLED)
 $(INSTALLED): setup.py
@@ -150,8 +150,9 @@ test: install jars class-archive browser
 
 # The rest: kill -9 chaos, the continuous job under dagster dev, the same tables over Spark Connect and on a
 # standalone cluster, lost, damaged or set-back checkpoints, a savepoint restore, the whole product on an s3a:// root
-# (its own S3 server: the S3 connector and s3proxy are fetched for it). .ci/run runs it after `make test`.
-test-long: install jars class-archive jars-s3 s3proxy
+# (its own S3 server: the S3 connector and s3proxy are fetched for it), streams from Kafka topics (its own broker:
+# Spark's Kafka connector and the broker's jars are fetched for it). .ci/run runs it after `make test`.
+test-long: install jars class-archive jars-s3 s3proxy jars-kafka kafka
 	$(BIN)/pytest -q -n 2 --dist worksteal --durations=10 -m long tests
 
 # The browser test's screenshots of each step, into docs/ui/ (the README shows one).
@@ -184,8 +185,9 @@ bench-engines: install jars class-archive
 	$(BIN)/python -m benchmarks.run --only engines
 
 # freshness (landing file → state table, read with deltalake): continuous job against landing sensor + run
-bench-freshness: install jars class-archive
+bench-freshness: install jars class-archive jars-kafka kafka
 	$(BIN)/python -m benchmarks.run --only freshness
+	$(BIN)/python -m benchmarks.run --only freshness-kafka
 
 bench-full: install jars class-archive
 	$(BIN)/python -m benchmarks.run --full
@@ -202,6 +204,11 @@ chaos: install jars class-archive
 # The same on an s3a:// root, in a bucket of the development S3 server that it starts (the writer lock is the lease)
 chaos-s3: install jars class-archive jars-s3 s3proxy
 	$(BIN)/python -m tests.chaos --object-store --kills $(KILLS) --continuous-kills $(CONTINUOUS_KILLS) --engine-kills $(ENGINE_KILLS)
+
+# The same with both streams read from topics of a Kafka broker it starts, changelog topics published, and the broker
+# restarted (every other time killed with SIGKILL) after every round
+chaos-kafka: install jars class-archive jars-kafka kafka
+	$(BIN)/python -m tests.chaos --kafka --kills $(KILLS) --continuous-kills $(CONTINUOUS_KILLS) --engine-kills $(ENGINE_KILLS)
 
 clean:
 	rm -rf data

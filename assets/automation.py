@@ -24,6 +24,7 @@ from assets.keys import (
     deep_check_keys, stream_job_name, stream_of_step,
 )
 from pipelines.errors import ConfigurationError, EngineUnavailableError
+from pipelines.kafka_source import end_offsets
 from pipelines.session import REMOTE_ENV, engine_answers
 from pipelines.source import landing_listing
 from pipelines.storage import AnyPath
@@ -93,6 +94,13 @@ def landing_sensor_interval() -> int:
     return int(value)
 
 
+def _newest_records(spec: StreamSpec) -> tuple[int, str] | None:
+    """(records ever produced, the end offset of each partition) of a stream's topic: grows when records arrive."""
+    ends = end_offsets(spec.topic)
+    total = sum(ends.values())
+    return (total, json.dumps(sorted(ends.items()))) if total else None
+
+
 def _newest_landing_file(folder: AnyPath) -> tuple[int, str] | None:
     """(mtime_ns, path) of the newest complete landing file at any depth (an append makes a file newer)."""
     listing = landing_listing(folder)
@@ -101,8 +109,9 @@ def _newest_landing_file(folder: AnyPath) -> tuple[int, str] | None:
 
 @dg.sensor(jobs=list(stream_jobs.values()), minimum_interval_seconds=landing_sensor_interval(),
            default_status=dg.DefaultSensorStatus.RUNNING,
-           description="Starts `advance_<stream>` when a new landing file appears for that stream, unless a run of "
-                       f"that stream is already queued or running (interval: ${LANDING_SENSOR_ENV}).")
+           description="Starts `advance_<stream>` when a new landing file appears for that stream (for a stream read "
+                       "from a topic: when records arrive), unless a run of that stream is already queued or running "
+                       f"(interval: ${LANDING_SENSOR_ENV}).")
 def landing_files_sensor(context: dg.SensorEvaluationContext, storage: StorageResource):
     # The cursor only decides *when* to run; which files are new is tracked by each stream's own
     # checkpoint, so a file the cursor misses (an old mtime) is still ingested by the next run.
@@ -110,7 +119,14 @@ def landing_files_sensor(context: dg.SensorEvaluationContext, storage: StorageRe
     layout = storage.layout()
     requests, busy = [], []
     for name, spec in streams().items():
-        newest = _newest_landing_file(layout.landing(name))
+        if spec.topic is not None:
+            try:
+                newest = _newest_records(spec)
+            except ConfigurationError as exc:  # the brokers are down: said on the tick, the other streams go on
+                busy.append(f"{name}: {exc}")
+                continue
+        else:
+            newest = _newest_landing_file(layout.landing(name))
         if newest is None or list(newest) <= cursor.get(name, [0, ""]):
             continue
         if running := stream_run_in_progress(context.instance, name):

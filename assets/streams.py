@@ -89,9 +89,10 @@ def build_stream_assets(spec: StreamSpec, keeps_event_time: bool = True) -> list
         specs=[
             dg.AssetSpec(bronze, kinds=KINDS, metadata=RUNBOOK_METADATA, description=(
                 f"Accepted `{spec.name}` events, one row per distinct `{spec.id_field}`, typed as the project file "
-                f"declares (UTC `{spec.event_time_field}`), with source file and line. "
-                f"Fed by JSON-lines files in landing/{spec.name}/ through the stream's one streaming query." +
-                RUNBOOK_LINE)),
+                f"declares (UTC `{spec.event_time_field}`), with source file and line. " +
+                (f"Fed by JSON-lines files in landing/{spec.name}/" if spec.topic is None else
+                 f"Fed by the records of Kafka topic `{spec.topic.topic}`") +
+                " through the stream's one streaming query." + RUNBOOK_LINE)),
             dg.AssetSpec(quarantine, kinds=KINDS, metadata=RUNBOOK_METADATA, description=(
                 f"Every `{spec.name}` line that was not accepted: the raw line and bytes as received, file, line "
                 f"number, a machine-readable `reason` (+ `reason_field`, `detail`). Conflicting re-uses of an "
@@ -127,8 +128,14 @@ def build_stream_assets(spec: StreamSpec, keeps_event_time: bool = True) -> list
         changed_table = records_table(
             changed + [{"file": f, "change": "vanished before it was read"} for f in vanished],
             {"file": "string", "change": "string", "version": "int"})
-        ingest = {"files_read": counts["files"], "lines_read": counts["lines"],
-                  "source": dg.MetadataValue.path(str(layout.landing(spec.name)))}
+        source = (dg.MetadataValue.path(str(layout.landing(spec.name))) if spec.topic is None
+                  else dg.MetadataValue.text(f"kafka topic {spec.topic.topic} on {spec.topic.servers}"))
+        ingest = {"files_read": counts["files"], "lines_read": counts["lines"], "source": source}
+        if spec.topic is not None:  # where the tables end in the topic: a lost checkpoint resumes from here
+            offsets = next((c["user"]["source_offsets"] for c in reversed(bronze_commits)
+                            if "source_offsets" in c["user"]), None)
+            if offsets is not None:
+                ingest["topic_offsets"] = dg.MetadataValue.json(offsets["next"])
         yield dg.MaterializeResult(asset_key=bronze, metadata={
             **common, **ingest, "rows_accepted": counts["accepted"], "duplicates_recognised": counts["duplicates"],
             "lines_already_ingested": counts["already_ingested"], "files_changed_after_ingestion": len(changed),

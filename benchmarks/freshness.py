@@ -1,13 +1,14 @@
-"""Freshness: the time from a landing file renamed into landing/ to its events visible in the state table,
-read with the independent `deltalake` reader, under the real `dagster dev` (webserver + daemon).
+"""Freshness: the time from a landing file renamed into landing/ (or records produced to the stream's topic) to its
+events visible in the state table, read with the independent `deltalake` reader, under the real `dagster dev`
+(webserver + daemon).
 
 - continuous: the `run_continuously` job, launched once through the webserver, keeps the queries running;
 - orchestrated: the landing sensor (every 5 s) starts `advance_payments` runs.
 
 Each mode runs on an embedded JVM per run, or through a warm Spark Connect server beside Dagster (`make dev`).
 
-Each file holds the payments of one new customer id, so the file is visible when that key appears in
-payments_per_customer. Files arrive at a steady rate. The throughput part raises the arrival rate step by
+Each file (or each set of records, acknowledged by the broker) holds the payments of one new customer id, so it is
+visible when that key appears in payments_per_customer. Files arrive at a steady rate. The throughput part raises the arrival rate step by
 step and reports, per rate, how fast the lag grew over the step (a least-squares slope over the files).
 """
 
@@ -55,13 +56,17 @@ class Arrivals:
         self._stop.set()
         self._watcher.join()
 
-    def write(self, index: int, events: int) -> None:
+    def lines(self, index: int, events: int) -> tuple[str, list[str]]:
         customer = f"{self.tag}-{index:05d}"
+        now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        return customer, [json.dumps({"payment_id": f"{customer}-{i}", "customer_id": customer, "amount": "12.50",
+                                      "paid_at": now}) for i in range(events)]
+
+    def write(self, index: int, events: int) -> None:
+        customer, lines = self.lines(index, events)
         folder = self.layout.landing("payments") / self.tag
         folder.mkdir(parents=True, exist_ok=True)
-        now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-        lines = "".join(json.dumps({"payment_id": f"{customer}-{i}", "customer_id": customer, "amount": "12.50",
-                                    "paid_at": now}) + "\n" for i in range(events))
+        lines = "".join(line + "\n" for line in lines)
         hidden, final = folder / f".{customer}.jsonl", folder / f"{customer}.jsonl"
         hidden.write_text(lines)
         os.replace(hidden, final)
@@ -85,6 +90,9 @@ class Arrivals:
                 if key in self.renamed and key not in self.seen:
                     self.seen[key] = now
 
+    def close(self) -> None:
+        pass
+
     def wait_all(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while len(self.seen) < len(self.renamed) and time.monotonic() < deadline:
@@ -94,13 +102,41 @@ class Arrivals:
         return [self.seen[k] - self.renamed[k] for k in sorted(self.renamed) if k in self.seen]
 
 
-def steady(layout: StorageLayout, tag: str, files: int, every_s: float, events: int, timeout_s: float) -> dict:
-    with Arrivals(layout, tag) as arrivals:
+class TopicArrivals(Arrivals):
+    """Produces each customer's payments to the stream's topic, keyed by payment id, and counts from the moment the
+    broker acknowledged them all (`flush`)."""
+
+    topic = None  # the KafkaTopic, set by run_mode
+
+    def __init__(self, layout: StorageLayout, tag: str):
+        from confluent_kafka import Producer
+        super().__init__(layout, tag)
+        self.producer = Producer({"bootstrap.servers": self.topic.servers, "linger.ms": 5, "enable.idempotence": True,
+                                  "compression.type": "lz4"})
+
+    def write(self, index: int, events: int) -> None:
+        customer, lines = self.lines(index, events)
+        for i, line in enumerate(lines):
+            self.producer.produce(self.topic.topic, value=line.encode(), key=f"{customer}-{i}".encode())
+            if i % 5000 == 4999:
+                self.producer.poll(0)
+        self.producer.flush(60)
+        self.renamed[customer] = time.monotonic()
+
+    def close(self) -> None:
+        self.producer.flush(60)
+        del self.producer
+
+
+def steady(layout: StorageLayout, tag: str, files: int, every_s: float, events: int, timeout_s: float,
+           kind: type[Arrivals] = Arrivals) -> dict:
+    with kind(layout, tag) as arrivals:
         started = time.monotonic()
         for i in range(files):
             arrivals.write(i, events)
             time.sleep(max(0.0, started + (i + 1) * every_s - time.monotonic()))
         arrivals.wait_all(timeout_s)
+        arrivals.close()
     lat = arrivals.latencies()
     result = {"files": files, "every_s": every_s, "events_per_file": events, "visible": len(lat)}
     if len(lat) > 1:
@@ -121,12 +157,12 @@ def steady(layout: StorageLayout, tag: str, files: int, every_s: float, events: 
     return result
 
 
-def rates(layout: StorageLayout, steps: list[int], seconds: float) -> list[dict]:
+def rates(layout: StorageLayout, steps: list[int], seconds: float, kind: type[Arrivals] = Arrivals) -> list[dict]:
     """Arrival rates (events/s, one file per second), each held for `seconds`; stops at the first rate whose
     lag grew (LAG_GROWTH_LIMIT)."""
     out = []
     for rate in steps:
-        result = steady(layout, f"rate{rate}", int(seconds), 1.0, rate, timeout_s=300)
+        result = steady(layout, f"rate{rate}", int(seconds), 1.0, rate, timeout_s=300, kind=kind)
         out.append({"events_per_s": rate, **result})
         if result.get("lag_grew", True):
             break
@@ -134,9 +170,9 @@ def rates(layout: StorageLayout, steps: list[int], seconds: float) -> list[dict]
 
 
 def run_mode(home: Path, mode: str, *, files: int, every_s: float, rate_steps: list[int], rate_seconds: float,
-             engine: bool = False) -> dict:
+             engine: bool = False, kind: type[Arrivals] = Arrivals) -> dict:
     """One mode under a fresh `dagster dev` over `home` (which already holds a little history); with `engine`,
-    beside a warm Spark Connect server that every run uses."""
+    beside a warm Spark Connect server that every run uses; `kind`: files (Arrivals) or records (TopicArrivals)."""
     from assets.keys import CONTINUOUS_JOB
     from statetables.servers import dagster_dev, free_port, launch_run, terminate_run, wait_for_run_end
 
@@ -150,10 +186,10 @@ def run_mode(home: Path, mode: str, *, files: int, every_s: float, rate_steps: l
         if mode == "continuous" or engine:
             # Warm, as a deployment is: the queries are running, or the engine has compiled its first runs' code,
             # once the first files are visible.
-            result["warmup"] = steady(layout, "warmup", 3, 2.0, 5, timeout_s=300)
-        result["steady"] = steady(layout, mode, files, every_s, 10, timeout_s=600)
+            result["warmup"] = steady(layout, "warmup", 3, 2.0, 5, timeout_s=300, kind=kind)
+        result["steady"] = steady(layout, mode, files, every_s, 10, timeout_s=600, kind=kind)
         if rate_steps:
-            result["rates"] = rates(layout, rate_steps, rate_seconds)
+            result["rates"] = rates(layout, rate_steps, rate_seconds, kind=kind)
         if run_id:
             terminate_run(url, run_id)
             result["run_status"] = wait_for_run_end(url, run_id, timeout_s=300)

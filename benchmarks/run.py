@@ -659,18 +659,69 @@ def only_freshness(work: Path, *, keep: bool, quick: bool) -> None:
     print(f"written: {target}/freshness.json")
 
 
+KAFKA_PROJECT_SOURCE = "    source: {topic: payments-events}\n"
+
+
+def only_freshness_kafka(work: Path, *, keep: bool, quick: bool) -> None:
+    """Freshness from a Kafka topic: records produced to payments' topic → visible in payments_per_customer, the
+    continuous job through a warm Connect server, as `continuous_connect` measures files; a broker of the
+    project's own (statetables/servers.py). Into docs/bench/freshness.json, beside the file modes."""
+    from benchmarks.freshness import TopicArrivals, run_mode
+    from pipelines.generate import generate
+    from pipelines.project import SHIPPED, load_project
+    from statetables.servers import kafka_broker
+
+    started = time.monotonic()
+    files, every_s = (10, 2.0) if quick else (60, 2.0)
+    steps = [] if quick else [1_000, 5_000, 20_000]
+    home = work / "freshness-kafka"
+    home.mkdir(parents=True, exist_ok=True)
+    saved = os.environ.get("STATETABLES_PROJECT")
+    try:
+        with kafka_broker(work / "kafka") as broker:
+            project = home / "statetables.yaml"
+            project.write_text(SHIPPED.read_text().replace("  payments:\n", "  payments:\n" + KAFKA_PROJECT_SOURCE)
+                               + f"\nkafka:\n  bootstrap_servers: {broker.bootstrap}\n")
+            os.environ["STATETABLES_PROJECT"] = str(project)  # the runs, dagster dev and the Connect server read it
+            spec = load_project(project.read_text(), project).streams["payments"]
+            generate(spec, spec.topic, events=2_000, seed=3, events_per_file=1_000)
+            measure(project_run(home), home)  # not timed: the tables and checkpoints exist, as in production
+            TopicArrivals.topic = spec.topic
+            result = run_mode(home, "continuous", files=files, every_s=every_s, rate_steps=steps, rate_seconds=40,
+                              engine=True, kind=TopicArrivals)
+    finally:
+        if saved is None:
+            os.environ.pop("STATETABLES_PROJECT", None)
+        else:
+            os.environ["STATETABLES_PROJECT"] = saved
+        if not keep:
+            shutil.rmtree(work, ignore_errors=True)
+    result["machine"] = {"cpus": os.cpu_count(), "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+                         "records_sets": files, "every_s": every_s, "bench_s": round(time.monotonic() - started)}
+    print(json.dumps(result, indent=1))
+    target = OUT if not quick else work.parent / f"statetables-bench-quick-{os.getpid()}"
+    target.mkdir(parents=True, exist_ok=True)
+    path = target / "freshness.json"
+    results = json.loads(path.read_text()) if path.is_file() else {}
+    results["continuous_kafka_connect"] = result
+    path.write_text(json.dumps(results, indent=1, default=str) + "\n")
+    print(f"written: {path}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="small sizes, one repetition: checks the harness")
     parser.add_argument("--full", action="store_true", help="also 10M events (~1M customers) and 10k increments")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--work", default=None, help="scratch folder (default: a temporary one, removed after)")
-    parser.add_argument("--only", choices=["core", "paths", "engines", "freshness", "object-store"], help="core: the bulk run, the "
+    parser.add_argument("--only", choices=["core", "paths", "engines", "freshness", "freshness-kafka", "object-store"],
+                        help="core: the bulk run, the "
                         "increment as a process and warm, against Spark's floor and a full recompute, with jobs and "
                         "commits per micro-batch, into docs/bench/core.json; paths: only case (g), the "
                         "event-time paths, into docs/bench/event_time_paths.json; engines: `statetables run` per Spark "
                         "engine, into docs/bench/engines.json; freshness: landing file to state table, continuous and "
-                        "orchestrated, into docs/bench/freshness.json; object-store: the 1M bulk run and a 10k increment on local disk and in "
+                        "orchestrated, into docs/bench/freshness.json; freshness-kafka: records produced to a topic to state table, "
+                        "continuous, into the same file; object-store: the 1M bulk run and a 10k increment on local disk and in "
                         "a bucket of the development S3 server, with S3 requests per micro-batch, into "
                         "docs/bench/object_store.json. All leave the full results as they are")
     args = parser.parse_args()
@@ -690,6 +741,8 @@ def main() -> None:
         return only_engines(repeat if not args.quick else 2, work, keep=bool(args.work), quick=args.quick)
     if args.only == "freshness":
         return only_freshness(work, keep=bool(args.work), quick=args.quick)
+    if args.only == "freshness-kafka":
+        return only_freshness_kafka(work, keep=bool(args.work), quick=args.quick)
     if args.only == "object-store":
         return only_object_store(repeat, work, keep=bool(args.work), quick=args.quick)
     try:

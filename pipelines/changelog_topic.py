@@ -27,6 +27,7 @@ from pyspark.sql import functions as F
 
 from pipelines.changelog import ChangelogStage, changelog_name
 from pipelines.errors import ChangelogError, ConfigurationError
+from pipelines.kafka_source import client_config
 from pipelines.layout import StorageLayout
 from pipelines.state import state_schema
 from pipelines.streams import KafkaTopic, StateTableSpec
@@ -67,8 +68,8 @@ def ensure_changelog_topic(topic: KafkaTopic, partitions: int = DEFAULT_PARTITIO
 def published_through(topic: KafkaTopic, timeout_s: float = 30.0) -> int:
     """The `covers` header of the topic's newest committed record: -1 for an empty topic."""
     from confluent_kafka import Consumer, TopicPartition
-    consumer = Consumer({"bootstrap.servers": topic.servers, "group.id": "statetables-tail", "enable.auto.commit": False,
-                         "isolation.level": "read_committed", "enable.partition.eof": True})
+    consumer = Consumer(client_config(topic, **{"group.id": "statetables-tail", "enable.auto.commit": False,
+                                                "isolation.level": "read_committed", "enable.partition.eof": True}))
     try:
         partitions = consumer.list_topics(topic.topic, timeout=timeout_s).topics[topic.topic].partitions
         covers = -1
@@ -110,8 +111,9 @@ def _producer(topic: KafkaTopic, table: StateTableSpec):
     from confluent_kafka import Producer
     key = (topic.servers, table.name)
     if key not in _producers:
-        producer = Producer({"bootstrap.servers": topic.servers, "transactional.id": f"statetables.{table.name}",
-                             "enable.idempotence": True, "linger.ms": 5, "compression.type": "lz4"})
+        producer = Producer(client_config(topic, **{"transactional.id": f"statetables.{table.name}",
+                                                    "enable.idempotence": True, "linger.ms": 5,
+                                                    "compression.type": "lz4"}))
         producer.init_transactions(60)  # fences an earlier producer of this table (a killed run's)
         _producers[key] = producer
     return _producers[key]

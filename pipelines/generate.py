@@ -151,9 +151,11 @@ class _TopicWriter:
 
     def __init__(self, spec: StreamSpec, topic: KafkaTopic):
         from confluent_kafka import Producer
+
+        from pipelines.kafka_source import client_config
         self.spec, self.topic = spec, topic
-        self.producer = Producer({"bootstrap.servers": topic.servers, "enable.idempotence": True, "linger.ms": 20,
-                                  "batch.num.messages": 10_000, "compression.type": "lz4"})
+        self.producer = Producer(client_config(topic, **{"enable.idempotence": True, "linger.ms": 20,
+                                                         "batch.num.messages": 10_000, "compression.type": "lz4"}))
 
     def key(self, line: bytes) -> bytes | None:
         try:

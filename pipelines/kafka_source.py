@@ -41,9 +41,15 @@ def source_id(topic: KafkaTopic) -> str:
     return f"kafka:{topic.topic}"
 
 
+def client_config(topic: KafkaTopic, **settings) -> dict:
+    """A confluent-kafka client's settings for the topic's brokers; librdkafka's informational lines (a client
+    closing, purging its queues) are left out of the run's output, its warnings and errors are not."""
+    return {"bootstrap.servers": topic.servers, "log_level": 4, **settings}
+
+
 def admin(topic: KafkaTopic):
     from confluent_kafka.admin import AdminClient
-    return AdminClient({"bootstrap.servers": topic.servers, "socket.timeout.ms": 10_000})
+    return AdminClient(client_config(topic, **{"socket.timeout.ms": 10_000}))
 
 
 def topic_partitions(topic: KafkaTopic, timeout_s: float = 15.0) -> list[int]:
@@ -59,6 +65,18 @@ def topic_partitions(topic: KafkaTopic, timeout_s: float = 15.0) -> list[int]:
         raise ConfigurationError(f"Topic {topic.topic} does not exist on {topic.servers}. Fix: create it (`statetables "
                                  f"generate` creates a stream's topic), or name an existing one in the project file.")
     return sorted(found.partitions)
+
+
+def end_offsets(topic: KafkaTopic, timeout_s: float = 10.0) -> dict[int, int]:
+    """partition → the offset the next record will get: what a sensor compares to see that records arrived."""
+    from confluent_kafka import Consumer, TopicPartition
+    partitions = topic_partitions(topic, timeout_s)
+    consumer = Consumer(client_config(topic, **{"group.id": "statetables-ends", "enable.auto.commit": False}))
+    try:
+        return {p: consumer.get_watermark_offsets(TopicPartition(topic.topic, p), timeout=timeout_s)[1]
+                for p in partitions}
+    finally:
+        consumer.close()
 
 
 def ensure_topic(topic: KafkaTopic, partitions: int, config: dict[str, str] | None = None) -> bool:

@@ -30,6 +30,7 @@ from pipelines.changelog import COVERS, changelog_name, coverage_record
 from pipelines.checkpoints import read_through
 from pipelines.errors import ConfigurationError
 from pipelines.event_time import LATE
+from pipelines.kafka_source import end_offsets, recorded_offsets
 from pipelines.layout import StorageLayout
 from pipelines.session import REMOTE_ENV, build_spark_session, engine_answers
 from pipelines.source import LedgerView, unrecorded_files
@@ -77,6 +78,19 @@ def _landing(spark: SparkSession | None, layout: StorageLayout, spec: StreamSpec
         # Units recorded by a run's scan that the stream's query has not read yet (a run that died before them).
         "recorded_not_read": bool(ledger_version) and not read_through(layout.checkpoint(spec.name), ledger_version),
     }
+
+
+def _topic(spark: SparkSession | None, layout: StorageLayout, spec: StreamSpec, ran: bool) -> dict:
+    """A topic stream's input: the records after the offsets bronze's newest commit records (the next run's input)."""
+    recorded = recorded_offsets(spark, layout.table(spec.bronze_table), spec.topic) if spark is not None and ran else {}
+    try:
+        ends, problem = end_offsets(spec.topic), None
+    except ConfigurationError as error:  # the brokers are down: said, the rest of the status still shown
+        ends, problem = {}, str(error)
+    return {"topic": spec.topic.topic, "servers": spec.topic.servers, "problem": problem,
+            "pending": sum(max(0, end - recorded.get(p, 0)) for p, end in ends.items()),
+            "offsets_in_tables": {str(p): n for p, n in sorted(recorded.items())},
+            "end_offsets": {str(p): n for p, n in sorted(ends.items())}}
 
 
 def last_batch(spark: SparkSession, layout: StorageLayout, spec: StreamSpec) -> dict | None:
@@ -137,7 +151,7 @@ def _folded(spark: SparkSession | None, layout: StorageLayout, spec: StreamSpec)
 def stream_tables_of(spec: StreamSpec) -> list[str]:
     """The stream's tables: its ledger, then every table its runs write, in data-flow order (late_events is shared
     by the streams with an event-time step)."""
-    return [spec.files_table, *stream_tables(spec, StreamSettings())]
+    return [*((spec.files_table,) if spec.topic is None else ()), *stream_tables(spec, StreamSettings())]
 
 
 def stream_status(spark: SparkSession | None, layout: StorageLayout, spec: StreamSpec,
@@ -147,7 +161,8 @@ def stream_status(spark: SparkSession | None, layout: StorageLayout, spec: Strea
     ran = table_version(spark, bronze_path) is not None
     report = {
         "ran": ran,
-        "landing": _landing(spark, layout, spec),
+        **({"landing": _landing(spark, layout, spec)} if spec.topic is None else
+           {"topic": _topic(spark, layout, spec, ran)}),
         "last_batch": None,
         "tables": {name: table_version(spark, layout.table(name)) for name in stream_tables_of(spec)},
         "folded": _folded(spark if ran else None, layout, spec),
@@ -208,8 +223,14 @@ def _lock_line(lock: dict) -> str:
 
 
 def _stream_lines(name: str, report: dict) -> list[str]:
-    landing = report["landing"]
     lines = [name]
+    if "topic" in report:
+        topic = report["topic"]
+        pending = (topic["problem"] if topic["problem"] else
+                   f"{topic['pending']} record(s) not ingested yet" if topic["pending"] else "nothing new")
+        lines.append(f"  {'topic':<13}{pending}  ({topic['topic']} on {topic['servers']})")
+        return lines + _stream_rest(name, report)
+    landing = report["landing"]
     pending = f"{landing['pending']} landing file(s) not ingested yet" if landing["pending"] else "nothing new"
     if landing["recorded_not_read"]:
         pending += "; the ledger holds content the query has not read yet (the next run reads it)"
@@ -217,6 +238,11 @@ def _stream_lines(name: str, report: dict) -> list[str]:
     lines += [f"  {'':<13}  {f['path']}  ({f['size']} bytes, {f['modified_at']})" for f in landing["pending_files"]]
     if landing["pending"] > len(landing["pending_files"]):
         lines.append(f"  {'':<13}  ... and {landing['pending'] - len(landing['pending_files'])} more")
+    return lines + _stream_rest(name, report)
+
+
+def _stream_rest(name: str, report: dict) -> list[str]:
+    lines = []
     if not report["ran"]:
         lines.append(f"  {'tables':<13}none yet: the stream has not run")
     batch = report["last_batch"]

@@ -49,9 +49,11 @@ from pipelines.event_time import LATE
 from pipelines.sessions import ACTIVITY, DEFAULT_STATE_TTL, SESSION_GAP
 from pipelines.changelog import changelog_name
 from pipelines.expiry import EXPIRED
-from tests.streams import MOVIE_TICKET_SALES, STREAMS, project_with_ttl
+from tests.streams import MOVIE_TICKET_SALES, STREAMS, project_with_ttl, redeliver, with_kafka
 from pipelines.windows import HOURLY, TOP, TOP_N
-from tests.contract_oracle import expected_sessions, expected_state, expected_windows, independent_table, landing_files
+from tests.contract_oracle import (
+    expected_from_topic, expected_sessions, expected_state, expected_windows, independent_table, landing_files,
+)
 
 CHAOS_TTL_DAYS = {"payments_per_customer": 0.05}
 
@@ -107,10 +109,29 @@ def _env(layout: StorageLayout, fault_dir: Path) -> dict[str, str]:
     return env
 
 
+# run_chaos(kafka=broker): the streams read topics of this broker and publish their changelog topics there. Held here
+# for the harness's whole run, because every run's project file, delivery and comparison depends on it.
+_KAFKA: dict = {"broker": None}
+
+
+def _project_file(path: Path, ttl_days: dict[str, float]) -> Path:
+    path = project_with_ttl(ttl_days, path)
+    return with_kafka(path, _KAFKA["broker"].bootstrap) if _KAFKA["broker"] is not None else path
+
+
 def _project(fault_dir: Path, ttl_days: dict[str, float]) -> list[str]:
     """`--project FILE`: the shipped project file with the runs' TTLs (settings live in the project file)."""
-    path = project_with_ttl(ttl_days, fault_dir.parent.parent / "statetables.yaml")
-    return ["--project", str(path)]
+    return ["--project", str(_project_file(fault_dir.parent.parent / "statetables.yaml", ttl_days))]
+
+
+def _specs(names: list[str]) -> list:
+    """The streams as the runs declare them: with their topics under run_chaos(kafka=...)."""
+    if _KAFKA["broker"] is None:
+        return [STREAMS[name] for name in names]
+    from pipelines.project import load_project
+    path = _project_file(Path(tempfile.mkdtemp(prefix="chaos-project-")) / "statetables.yaml", {})
+    declared = load_project(path.read_text(), path).streams
+    return [declared[name] for name in names]
 
 
 def _run_pipeline(layout: StorageLayout, fault_dir: Path, log: Path, kill_after: float | None,
@@ -199,7 +220,15 @@ def _wait_group_gone(pgid: int, timeout: float = 30) -> None:
 
 
 def _deliver(layout: StorageLayout, rng: random.Random, events: int, streams: list[str]) -> None:
-    """New events, plus (sometimes) a whole earlier file delivered again under a new name."""
+    """New events, plus (sometimes) a whole earlier file delivered again under a new name; from topics, new records
+    plus (sometimes) some earlier records produced again."""
+    if _KAFKA["broker"] is not None:
+        for spec in _specs(streams):
+            generate(spec, spec.topic, events=events, malformed=0.03, duplicates=0.03, conflicts=0.01, late=0.05,
+                     seed=rng.randrange(1 << 30), events_per_file=max(events // 2, 1))
+            if rng.random() < 0.5:
+                redeliver(_KAFKA["broker"].bootstrap, spec.topic.topic, spec.id_field, max(events // 10, 1), rng)
+        return
     for spec in (STREAMS[name] for name in streams):
         folder = layout.landing(spec.name)
         old = sorted(folder.glob("*.jsonl"))
@@ -331,8 +360,9 @@ def _expired(layout: StorageLayout, report: ChaosReport, table) -> dict:
 
 
 def compare(layout: StorageLayout, report: ChaosReport, streams: list[str], ttl_days: dict[str, float]) -> None:
-    for spec in (STREAMS[name] for name in streams):
-        expected = expected_state(spec.name, landing_files(layout.landing(spec.name)))
+    for spec in _specs(streams):
+        expected = (expected_state(spec.name, landing_files(layout.landing(spec.name))) if spec.topic is None
+                    else expected_from_topic(spec.name, spec.topic.servers, spec.topic.topic))
         compare_event_time(layout, report, spec.name, expected.events)
         table = spec.state_tables[0]
         rows = independent_table(layout.table(table.name)).to_pyarrow_table().to_pylist()
@@ -355,7 +385,7 @@ def run_chaos(home: Path, *, kills: int, seed: int, events: int = 600, random_sh
               damage_share: float = 0.15, typical_run_s: float = 60.0, named_only: bool = False,
               plan: list[tuple[str, dict]] | None = None, streams: list[str] | None = None,
               ttl_days: dict[str, float] | None = None, continuous_kills: int = 0, engine_kills: int = 0,
-              root: str | None = None, say=print) -> ChaosReport:
+              root: str | None = None, kafka=None, say=print) -> ChaosReport:
     """`plan`: the named kills to make, in order (default: NAMED_KILLS, cycled); `streams`: default all;
     `ttl_days`: the state tables' TTL in every run (default CHAOS_TTL_DAYS); `continuous_kills`: then as
     many kills of the continuous job (`run_continuously`), every other one at a named point (every query
@@ -363,7 +393,35 @@ def run_chaos(home: Path, *, kills: int, seed: int, events: int = 600, random_sh
     `engine_kills`: then as many kills of a supervised Spark Connect server (statetables/servers.py) while a thin
     client's run goes through it, every other one at a named point (in the server's foreachBatch), the others at
     a random instant; the supervisor starts it again, and the next round's run waits for it. `root`: the storage
-    root (default `home`), e.g. s3a://bucket/prefix; `home` keeps the faults, the log and the Dagster instance."""
+    root (default `home`), e.g. s3a://bucket/prefix; `home` keeps the faults, the log and the Dagster instance.
+    `kafka`: a started KafkaBroker (statetables/servers.py): the streams read its topics and publish changelog
+    topics to it, and after every round of the runs it is restarted, every other time after a kill -9."""
+    _KAFKA["broker"] = kafka
+    try:
+        return _run_chaos(home, kills=kills, seed=seed, events=events, random_share=random_share,
+                          damage_share=damage_share, typical_run_s=typical_run_s, named_only=named_only, plan=plan,
+                          streams=streams, ttl_days=ttl_days, continuous_kills=continuous_kills,
+                          engine_kills=engine_kills, root=root, say=say)
+    finally:
+        _KAFKA["broker"] = None
+
+
+def _restart_broker(report: "ChaosReport") -> str:
+    broker = _KAFKA["broker"]
+    if broker is None:
+        return ""
+    if len(report.rounds) % 2:
+        broker.kill()
+        broker.start()
+        return "broker killed and started again"
+    broker.restart()
+    return "broker restarted"
+
+
+def _run_chaos(home: Path, *, kills: int, seed: int, events: int, random_share: float, damage_share: float,
+               typical_run_s: float, named_only: bool, plan: list[tuple[str, dict]] | None, streams: list[str] | None,
+               ttl_days: dict[str, float] | None, continuous_kills: int, engine_kills: int, root: str | None,
+               say) -> ChaosReport:
     ttl_days = CHAOS_TTL_DAYS if ttl_days is None else ttl_days
     streams = streams or list(STREAMS)
     job = "advance_all" if len(streams) == len(STREAMS) else f"advance_{streams[0]}"
@@ -396,6 +454,8 @@ def run_chaos(home: Path, *, kills: int, seed: int, events: int = 600, random_sh
             code, seconds = _run_pipeline(layout, fault_dir, log, rng.uniform(3.0, typical_run_s), job, ttl_days)
         shutil.rmtree(fault_dir, ignore_errors=True)
         report.rounds.append(Round(kind, seconds, code == -signal.SIGKILL, note, damaged))
+        if broker_note := _restart_broker(report):
+            report.rounds[-1].note = (note + "; " if note else "") + broker_note
         r = report.rounds[-1]
         say(f"round {len(report.rounds):>3}: {kind:<32} {'killed' if r.killed else f'exit {code}':<8} "
             f"after {seconds:5.1f} s  {note}")
@@ -414,6 +474,8 @@ def run_chaos(home: Path, *, kills: int, seed: int, events: int = 600, random_sh
         continuous_made += code == -signal.SIGKILL
         report.rounds.append(Round(kind, seconds, code == -signal.SIGKILL, "" if code == -signal.SIGKILL
                                    else f"not killed (exit {code})"))
+        if broker_note := _restart_broker(report):
+            report.rounds[-1].note = "; ".join(filter(None, (report.rounds[-1].note, broker_note)))
         r = report.rounds[-1]
         say(f"round {len(report.rounds):>3}: {kind:<32} {'killed' if r.killed else f'exit {code}':<8} "
             f"after {seconds:5.1f} s  {r.note}")
@@ -474,11 +536,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine-kills", type=int, default=4,
                         help="then kills of a warm Spark Connect server while a run goes through it")
     parser.add_argument("--home", help="storage root to use (default: a new temporary folder, kept)")
+    parser.add_argument("--kafka", action="store_true",
+                        help="both streams read topics of a Kafka broker started here (its data under the home "
+                             "folder) and publish changelog topics; the broker is restarted after every round")
     parser.add_argument("--object-store", action="store_true",
                         help="the storage root in a bucket of an S3 server started here (`statetables s3-server`), "
                              "its data under the home folder; the writer lock is then the lease")
     args = parser.parse_args(argv)
     home = Path(args.home or tempfile.mkdtemp(prefix="statetables-chaos-")).resolve()
+    if args.kafka:
+        from statetables.servers import kafka_broker
+
+        with kafka_broker(home / "kafka") as broker:
+            print(f"chaos: {args.kills} kills, seed {args.seed}, storage root {home}, topics on {broker.bootstrap}")
+            report = run_chaos(home, kills=args.kills, seed=args.seed, events=args.events,
+                               random_share=args.random_share, continuous_kills=args.continuous_kills,
+                               engine_kills=args.engine_kills, kafka=broker)
+            return summary(report)
     if not args.object_store:
         print(f"chaos: {args.kills} kills, seed {args.seed}, storage root {home}")
         report = run_chaos(home, kills=args.kills, seed=args.seed, events=args.events, random_share=args.random_share,

@@ -61,3 +61,58 @@ def project_with_ttl(ttl_days: dict[str, float], path) -> Path:
         out.append(("  " + line) if current else line)
     path.write_text("\n".join(out) + "\n")
     return path
+
+
+def with_kafka(path: Path, bootstrap: str, *, max_records_per_batch: int = 400) -> Path:
+    """Rewrite the project file at `path` (the shipped one, or one `project_with_ttl` wrote) so that both contract
+    streams read topics `<stream>-events` and both state tables publish to `<table>-changes`, on `bootstrap`."""
+    lines, out = path.read_text().splitlines(), []
+    for line in lines:
+        if line in ("  movie_ticket_sales:", "  payments:"):
+            out += [line, f"    source: {{topic: {line.strip(' :')}-events, max_records_per_batch: "
+                          f"{max_records_per_batch}}}"]
+        elif line.startswith("  - CREATE TABLE "):  # a plain table: becomes a mapping with its topic
+            out += [f"  - changelog_topic: {line.split()[3]}-changes", "    sql: " + line[4:]]
+        elif line.startswith("    sql: CREATE TABLE "):  # already a mapping (a TTL)
+            out += [f"    changelog_topic: {line.split()[3]}-changes", line]
+        else:
+            out.append(line)
+    # The continuation lines of a table that became a mapping are indented under its `sql:`.
+    text, fixed, inside = "\n".join(out), [], False
+    for line in text.splitlines():
+        if line.startswith("  - changelog_topic: "):
+            inside = True
+        elif not line.startswith("    "):
+            inside = False
+        elif inside and not line.startswith("    sql: "):
+            line = "  " + line
+        fixed.append(line)
+    path.write_text("\n".join(fixed) + f"\nkafka:\n  bootstrap_servers: {bootstrap}\n")
+    return path
+
+
+def redeliver(bootstrap: str, topic: str, id_field: str, count: int, rng) -> int:
+    """Produce `count` of the topic's valid records again (chosen by `rng`), keyed by id as the generator keys them:
+    a producer's retry, or a replay of its outbox. Returns how many it sent."""
+    import json
+
+    from confluent_kafka import Producer
+
+    from tests.contract_oracle import topic_lines
+
+    valid = []
+    for records in topic_lines(bootstrap, topic).values():
+        for _, value in records:
+            try:
+                event = json.loads(value)
+            except ValueError:
+                continue
+            if isinstance(event, dict) and isinstance(event.get(id_field), str):
+                valid.append((event[id_field], value))
+    chosen = rng.sample(valid, min(count, len(valid)))
+    producer = Producer({"bootstrap.servers": bootstrap, "log_level": 4})
+    for key, value in chosen:
+        producer.produce(topic, value=value, key=key.encode())
+    assert producer.flush(30) == 0
+    del producer
+    return len(chosen)

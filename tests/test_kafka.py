@@ -13,8 +13,8 @@ between a batch's commits with a topic source, then a clean run. Not covered: fr
 
 from __future__ import annotations
 
-import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -28,9 +28,12 @@ from pipelines import faults
 from pipelines.changelog_topic import COVERS_HEADER, VERSION_HEADER
 from pipelines.generate import generate
 from pipelines.project import SHIPPED, load_project
+from pipelines.status import stream_status
 from statetables.servers import kafka_broker
+from pipelines.layout import StorageLayout
+from tests.chaos import run_chaos
 from tests.contract_oracle import expected_from_topic
-from tests.streams import advance
+from tests.streams import advance, project_with_ttl, redeliver, with_kafka
 
 pytestmark = pytest.mark.long
 
@@ -45,18 +48,9 @@ def broker(tmp_path):
 
 def kafka_project(bootstrap: str, folder: Path) -> Path:
     """The shipped project file with both streams read from topics and both state tables published to topics."""
-    text = SHIPPED.read_text()
-    for stream in ("movie_ticket_sales", "payments"):
-        text = text.replace(f"  {stream}:\n", f"  {stream}:\n    source: {{topic: {stream}-events, max_records_per_batch: 400}}\n")
-    for table in ("movie_tickets_sold", "payments_per_customer"):
-        start = text.index(f"  - CREATE TABLE {table} AS")
-        end = text.find("\n\n", start)
-        end = len(text) if end == -1 else end
-        body = text[start + 4:end].replace("\n    ", "\n      ")
-        text = text[:start] + f"  - changelog_topic: {table}-changes\n    sql: {body}" + text[end:]
     path = folder / "statetables.yaml"
-    path.write_text(text + f"\nkafka:\n  bootstrap_servers: {bootstrap}\n")
-    return path
+    path.write_text(SHIPPED.read_text())
+    return with_kafka(path, bootstrap)
 
 
 def _consume(bootstrap: str, topic: str) -> list:
@@ -79,23 +73,6 @@ def _consume(bootstrap: str, topic: str) -> list:
         return out
     finally:
         consumer.close()
-
-
-def _redeliver(bootstrap: str, topic: str, spec, count: int) -> None:
-    """Produce `count` of the topic's first valid records again, keyed as the generator keys them."""
-    from confluent_kafka import Producer
-    producer = Producer({"bootstrap.servers": bootstrap})
-    sent = 0
-    for message in _consume(bootstrap, topic):
-        try:
-            event = json.loads(message.value())
-        except (TypeError, ValueError):
-            continue
-        if isinstance(event, dict) and isinstance(event.get(spec.id_field), str) and sent < count:
-            producer.produce(topic, value=message.value(), key=event[spec.id_field].encode())
-            sent += 1
-    assert producer.flush(30) == 0 and sent == count
-    del producer
 
 
 def _table(path: Path) -> list[dict]:
@@ -144,7 +121,7 @@ def test_topics_in_equal_the_oracle_and_a_table_restores_from_its_changelog_topi
     for spec in specs.values():
         generate(spec, spec.topic, events=600, malformed=0.03, duplicates=0.03, conflicts=0.01, seed=2,
                  events_per_file=300)
-        _redeliver(broker.bootstrap, spec.topic.topic, spec, 40)
+        assert redeliver(broker.bootstrap, spec.topic.topic, spec.id_field, 40, random.Random(5)) == 40
     payments, sales = specs["payments"], specs["movie_ticket_sales"]
     advance(spark, layout, sales, event_time=False)
     # payments' checkpoint is lost: the new query starts where bronze's newest commit says, nothing read twice.
@@ -153,6 +130,13 @@ def test_topics_in_equal_the_oracle_and_a_table_restores_from_its_changelog_topi
     assert second.rows_read == 640  # 600 new records, 40 re-delivered: none of the first run's read again
     for spec in specs.values():
         _assert_equal_to_oracle(layout, spec, broker.bootstrap)
+
+    # `statetables status`: what the tables hold of the topic, and what waits.
+    topic_status = stream_status(spark, layout, payments, None)["topic"]
+    assert topic_status["pending"] == 0 and topic_status["offsets_in_tables"] == topic_status["end_offsets"]
+    generate(payments, payments.topic, events=5, malformed=0, duplicates=0, conflicts=0, seed=3)
+    assert stream_status(spark, layout, payments, None)["topic"]["pending"] == 5
+    advance(spark, layout, payments, event_time=False)
 
     # A run with nothing new publishes nothing.
     table = payments.state_tables[0]
@@ -178,34 +162,23 @@ def test_topics_in_equal_the_oracle_and_a_table_restores_from_its_changelog_topi
         sorted(({c: r[c] for c in columns} for r in live), key=key)
 
 
-def _run(env: dict, log: Path) -> int:
-    """`statetables run` of payments' job in a new process group (a fault kills the group), as the chaos harness
-    runs it."""
-    with open(log, "ab") as out:
-        proc = subprocess.Popen([*COMMAND, "run", "--job", "advance_payments", "--log-level", "WARNING"], env=env,
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        return proc.wait(timeout=900)
+def test_chaos_with_a_topic_source_kills_between_commits_and_broker_restarts_then_one_clean_run(tmp_path, broker):
+    """The chaos harness (tests/chaos.py) with payments read from its topic: `statetables run` killed with SIGKILL at
+    named points between a batch's commits, the broker restarted after every round (every other time after its own
+    kill -9); then one clean run: every key, closed session and expired row equal to the oracle, and the changelog
+    topic holds no (key, version) twice."""
+    plan = [(faults.INGEST_AFTER_QUARANTINE_COMMIT, {}), (faults.INGEST_AFTER_BRONZE_COMMIT, {}),
+            (faults.STATE_AFTER_MERGE_COMMIT, {}), (faults.SESSIONS_BEFORE_CLOSING_COMMIT, {}),
+            (faults.STREAM_BATCH_END, {})]
+    home = tmp_path / "home"
+    report = run_chaos(home, kills=len(plan), seed=11, events=300, named_only=True, plan=plan, streams=["payments"],
+                       kafka=broker)
 
-
-def test_kill_9_between_commits_with_a_topic_source_and_broker_restarts_then_a_clean_run(layout, broker, tmp_path):
-    """`statetables run` killed at each named point between a batch's commits, the broker restarted after every
-    kill; then one clean run: every key equal to the oracle, no changelog record twice."""
-    path = kafka_project(broker.bootstrap, tmp_path)
-    payments = load_project(path.read_text(), path).streams["payments"]
-    fault_dir, log = tmp_path / "faults", tmp_path / "runs.log"
-    env = {**os.environ, "STATETABLES_HOME": str(layout.home), "STATETABLES_PROJECT": str(path),
-           "DAGSTER_HOME": str(tmp_path / "dagster"), faults.FAULTS_ENV: str(fault_dir), "PYTHONUNBUFFERED": "1"}
-    points = (faults.INGEST_AFTER_QUARANTINE_COMMIT, faults.INGEST_AFTER_BRONZE_COMMIT,
-              faults.STATE_AFTER_MERGE_COMMIT, faults.SESSIONS_AFTER_OPEN_SESSIONS_COMMIT, faults.STREAM_BATCH_END)
-    for round_, point in enumerate(points, start=1):
-        generate(payments, payments.topic, events=500, malformed=0.03, duplicates=0.03, conflicts=0.01,
-                 seed=round_, events_per_file=250)
-        faults.arm(fault_dir, point)
-        code = _run(env, log)
-        assert code == -9 and not (fault_dir / point).exists(), (point, code, log.read_text()[-3000:])
-        broker.restart()
-    code = _run(env, log)
-    assert code == 0, log.read_text()[-3000:]
-    _assert_equal_to_oracle(layout, payments, broker.bootstrap)
-    table = payments.state_tables[0]
-    _assert_published_once(broker.bootstrap, table.changelog_topic.topic, _table(layout.table(table.name)), table)
+    assert [r.kind for r in report.rounds if r.killed] == [point for point, _ in plan]
+    assert all("broker" in r.note for r in report.rounds[:-1])
+    assert report.keys_compared["payments_per_customer"] > 50 and report.keys_compared["customer_activity"] > 50
+    assert report.differences == 0, (report.keys_differing, report.rows_differing)
+    path = with_kafka(project_with_ttl({}, tmp_path / "p.yaml"), broker.bootstrap)
+    table = load_project(path.read_text(), path).streams["payments"].state_tables[0]
+    _assert_published_once(broker.bootstrap, table.changelog_topic.topic,
+                           _table(StorageLayout.under(home).table(table.name)), table)
