@@ -5,10 +5,11 @@
 Covers: both contract streams produced to topics (bad records, re-deliveries, conflicting ids; every record keyed by
 its id), two runs, a re-delivery of the first run's records, a lost checkpoint that resumes from the offsets the
 tables record: every key equal to the oracle, every bad record in quarantine with its partition and offset; the
-changelog topics compacted, each publish one transaction, no (key, version) twice; `statetables restore-topic`
-after the state table and its checkpoint are deleted, equal to the table; a broker restart between runs; kill -9
-between a batch's commits with a topic source, then a clean run. Not covered: freshness figures
-(`make bench-freshness`), a cluster of brokers.
+changelog topics compacted, each publish one transaction, no (key, version) twice, a run with nothing new publishing
+nothing; the status of a topic stream (records waiting); `statetables restore-topic` after the state table and its
+checkpoint are deleted, equal to the table; a broker restart between runs; the chaos harness with a topic source:
+kill -9 between a batch's commits, the broker restarted or killed after every round, then a clean run. Not covered:
+freshness figures (`make bench-freshness`), a cluster of brokers, SASL/TLS.
 """
 
 from __future__ import annotations
@@ -110,8 +111,8 @@ def test_topics_in_equal_the_oracle_and_a_table_restores_from_its_changelog_topi
     path = kafka_project(broker.bootstrap, tmp_path)
     specs = load_project(path.read_text(), path).streams
     for spec in specs.values():
-        generate(spec, spec.topic, events=900, malformed=0.03, duplicates=0.03, conflicts=0.01, seed=1,
-                 events_per_file=300)
+        generate(spec, spec.topic, events=700, malformed=0.03, duplicates=0.03, conflicts=0.01, seed=1,
+                 events_per_file=350)
         first = advance(spark, layout, spec, event_time=False)
         assert first.micro_batches >= 2  # max_records_per_batch: 400
         _assert_equal_to_oracle(layout, spec, broker.bootstrap)
@@ -119,15 +120,15 @@ def test_topics_in_equal_the_oracle_and_a_table_restores_from_its_changelog_topi
     # The broker restarts; then a second delivery, with re-deliveries of the first run's records.
     broker.restart()
     for spec in specs.values():
-        generate(spec, spec.topic, events=600, malformed=0.03, duplicates=0.03, conflicts=0.01, seed=2,
-                 events_per_file=300)
+        generate(spec, spec.topic, events=400, malformed=0.03, duplicates=0.03, conflicts=0.01, seed=2,
+                 events_per_file=400)
         assert redeliver(broker.bootstrap, spec.topic.topic, spec.id_field, 40, random.Random(5)) == 40
     payments, sales = specs["payments"], specs["movie_ticket_sales"]
     advance(spark, layout, sales, event_time=False)
     # payments' checkpoint is lost: the new query starts where bronze's newest commit says, nothing read twice.
     shutil.rmtree(layout.checkpoint(payments.name))
     second = advance(spark, layout, payments, event_time=False)
-    assert second.rows_read == 640  # 600 new records, 40 re-delivered: none of the first run's read again
+    assert second.rows_read == 440  # 400 new records, 40 re-delivered: none of the first run's read again
     for spec in specs.values():
         _assert_equal_to_oracle(layout, spec, broker.bootstrap)
 
@@ -167,9 +168,10 @@ def test_chaos_with_a_topic_source_kills_between_commits_and_broker_restarts_the
     named points between a batch's commits, the broker restarted after every round (every other time after its own
     kill -9); then one clean run: every key, closed session and expired row equal to the oracle, and the changelog
     topic holds no (key, version) twice."""
-    plan = [(faults.INGEST_AFTER_QUARANTINE_COMMIT, {}), (faults.INGEST_AFTER_BRONZE_COMMIT, {}),
-            (faults.STATE_AFTER_MERGE_COMMIT, {}), (faults.SESSIONS_BEFORE_CLOSING_COMMIT, {}),
-            (faults.STREAM_BATCH_END, {})]
+    # Between quarantine's and bronze's commits is where a topic differs from files (the records quarantine holds
+    # beyond bronze's offsets are looked up); `make chaos-kafka` kills at every point and at random instants.
+    plan = [(faults.INGEST_AFTER_QUARANTINE_COMMIT, {}), (faults.STATE_AFTER_MERGE_COMMIT, {}),
+            (faults.SESSIONS_BEFORE_CLOSING_COMMIT, {})]
     home = tmp_path / "home"
     report = run_chaos(home, kills=len(plan), seed=11, events=300, named_only=True, plan=plan, streams=["payments"],
                        kafka=broker)
