@@ -652,11 +652,18 @@ def only_freshness(work: Path, *, keep: bool, quick: bool) -> None:
             shutil.rmtree(work, ignore_errors=True)
     results["machine"] = {"cpus": os.cpu_count(), "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
                           "files": files, "every_s": every_s, "bench_s": round(time.monotonic() - started)}
+    _write_freshness(results, work, quick)
+
+
+def _write_freshness(results: dict, work: Path, quick: bool) -> None:
+    """Into docs/bench/freshness.json (quick: beside the scratch folder), keeping the modes another command wrote."""
     print(json.dumps(results, indent=1))
     target = OUT if not quick else work.parent / f"statetables-bench-quick-{os.getpid()}"
     target.mkdir(parents=True, exist_ok=True)
-    (target / "freshness.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
-    print(f"written: {target}/freshness.json")
+    path = target / "freshness.json"
+    path.write_text(json.dumps({**(json.loads(path.read_text()) if path.is_file() else {}), **results}, indent=1,
+                               default=str) + "\n")
+    print(f"written: {path}")
 
 
 KAFKA_PROJECT_SOURCE = "    source: {topic: payments-events}\n"
@@ -698,14 +705,7 @@ def only_freshness_kafka(work: Path, *, keep: bool, quick: bool) -> None:
             shutil.rmtree(work, ignore_errors=True)
     result["machine"] = {"cpus": os.cpu_count(), "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
                          "records_sets": files, "every_s": every_s, "bench_s": round(time.monotonic() - started)}
-    print(json.dumps(result, indent=1))
-    target = OUT if not quick else work.parent / f"statetables-bench-quick-{os.getpid()}"
-    target.mkdir(parents=True, exist_ok=True)
-    path = target / "freshness.json"
-    results = json.loads(path.read_text()) if path.is_file() else {}
-    results["continuous_kafka_connect"] = result
-    path.write_text(json.dumps(results, indent=1, default=str) + "\n")
-    print(f"written: {path}")
+    _write_freshness({"continuous_kafka_connect": result}, work, quick)
 
 
 def main() -> None:

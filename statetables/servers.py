@@ -444,22 +444,25 @@ _S3PROXY_LOGBACK = """<configuration>
 """
 
 
-def _s3proxy_java() -> str:
-    """The java that runs s3proxy; ConfigurationErrors naming the fix when s3proxy or Java is missing."""
-    import shutil
-
+def _tool_java(tool: str, folder: Path, make_target: str) -> str:
+    """The java that runs a server of the project's (s3proxy, the Kafka broker) from its jars in `folder`;
+    ConfigurationErrors naming the fix when the jars or Java are missing."""
     from pipelines.errors import ConfigurationError
 
-    if not (S3PROXY_DIR / ".resolved").is_file():
-        raise ConfigurationError(f"s3proxy, the local S3 server, is not installed in {S3PROXY_DIR}. "
-                                 f"Fix: run `make s3proxy` once (resolves it with Maven).")
+    if not (folder / ".resolved").is_file():
+        raise ConfigurationError(f"{tool} is not installed in {folder}. Fix: run `make {make_target}` once (resolves "
+                                 f"it with Maven).")
     java_home = os.environ.get("JAVA_HOME")
     if java_home and (Path(java_home) / "bin" / "java").exists():
         return str(Path(java_home) / "bin" / "java")
     if java := shutil.which("java"):
         return java
-    raise ConfigurationError("Java was not found (no JAVA_HOME/bin/java and no `java` on PATH); s3proxy needs "
-                             "Java 17. Fix: install it (`apt-get install openjdk-17-jdk-headless`) or set JAVA_HOME.")
+    raise ConfigurationError(f"Java was not found (no JAVA_HOME/bin/java and no `java` on PATH); {tool} needs Java 17. "
+                             f"Fix: install it (`apt-get install openjdk-17-jdk-headless`) or set JAVA_HOME.")
+
+
+def _s3proxy_java() -> str:
+    return _tool_java("s3proxy, the local S3 server,", S3PROXY_DIR, "s3proxy")
 
 
 def s3proxy_command(properties: Path, logback: Path) -> list[str]:
@@ -571,19 +574,7 @@ logger.request.level = WARN
 
 
 def _kafka_java() -> str:
-    """The java that runs the broker; ConfigurationErrors naming the fix when Kafka or Java is missing."""
-    from pipelines.errors import ConfigurationError
-
-    if not (KAFKA_DIR / ".resolved").is_file():
-        raise ConfigurationError(f"Apache Kafka, the local broker, is not installed in {KAFKA_DIR}. "
-                                 f"Fix: run `make kafka` once (resolves it with Maven).")
-    java_home = os.environ.get("JAVA_HOME")
-    if java_home and (Path(java_home) / "bin" / "java").exists():
-        return str(Path(java_home) / "bin" / "java")
-    if java := shutil.which("java"):
-        return java
-    raise ConfigurationError("Java was not found (no JAVA_HOME/bin/java and no `java` on PATH); the Kafka broker "
-                             "needs Java 17. Fix: install it (`apt-get install openjdk-17-jdk-headless`) or set JAVA_HOME.")
+    return _tool_java("Apache Kafka, the local broker,", KAFKA_DIR, "kafka")
 
 
 def _kafka_cluster_id() -> str:
