@@ -44,7 +44,9 @@ def kept_on_disk(frame: DataFrame) -> DataFrame:
 
 
 CONFLICT_RETRIES = 8
-WORKER_START_RETRIES = 3
+# Spark waits 10 s for a new Python worker (PythonWorkerFactory, hard-coded); on 2 cores under load three tries 2 and
+# 4 s apart all missed it (the continuous job over Connect in CI): six, up to 10 s apart, wait out a load spike.
+WORKER_START_RETRIES = 6
 _WORKER_START_FAILED = "Python worker failed to connect back"
 _CONFLICT = re.compile(r"DELTA_CONCURRENT_|io\.delta\.exceptions\.Concurrent\w*Exception|^Concurrent\w*Exception")
 conflicts_retried = {"count": 0}  # in this process; shows that retries happen (tests, diagnostics)
@@ -267,7 +269,7 @@ def run_query(
         except Exception as exc:  # noqa: BLE001 - only the worker's failed start is retried, the rest re-raised
             if _WORKER_START_FAILED not in str(exc) or attempt == WORKER_START_RETRIES:
                 raise
-            time.sleep(2 * attempt)
+            time.sleep(min(10, 2 * attempt))
             continue
         seen = ""
         try:
@@ -288,7 +290,7 @@ def run_query(
                 reports += query.recentProgress
             if _WORKER_START_FAILED not in str(exc) or attempt == WORKER_START_RETRIES:
                 raise
-            time.sleep(2 * attempt)
+            time.sleep(min(10, 2 * attempt))
         except BaseException:
             # Interrupted (a Dagster cancel arrives as an exception in this thread): the batch finishes first.
             if query.isActive:

@@ -65,7 +65,8 @@ def _wait_until_equal(layout, url: str, run_id: str, timeout_s: float) -> str:
         status = run_status(url, run_id)
         if status == "FAILURE" and not followed:
             warnings.warn(f"continuous run {run_id} failed, following its recovery: {_failures(layout, run_id)}")
-            run_id, followed = _recovery_of(url, run_id, deadline), True
+            run_id, followed = _recovery_of(url, run_id), True
+            deadline = max(deadline, time.monotonic() + 120)  # the recovery run starts its queries anew
             continue
         assert status in ("STARTING", "STARTED", "QUEUED", "NOT_STARTED"), \
             f"run {run_id} is {status}: {_failures(layout, run_id)}"
@@ -74,7 +75,8 @@ def _wait_until_equal(layout, url: str, run_id: str, timeout_s: float) -> str:
         time.sleep(1)
 
 
-def _recovery_of(url: str, run_id: str, deadline: float) -> str:
+def _recovery_of(url: str, run_id: str) -> str:
+    deadline = time.monotonic() + 240  # the run-failure sensor's tick, then the run's start
     while not (recovery := next((r for r in list_runs(url) if r["tags"].get(RECOVERY_OF_TAG) == run_id), None)):
         assert time.monotonic() < deadline, list_runs(url)
         time.sleep(3)
