@@ -130,7 +130,9 @@ def build_stream_assets(spec: StreamSpec, keeps_event_time: bool = True) -> list
             {"file": "string", "change": "string", "version": "int"})
         source = (dg.MetadataValue.path(str(layout.landing(spec.name))) if spec.topic is None
                   else dg.MetadataValue.text(f"kafka topic {spec.topic.topic} on {spec.topic.servers}"))
-        ingest = {"files_read": counts["files"], "lines_read": counts["lines"], "source": source}
+        # A topic's lines come from its partitions: the batch commits count them where files are counted.
+        ingest = {"files_read" if spec.topic is None else "partitions_read": counts["files"],
+                  "lines_read": counts["lines"], "source": source}
         if spec.topic is not None:  # where the tables end in the topic: a lost checkpoint resumes from here
             offsets = next((c["user"]["source_offsets"] for c in reversed(bronze_commits)
                             if "source_offsets" in c["user"]), None)

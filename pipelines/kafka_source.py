@@ -98,16 +98,19 @@ def ensure_topic(topic: KafkaTopic, partitions: int, config: dict[str, str] | No
 def recorded_offsets(spark: SparkSession, table_path, topic: KafkaTopic) -> dict[int, int]:
     """The next offset of every partition after the records the table's newest ingest commit covers; {} when no
     commit records any (a new table)."""
-    for row in history_rows(spark, table_path, OFFSETS_SEARCHED) or []:
-        meta = json.loads(row["userMetadata"]) if row["userMetadata"] else {}
-        offsets = meta.get(SOURCE_OFFSETS) if isinstance(meta, dict) else None
-        if offsets is None:
-            continue
-        if offsets.get("topic") != topic.topic:
-            raise ConfigurationError(
-                f"{table_path} holds records of topic {offsets.get('topic')}, not {topic.topic}. Fix: a stream's tables "
-                f"follow one topic; declare a new stream for the other topic, or move the tables aside.")
-        return {int(p): int(n) for p, n in offsets["next"].items()}
+    # The newest commit is an ingest commit but after maintenance: its few commits first, each a file read (a GET on
+    # a bucket), then further back.
+    for limit in (3, OFFSETS_SEARCHED):
+        for row in history_rows(spark, table_path, limit) or []:
+            meta = json.loads(row["userMetadata"]) if row["userMetadata"] else {}
+            offsets = meta.get(SOURCE_OFFSETS) if isinstance(meta, dict) else None
+            if offsets is None:
+                continue
+            if offsets.get("topic") != topic.topic:
+                raise ConfigurationError(
+                    f"{table_path} holds records of topic {offsets.get('topic')}, not {topic.topic}. Fix: a stream's "
+                    f"tables follow one topic; declare a new stream for the other topic, or move the tables aside.")
+            return {int(p): int(n) for p, n in offsets["next"].items()}
     return {}
 
 
