@@ -44,9 +44,10 @@ _producers: dict[tuple[str, str], object] = {}  # one transactional producer per
 
 
 def record_key(table: StateTableSpec) -> F.Column:
-    """The record key: the key's value as text for a one-column key, a JSON array of them for several."""
+    """The record key: the key's value as text for a one-column key (a NULL key: empty, since a compacted topic
+    refuses records without a key), a JSON array of them for several."""
     if len(table.keys) == 1:
-        return F.col(table.keys[0]).cast("string")
+        return F.coalesce(F.col(table.keys[0]).cast("string"), F.lit(""))
     return F.to_json(F.array(*[F.col(k).cast("string") for k in table.keys]))
 
 
@@ -159,9 +160,14 @@ class ChangelogTopicStage:
         try:
             covers = str(through).encode()
             for row in rows:
-                producer.produce(self.topic.topic, key=row["key"].encode(),
-                                 value=row["value"].encode() if row["value"] is not None else None,
-                                 headers=[(VERSION_HEADER, str(row["version"]).encode()), (COVERS_HEADER, covers)])
+                record = {"key": row["key"].encode(), "value": row["value"].encode() if row["value"] is not None
+                          else None, "headers": [(VERSION_HEADER, str(row["version"]).encode()), (COVERS_HEADER, covers)]}
+                while True:
+                    try:
+                        producer.produce(self.topic.topic, **record)
+                        break
+                    except BufferError:  # the local queue is full (a first publish of a large table): let it drain
+                        producer.poll(0.1)
                 producer.poll(0)
             producer.commit_transaction(120)
         except BaseException:
@@ -173,6 +179,9 @@ class ChangelogTopicStage:
 
 def changelog_topic_stage(layout: StorageLayout, table: StateTableSpec, state_version: int | None) -> ChangelogTopicStage:
     ensure_changelog_topic(table.changelog_topic)
+    # The producer first: its start fences a killed run's producer and aborts its open transaction, so the tail read
+    # below is not held up by records that will never be committed.
+    _producer(table.changelog_topic, table)
     published = published_through(table.changelog_topic)
     if published > (state_version or 0):
         raise ChangelogError(
