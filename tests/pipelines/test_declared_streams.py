@@ -7,7 +7,6 @@ tables are read with an independent Delta reader (`deltalake`).
 from __future__ import annotations
 
 import json
-import textwrap
 from collections import defaultdict
 from datetime import datetime, timedelta, timezone
 from decimal import ROUND_HALF_UP, Decimal
@@ -217,6 +216,17 @@ def test_sql_that_cannot_be_kept_incrementally_fails_the_load_naming_the_line(se
     assert str(raised.value).startswith("project.yaml:13: ") and "Fix:" in str(raised.value)
 
 
+SMALL_STREAM = """\
+streams:
+  s:
+    id: i
+    event_time: t
+    fields:
+      i: {type: string}
+      t: {type: timestamp}
+"""
+
+
 @pytest.mark.parametrize("fields, message", [
     ("      total: {type: money}", "type 'money' is not one of"),
     ("      total: {type: string, min: 0}", "`min` does not apply to a string"),
@@ -224,15 +234,7 @@ def test_sql_that_cannot_be_kept_incrementally_fails_the_load_naming_the_line(se
     ("      total: {type: decimal, required: maybe}", "is not true or false"),
 ])
 def test_bad_field_declarations_fail_the_load(fields, message):
-    text = textwrap.dedent("""\
-        streams:
-          s:
-            id: i
-            event_time: t
-            fields:
-              i: {type: string}
-              t: {type: timestamp}
-        """) + fields + "\n"
+    text = SMALL_STREAM + fields + "\n"
     with pytest.raises(ConfigurationError, match=message):
         load_project(text, Path("p.yaml"))
 
@@ -252,16 +254,7 @@ def test_the_shipped_project_declares_the_contract_streams_as_before():
     assert payments.sessions.gap == timedelta(minutes=30) and payments.value_field == "amount"
 
 
-KAFKA_STREAM = """\
-streams:
-  s:
-    id: i
-    event_time: t
-    fields:
-      i: {type: string}
-      t: {type: timestamp}
-      v: {type: decimal}
-"""
+KAFKA_STREAM = SMALL_STREAM + "      v: {type: decimal}\n"
 
 
 def test_a_stream_read_from_a_topic_and_a_table_published_to_one(monkeypatch):
