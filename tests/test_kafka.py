@@ -184,3 +184,30 @@ def test_chaos_with_a_topic_source_kills_between_commits_and_broker_restarts_the
     table = load_project(path.read_text(), path).streams["payments"].state_tables[0]
     _assert_published_once(broker.bootstrap, table.changelog_topic.topic,
                            _table(StorageLayout.under(home).table(table.name)), table)
+
+
+def test_the_landing_sensor_starts_a_run_when_records_arrive_on_a_topic(layout, broker, tmp_path, monkeypatch):
+    """The sensor every deployment runs: for a stream read from a topic it compares the topic's end offsets with its
+    cursor; a broker that does not answer is said on the tick, and the other streams go on."""
+    import dagster as dg
+
+    from assets.automation import landing_files_sensor
+    from resources import StorageResource
+
+    path = kafka_project(broker.bootstrap, tmp_path)
+    monkeypatch.setenv("STATETABLES_PROJECT", str(path))
+    payments = load_project(path.read_text(), path).streams["payments"]
+    storage, instance = StorageResource(home=str(layout.home)), dg.DagsterInstance.ephemeral()
+    generate(payments, payments.topic, events=20, seed=1)
+    with dg.build_sensor_context(instance=instance, resources={"storage": storage}) as context:
+        first = landing_files_sensor(context)
+    assert [r.job_name for r in first.run_requests] == ["advance_payments"]  # sales' topic does not exist yet: said
+    with dg.build_sensor_context(instance=instance, resources={"storage": storage}, cursor=first.cursor) as context:
+        assert not landing_files_sensor(context).run_requests  # no record since the cursor
+    generate(payments, payments.topic, events=5, seed=2)
+    with dg.build_sensor_context(instance=instance, resources={"storage": storage}, cursor=first.cursor) as context:
+        assert [r.job_name for r in landing_files_sensor(context).run_requests] == ["advance_payments"]
+    broker.stop()
+    with dg.build_sensor_context(instance=instance, resources={"storage": storage}, cursor=first.cursor) as context:
+        down = landing_files_sensor(context)
+    assert not down.run_requests and "did not answer" in down.skip_reason.skip_message
