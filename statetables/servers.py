@@ -605,11 +605,11 @@ class KafkaBroker:
     later starts, after stop() or kill(), find the topics and their records again.
 
         broker = KafkaBroker(tmp_path / "kafka"); broker.start()
-        create_topic(broker.bootstrap, "events", partitions=2)
+        ensure_topic(KafkaTopic("events", broker.bootstrap), partitions=2)   # pipelines/kafka_source.py
         ...
         broker.stop()
 
-    Topics are created explicitly (`create_topic`): auto.create.topics.enable is off, so that a misspelt topic
+    Topics are created explicitly (`kafka_source.ensure_topic`): auto.create.topics.enable is off, so that a misspelt topic
     fails at the producer instead of becoming an empty topic of its own."""
 
     def __init__(self, data_dir: str | os.PathLike, port: int | None = None, *, heap: str = "512m",
@@ -804,31 +804,3 @@ def kafka_broker(data_dir: str | os.PathLike, port: int | None = None, **options
         yield broker
     finally:
         broker.stop()
-
-
-def create_topic(bootstrap: str, name: str, partitions: int, config: dict[str, str] | None = None,
-                 timeout_s: float = 30) -> None:
-    """Create topic `name` (replication factor 1) with `partitions` partitions and topic `config` (e.g.
-    {"retention.ms": "-1"}); a topic of that name that already exists is left as it is. Returns once every partition
-    has a leader, so that a producer can write at once."""
-    from confluent_kafka import KafkaError, KafkaException
-    from confluent_kafka.admin import NewTopic
-
-    admin = _quiet_admin(bootstrap)
-    future = admin.create_topics([NewTopic(name, num_partitions=partitions, replication_factor=1,
-                                           config={k: str(v) for k, v in (config or {}).items()})],
-                                 operation_timeout=timeout_s, request_timeout=timeout_s)[name]
-    try:
-        future.result(timeout=timeout_s)
-    except KafkaException as error:
-        if error.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
-            raise
-    deadline = time.monotonic() + timeout_s
-    while True:
-        topic = admin.list_topics(topic=name, timeout=timeout_s).topics.get(name)
-        if topic is not None and topic.error is None and topic.partitions and \
-                all(p.leader >= 0 for p in topic.partitions.values()):
-            return
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"topic {name} on {bootstrap} has partitions without a leader after {timeout_s:.0f}s")
-        time.sleep(0.2)
