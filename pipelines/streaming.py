@@ -105,15 +105,40 @@ def create_table_if_missing(spark: SparkSession, path: Path, schema: StructType,
             raise
 
 
+# Per table, the newest version this process has seen: where its next look starts (storage.newest_commit).
+_SEEN_VERSION: dict[str, int] = {}
+
+
 def table_version(spark: SparkSession, path: Path) -> int | None:
     """The table's latest committed version, from its log's file names (Delta protocol: one
-    `<version>.json` per commit); None if it is not a table yet. Asking Spark costs a job each time."""
+    `<version>.json` per commit); None if it is not a table yet. Asking Spark costs a job each time. A run asks
+    some 30 to 80 times, so only the newest part of the log is looked at: from the version this process saw last,
+    else from Delta's `_last_checkpoint`. The whole log is listed only when neither holds (a new table, or one
+    deleted and created again)."""
+    log = storage.storage_path(path) / "_delta_log"
+    start = _SEEN_VERSION.get(str(path))
+    if start is None:
+        start = _checkpointed_version(log)
+    version = storage.newest_commit(log, start) if start is not None else None
+    if version is None:
+        try:
+            versions = [int(p.name[:-5]) for p in log.iterdir() if p.name.endswith(".json") and p.name[:-5].isdigit()]
+        except FileNotFoundError:
+            versions = []
+        version = max(versions) if versions else None
+    if version is None:
+        _SEEN_VERSION.pop(str(path), None)
+    else:
+        _SEEN_VERSION[str(path)] = version
+    return version
+
+
+def _checkpointed_version(log) -> int | None:
+    """The version of the log's newest checkpoint, from `_last_checkpoint` (Delta protocol); None without one."""
     try:
-        versions = [int(p.name[:-5]) for p in (storage.storage_path(path) / "_delta_log").iterdir()
-                    if p.name.endswith(".json") and p.name[:-5].isdigit()]
-    except FileNotFoundError:
+        return int(json.loads((log / "_last_checkpoint").read_text(encoding="utf-8"))["version"])
+    except (FileNotFoundError, ValueError, KeyError, TypeError):
         return None
-    return max(versions) if versions else None
 
 
 def table_id(spark: SparkSession, path: Path) -> str:
