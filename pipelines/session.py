@@ -72,7 +72,13 @@ LOCAL_DEFAULTS = {
     "spark.sql.streaming.stopGracefullyOnShutdown": "true",
 }
 # S3A on an object-store root; measured and explained in docs/deploy.md.
-OBJECT_STORE_DEFAULTS: dict[str, str] = {}
+OBJECT_STORE_DEFAULTS = {
+    # Delta's S3 log store lists a table's whole log (a LIST page per 5,000 files) each time it looks for new
+    # commits, unless this is on: then one LIST that starts after the version it looks from (S3's StartAfter). A
+    # log keeps 30 days of commits, so a stream that commits every few seconds would page through 100,000s of keys
+    # several hundred times a run.
+    "spark.hadoop.delta.enableFastS3AListFrom": "true",
+}
 # What a driver JVM prints at its start whatever it is asked: Spark's launcher always adds the Vector API's
 # incubator module (JavaModuleOptions), and the JVM warns about it, with no flag to silence that; Spark, started as
 # PySpark's shell, says it set the shell's log level even when log4j2.properties sets every level.

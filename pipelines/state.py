@@ -212,7 +212,7 @@ def folded_through(spark: SparkSession, table_path: Path) -> Folded | None:
     if latest is None:
         return None
     target, restored_to = latest, None
-    for row in history_rows(spark, table_path, NEWEST_COMMITS):
+    for row in history_rows(spark, table_path, NEWEST_COMMITS, latest=latest):
         if row["version"] > target:
             continue
         if row["operation"] == "RESTORE":

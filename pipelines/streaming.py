@@ -157,13 +157,15 @@ def table_id(spark: SparkSession, path: Path) -> str:
     return delta_sql.detail(spark, path)["id"]
 
 
-def history_rows(spark: SparkSession, path: Path, limit: int | None = None) -> list[dict]:
+def history_rows(spark: SparkSession, path: Path, limit: int | None = None, *,
+                 latest: int | None = None) -> list[dict]:
     """DESCRIBE HISTORY's version, operation, operationParameters, operationMetrics, userMetadata and timestamp
     (`timestamp_ms`, epoch milliseconds) of the newest `limit` commits (all when None), newest first, read from the
     commit files of the table's log (Delta protocol: each `<version>.json` holds the commit's `commitInfo`).
     DESCRIBE HISTORY costs a Spark job, and a run asks some ten times; it answers instead for a log without
-    commitInfo (another writer's)."""
-    latest = table_version(spark, path)
+    commitInfo (another writer's). `latest`: the table's version when the caller has just read it."""
+    if latest is None:
+        latest = table_version(spark, path)
     if latest is None:
         return []
     rows = []
@@ -190,7 +192,8 @@ def commits_since(spark: SparkSession, path: Path, version: int | None) -> list[
     latest = table_version(spark, path)
     if latest is None or (version is not None and latest <= version):
         return []
-    rows = [r for r in reversed(history_rows(spark, path, latest - version if version is not None else None))
+    rows = [r for r in reversed(history_rows(spark, path, latest - version if version is not None else None,
+                                             latest=latest))
             if version is None or r["version"] > version]
     return [
         {
