@@ -8,10 +8,12 @@ filesystem backend, `statetables s3-server`), on a free port of 127.0.0.1, with 
 from __future__ import annotations
 
 import os
+import re
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
+from urllib.parse import parse_qs, unquote, urlparse
 
 from statetables.servers import S3_DEV_ACCESS_KEY, S3_DEV_SECRET_KEY, _stop, free_port, s3_request_counts, s3_server
 
@@ -24,6 +26,16 @@ class Store:
     bucket: str
     log: Path
 
+    def listings(self, folder: str) -> list[dict[str, list[str]]]:
+        """The query of every ListObjectsV2 whose prefix lies in a folder named `folder` (e.g. `_delta_log`), in the
+        order served: the request log (`s3_store(log_requests=True)`)."""
+        found = []
+        for url in re.findall(r"\{GET@\w+ (http://\S+) HTTP", self.log.read_text(errors="replace")):
+            query = parse_qs(urlparse(url).query)
+            if "list-type" in query and f"/{folder}" in unquote(query.get("prefix", [""])[0]):
+                found.append(query)
+        return found
+
     def requests(self) -> dict[str, int]:
         """Requests the server has answered so far, by S3 operation (its metrics), e.g. {"PutObject": 120}."""
         counts: dict[str, int] = {}
@@ -33,12 +45,13 @@ class Store:
 
 
 @contextmanager
-def s3_store(folder: Path, bucket: str = "statetables", lease_s: str = LEASE_S) -> Iterator[Store]:
+def s3_store(folder: Path, bucket: str = "statetables", lease_s: str = LEASE_S,
+             log_requests: bool = False) -> Iterator[Store]:
     folder.mkdir(parents=True, exist_ok=True)
     port = free_port()
     log = folder / "s3-server.log"
     proc = s3_server(port=port, data_dir=folder / "data", log=log, access_key=S3_DEV_ACCESS_KEY,
-                     secret_key=S3_DEV_SECRET_KEY, bucket=bucket)
+                     secret_key=S3_DEV_SECRET_KEY, bucket=bucket, log_requests=log_requests)
     env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": S3_DEV_ACCESS_KEY,
            "AWS_SECRET_ACCESS_KEY": S3_DEV_SECRET_KEY, "AWS_REGION": "us-east-1",
            "STATETABLES_LEASE_SECONDS": lease_s}
