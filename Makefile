@@ -144,7 +144,7 @@ kafka-broker: install kafka
 
 # Two workers, each with its own SparkSession: a single test keeps ~65% of the 2 cores busy (much of a
 # small run is waiting on commits and query starts), two keep both busy; 23.7 -> 18.4 min measured.
-# The fast loop, under 10 minutes: every test but those marked `long` (tests/conftest.py).
+# The fast loop (18–20 minutes on 2 cores): every test but those marked `long` (tests/conftest.py).
 test: install jars class-archive browser
 	$(BIN)/pytest -q -n 2 --dist worksteal --durations=15 -m "not long" tests
 

@@ -22,8 +22,8 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "long: minutes each: whole processes killed and recovered (kill -9, the continuous job), the same "
                    "tables over Spark Connect and on a standalone cluster (server JVMs of their own), checkpoints lost, "
-                   "damaged or set back. `make test` leaves them out to stay under 10 minutes; `make test-long` runs "
-                   "them, and .ci/run runs both")
+                   "damaged or set back. `make test` leaves them out (it takes 18 to 20 minutes on 2 cores); "
+                   "`make test-long` runs them, and .ci/run runs both")
 
 
 def pytest_collection_modifyitems(items):
