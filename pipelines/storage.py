@@ -336,12 +336,12 @@ def walk(folder: AnyPath) -> Iterator[tuple[AnyPath, FileStat]]:
 
 
 def newest_commit(log: AnyPath, at_least: int) -> int | None:
-    """The highest N with a commit file `<N:020d>.json` in the Delta log folder `log`, looking only at versions from
-    `at_least` on; None when there is none from there (versions are contiguous: then `at_least` has none). A log keeps every commit for 30 days (Delta's
-    log retention), 100,000s of files for a stream that commits every few seconds: listing it all cost 0.45 s per look
-    at 100,000 commits on local disk, and a LIST page per 1,000 files on S3. S3: one LIST that starts after the
-    version's name. Local: a version's file is looked for by name, doubling the step, then halving it (versions are
-    contiguous): a few `stat` calls however long the log."""
+    """The highest N with a commit file `<N:020d>.json` in the Delta log folder `log`, looking only at versions
+    from `at_least` on; None when there is none from there (versions are contiguous: then `at_least` has none).
+    A log keeps every commit for 30 days (Delta's log retention), 100,000s of files for a stream that commits every
+    few seconds: listing it all cost 0.45 s a look at 100,000 commits on local disk, and a LIST page per 1,000 keys
+    on S3. S3: one LIST that starts after the version's name. Local: a version's file is looked for by name,
+    doubling the step, then halving it: a few `stat` calls however long the log."""
     if isinstance(log, S3Path):
         prefix = log._prefix()
         newest = None
