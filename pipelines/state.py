@@ -127,13 +127,15 @@ def recorded_definition(table_path: Path) -> str | None:
     a `metaData` action carries the table's properties), without Spark, so that the code location can check it
     when it loads. None when none of the newest commit files holds metadata (older ones checkpointed away)."""
     log = storage.storage_path(table_path) / "_delta_log"
-    try:
-        commits = sorted((p for p in log.iterdir() if p.suffix == ".json" and p.stem.isdigit()),
-                         key=lambda p: p.name, reverse=True)[:LOG_SEARCHED]
-    except FileNotFoundError:
+    latest = table_version(None, table_path)  # no Spark: read from the log's file names
+    if latest is None:
         return None
-    for commit in commits:
-        for line in filter(str.strip, commit.read_text(encoding="utf-8").splitlines()):
+    for version in range(latest, max(-1, latest - LOG_SEARCHED), -1):
+        try:
+            text = (log / f"{version:020d}.json").read_text(encoding="utf-8")
+        except FileNotFoundError:
+            break  # cleaned up by log retention
+        for line in filter(str.strip, text.splitlines()):
             action = json.loads(line)
             if "metaData" in action:
                 return (action["metaData"].get("configuration") or {}).get(DEFINITION_PROPERTY)
