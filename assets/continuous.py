@@ -5,7 +5,9 @@ Each stream runs its one streaming query (pipelines/stream_query.py) with a proc
 (pipelines/continuous.py). Every `report_every_seconds` the op yields an
 `AssetMaterialization` for each table that committed since the last report (rows, batches, versions, the
 watermark, the newest event time folded in) and the state tables' per-run check results, so the asset pages
-follow the tables while the run goes on. A cancel in the UI stops every query after its current micro-batch;
+follow the tables while the run goes on. Its first report covers every table as found: a recovery run whose
+dead predecessor's queries committed after their last report (over Connect they outlive their client) shows
+the tables and their checks as they are, not the dead run's last figures. A cancel in the UI stops every query after its current micro-batch;
 a killed run is restarted by `recover_failed_stream` and resumes from the checkpoints.
 
 One writer: each stream's query holds its kernel writer lock for the whole run, the landing sensor requests no
@@ -100,8 +102,8 @@ def continuous_steps(spark: SparkSessionResource, layout: StorageLayout, config:
 
 class ContinuousReport:
     """What changed since the last report, as Dagster events: one materialization per table whose Delta
-    version moved, and the state tables' per-run checks (pinned to the table's newest batch, so a MERGE
-    committing meanwhile cannot make them fail)."""
+    version moved (every existing table at the first report), and the state tables' per-run checks (pinned to
+    the table's newest batch, so a MERGE committing meanwhile cannot make them fail)."""
 
     def __init__(self, spark, layout: StorageLayout, progress: QueryProgress, event_time_kept: frozenset[str],
                  check_policy: CheckPolicyResource):
@@ -122,12 +124,13 @@ class ContinuousReport:
                     self.tables.setdefault(dg.AssetKey(name), (name, spec.name))
         self.versions = {key: table_version(spark, layout.table(name)) for key, (name, _) in self.tables.items()}
         self.failed_checks: list[str] = []
+        self.reported = False
 
     def events(self) -> Iterator[dg.AssetMaterialization | dg.AssetCheckEvaluation]:
         queries = self.progress.take()
         for key, (name, query) in self.tables.items():
             before, now = self.versions[key], table_version(self.spark, self.layout.table(name))
-            if now is None or now == before:
+            if now is None or (now == before and self.reported):
                 continue
             self.versions[key] = now
             figures = queries.get(query, {})
@@ -151,9 +154,11 @@ class ContinuousReport:
                 if table.sum_column:
                     metadata[table.sum_column] = str(totals["total"])
                 checks = self._state_checks(spec, table)
-            yield dg.AssetMaterialization(asset_key=key, metadata=metadata,
-                                          description=f"{CONTINUOUS_JOB}: committed since the last report")
+            yield dg.AssetMaterialization(asset_key=key, metadata=metadata, description=(
+                f"{CONTINUOUS_JOB}: committed since the last report" if now != before else
+                f"{CONTINUOUS_JOB}: as found when the run started"))
             yield from checks
+        self.reported = True
 
     def _bronze_counts(self, spec: StreamSpec, before: int | None) -> dict:
         commits = commits_since(self.spark, self.layout.table(spec.bronze_table), before)
