@@ -20,7 +20,6 @@ from pyspark.sql.types import (
     DataType, DecimalType, DoubleType, LongType, StructField, StructType, TimestampType,
 )
 
-from pipelines import storage
 from pipelines import delta_sql
 from pipelines.delta_sql import ident
 from pipelines.bronze import FIELD_TYPES
@@ -33,7 +32,8 @@ from pipelines.expiry import (
 )
 from pipelines.faults import STATE_AFTER_MERGE_COMMIT, STATE_AFTER_REBUILD, STATE_BATCH_END, STATE_MERGE_START, fault_point
 from pipelines.streaming import (
-    TXN_APP_ID, TXN_VERSION, USER_METADATA, commit_confs, commits_since, create_table_if_missing, history_rows,
+    TXN_APP_ID, TXN_VERSION, USER_METADATA, commit_actions, commit_confs, commits_since, create_table_if_missing,
+    history_rows,
     retry_on_conflict, rows_added, table_version,
 )
 from pipelines.streams import Aggregate, StateTableSpec, StreamSpec
@@ -126,17 +126,11 @@ def recorded_definition(table_path: Path) -> str | None:
     """The fingerprint the table's newest metadata records, read from its log's commit files (the Delta protocol:
     a `metaData` action carries the table's properties), without Spark, so that the code location can check it
     when it loads. None when none of the newest commit files holds metadata (older ones checkpointed away)."""
-    log = storage.storage_path(table_path) / "_delta_log"
     latest = table_version(None, table_path)  # no Spark: read from the log's file names
     if latest is None:
         return None
-    for version in range(latest, max(-1, latest - LOG_SEARCHED), -1):
-        try:
-            text = (log / f"{version:020d}.json").read_text(encoding="utf-8")
-        except FileNotFoundError:
-            break  # cleaned up by log retention
-        for line in filter(str.strip, text.splitlines()):
-            action = json.loads(line)
+    for _, actions in commit_actions(table_path, latest, LOG_SEARCHED):
+        for action in actions:
             if "metaData" in action:
                 return (action["metaData"].get("configuration") or {}).get(DEFINITION_PROPERTY)
     return None

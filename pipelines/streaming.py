@@ -157,25 +157,34 @@ def table_id(spark: SparkSession, path: Path) -> str:
     return delta_sql.detail(spark, path)["id"]
 
 
+def commit_actions(path: Path, newest: int, count: int | None = None) -> Iterator[tuple[int, list[dict]]]:
+    """(version, actions) of the table's commit files from version `newest` down, `count` of them (all when None),
+    read by name (Delta protocol: `_delta_log/<version>.json`, one action a line); stops at a file cleaned up by
+    log retention."""
+    log = storage.storage_path(path) / "_delta_log"
+    for version in range(newest, -1 if count is None else max(-1, newest - count), -1):
+        try:
+            text = (log / f"{version:020d}.json").read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return
+        yield version, [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
 def history_rows(spark: SparkSession, path: Path, limit: int | None = None, *,
                  latest: int | None = None) -> list[dict]:
     """DESCRIBE HISTORY's version, operation, operationParameters, operationMetrics, userMetadata and timestamp
     (`timestamp_ms`, epoch milliseconds) of the newest `limit` commits (all when None), newest first, read from the
-    commit files of the table's log (Delta protocol: each `<version>.json` holds the commit's `commitInfo`).
-    DESCRIBE HISTORY costs a Spark job, and a run asks some ten times; it answers instead for a log without
-    commitInfo (another writer's). `latest`: the table's version when the caller has just read it."""
+    commit files of the table's log (each holds the commit's `commitInfo`); the commits cleaned up by log retention
+    are left out, as DESCRIBE HISTORY leaves them. DESCRIBE HISTORY costs a Spark job, and a run asks some ten
+    times; it answers instead for a log without commitInfo (another writer's). `latest`: the table's version when
+    the caller has just read it."""
     if latest is None:
         latest = table_version(spark, path)
     if latest is None:
         return []
     rows = []
-    for version in range(latest, -1 if limit is None else max(-1, latest - limit), -1):
-        try:
-            text = (storage.storage_path(path) / "_delta_log" / f"{version:020d}.json").read_text(encoding="utf-8")
-            info = next((a["commitInfo"] for a in map(json.loads, filter(str.strip, text.splitlines()))
-                         if "commitInfo" in a), None)
-        except FileNotFoundError:
-            break  # cleaned up by log retention: DESCRIBE HISTORY would not show it either
+    for version, actions in commit_actions(path, latest, limit):
+        info = next((a["commitInfo"] for a in actions if "commitInfo" in a), None)
         if info is None:
             columns = ("version", "operation", "operationParameters", "operationMetrics", "userMetadata")
             return [r.asDict() for r in delta_sql.history(spark, path, limit)
