@@ -20,6 +20,7 @@ import pytest
 from delta.tables import DeltaTable
 from pyspark.sql import functions as F
 
+from assets.continuous import ContinuousReport, QueryProgress
 from assets.automation import (
     LANDING_SENSOR_ENV, landing_files_sensor, landing_sensor_interval, recover_failed_stream, spark_engine_health,
 )
@@ -32,7 +33,7 @@ from pipelines.layout import StorageLayout
 from pipelines.session import delta_jars, engine_address, require_java, wait_for_engine
 from pipelines.stream_query import EVENT_TIME_ENV, event_time_streams, event_time_tables
 from pipelines.streaming import Continuous
-from tests.streams import project_with_ttl, PAYMENTS
+from tests.streams import advance, project_with_ttl, PAYMENTS
 from pipelines.streams import stream_spec
 from pipelines.project import PROJECT_ENV
 from resources import CheckPolicyResource, SparkSessionResource, StorageResource
@@ -157,6 +158,34 @@ def test_a_failing_blocking_check_fails_the_run(spark, layout):
                    if e.event_type_value == "ASSET_CHECK_EVALUATION" and not e.event_specific_data.passed]
     assert [c.check_name for c in deep_failed] == ["reconciles_with_bronze"]
     assert deep_failed[0].metadata["mismatched_keys"].value == 1
+
+
+def test_a_continuous_runs_first_report_covers_every_table_as_found(spark, layout):
+    """A continuous run's first report materializes every existing table with its figures and checks though
+    nothing committed since the run started (a recovery run whose predecessor's queries, left running in a Connect
+    server, committed after their last report); then only the tables that moved."""
+    state = PAYMENTS.state_tables[0]
+    generate(PAYMENTS, layout.landing("payments") / "a", events=80, seed=5, events_per_file=40)
+    advance(spark, layout, PAYMENTS, event_time=False)
+    report = ContinuousReport(spark, layout, QueryProgress(), frozenset(), CheckPolicyResource())
+
+    first = list(report.events())
+    found = {e.asset_key.to_user_string(): e for e in first if isinstance(e, dg.AssetMaterialization)}
+    assert {PAYMENTS.bronze_table, state.name} <= set(found), sorted(found)
+    assert not any(k.startswith("movie_ticket_sales") for k in found)  # its tables do not exist
+    keys = spark.read.format("delta").load(str(layout.table(state.name))).count()
+    as_found = found[state.name].metadata
+    assert as_found["keys"].value == keys > 0 and found[state.name].description.endswith("as found when the run started")
+    assert as_found["table_version"].value == as_found["table_version_before"].value
+    checks = {(e.check_name, e.passed) for e in first if isinstance(e, dg.AssetCheckEvaluation)}
+    assert {("unique_keys", True), ("nothing_negative", True), ("totals_match_bronze", True)} <= checks, checks
+    assert list(report.events()) == []  # nothing moved
+
+    generate(PAYMENTS, layout.landing("payments") / "b", events=40, seed=6, events_per_file=40)
+    advance(spark, layout, PAYMENTS, event_time=False)
+    moved = {e.asset_key.to_user_string(): e for e in report.events() if isinstance(e, dg.AssetMaterialization)}
+    assert moved[state.name].metadata["table_version_before"].value == as_found["table_version"].value
+    assert moved[state.name].description.endswith("committed since the last report")
 
 
 def test_check_policy_knows_every_blocking_check():
