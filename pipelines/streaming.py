@@ -157,17 +157,17 @@ def table_id(spark: SparkSession, path: Path) -> str:
     return delta_sql.detail(spark, path)["id"]
 
 
-def commit_actions(path: Path, newest: int, count: int | None = None) -> Iterator[tuple[int, list[dict]]]:
+def commit_actions(path: Path, newest: int, count: int | None = None) -> Iterator[tuple[int, Iterator[dict]]]:
     """(version, actions) of the table's commit files from version `newest` down, `count` of them (all when None),
     read by name (Delta protocol: `_delta_log/<version>.json`, one action a line); stops at a file cleaned up by
-    log retention."""
+    log retention. Actions are parsed as taken: `commitInfo` comes first, and a MERGE's file actions carry stats."""
     log = storage.storage_path(path) / "_delta_log"
     for version in range(newest, -1 if count is None else max(-1, newest - count), -1):
         try:
             text = (log / f"{version:020d}.json").read_text(encoding="utf-8")
         except FileNotFoundError:
             return
-        yield version, [json.loads(line) for line in text.splitlines() if line.strip()]
+        yield version, (json.loads(line) for line in text.splitlines() if line.strip())
 
 
 def history_rows(spark: SparkSession, path: Path, limit: int | None = None, *,
