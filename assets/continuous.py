@@ -7,8 +7,9 @@ Each stream runs its one streaming query (pipelines/stream_query.py) with a proc
 watermark, the newest event time folded in) and the state tables' per-run check results, so the asset pages
 follow the tables while the run goes on. Its first report covers every table as found: a recovery run whose
 dead predecessor's queries committed after their last report (over Connect they outlive their client) shows
-the tables and their checks as they are, not the dead run's last figures. A cancel in the UI stops every query after its current micro-batch;
-a killed run is restarted by `recover_failed_stream` and resumes from the checkpoints.
+the tables and their checks as they are, not the dead run's last figures. A cancel in the UI stops every query
+after its current micro-batch; a killed run is restarted by `recover_failed_stream` and resumes from the
+checkpoints.
 
 One writer: each stream's query holds its kernel writer lock for the whole run, the landing sensor requests no
 orchestrated run while a continuous run is in progress, and an orchestrated run started anyway waits for

@@ -33,8 +33,7 @@ from pipelines.expiry import (
 from pipelines.faults import STATE_AFTER_MERGE_COMMIT, STATE_AFTER_REBUILD, STATE_BATCH_END, STATE_MERGE_START, fault_point
 from pipelines.streaming import (
     TXN_APP_ID, TXN_VERSION, USER_METADATA, commit_actions, commit_confs, commits_since, create_table_if_missing,
-    history_rows,
-    retry_on_conflict, rows_added, table_version,
+    history_rows, retry_on_conflict, rows_added, table_version,
 )
 from pipelines.streams import Aggregate, StateTableSpec, StreamSpec
 
