@@ -6,7 +6,8 @@
 - `recover_failed_stream`: a run failure starts a recovery run of each failed stream, which resumes
   from its checkpoint; bounded by MAX_RECOVERY_ATTEMPTS so a persistent fault cannot loop. A failed
   `run_continuously` (assets/continuous.py) is started again with its own config.
-- While a continuous run is in progress it advances every stream: neither sensor starts an orchestrated run.
+- While a continuous run is in progress, or its recovery is due, it advances every stream: neither sensor starts an
+  orchestrated run.
 - `spark_engine_health`: whether the warm Spark Connect engine the runs use answers (`make dev`, `make serve`).
 """
 
@@ -20,7 +21,8 @@ import dagster as dg
 
 from assets.continuous import run_continuously
 from assets.keys import (
-    CONTINUOUS_JOB, ADVANCE_ALL_JOB, DEEP_CHECK_JOB, MAX_RECOVERY_ATTEMPTS, RECOVERY_ATTEMPT_TAG, RECOVERY_OF_TAG, RECOVERY_REASON_TAG, STREAM_TAG,
+    CONTINUOUS_JOB, ADVANCE_ALL_JOB, DEEP_CHECK_JOB, MAX_RECOVERY_ATTEMPTS, RECOVERY_ATTEMPT_TAG, RECOVERY_CHAIN_TAG,
+    RECOVERY_OF_TAG, RECOVERY_REASON_TAG, STREAM_TAG,
     deep_check_keys, stream_job_name, stream_of_step,
 )
 from pipelines.errors import ConfigurationError, EngineUnavailableError
@@ -60,16 +62,42 @@ every_five_minutes = dg.ScheduleDefinition(
 
 # A run of an older recovery chain that lasted this long was not the same fault repeating: count anew.
 RECOVERY_CHAIN_RESET_S = 600
+# How long after a continuous run failed its recovery is awaited before orchestrated runs resume (the run-failure
+# sensor's tick and the launch take under a minute; this covers a busy daemon, or that sensor turned off).
+RECOVERY_DUE_S = 300
 
 
 IN_PROGRESS = [dg.DagsterRunStatus.QUEUED, dg.DagsterRunStatus.NOT_STARTED, dg.DagsterRunStatus.STARTING,
                dg.DagsterRunStatus.STARTED]
 
 
-def continuous_run_in_progress(instance: dg.DagsterInstance) -> str | None:
-    """The id of a `run_continuously` run that is queued, starting or running, if any."""
-    records = instance.get_run_records(dg.RunsFilter(job_name=CONTINUOUS_JOB, statuses=IN_PROGRESS), limit=1)
-    return records[0].dagster_run.run_id if records else None
+def recovery_attempt(instance: dg.DagsterInstance, run: dg.DagsterRun) -> tuple[int, str]:
+    """The attempt a recovery of the failed `run` would be, and the run whose failure began the chain. A
+    continuous run that lasted over RECOVERY_CHAIN_RESET_S failed of a new fault: attempt 1 of a chain of its own."""
+    if run.job_name == CONTINUOUS_JOB:
+        record = instance.get_run_record_by_id(run.run_id)
+        if record and record.start_time and record.end_time and record.end_time - record.start_time > RECOVERY_CHAIN_RESET_S:
+            return 1, run.run_id
+    # A recovery tagged before RECOVERY_CHAIN_TAG existed named its chain's first run in RECOVERY_OF_TAG.
+    return (int(run.tags.get(RECOVERY_ATTEMPT_TAG, "0")) + 1,
+            run.tags.get(RECOVERY_CHAIN_TAG, run.tags.get(RECOVERY_OF_TAG, run.run_id)))
+
+
+def continuous_run_in_charge(instance: dg.DagsterInstance) -> str | None:
+    """Why a `run_continuously` run advances every stream now, if one does: it is queued, starting or running; or
+    it failed less than RECOVERY_DUE_S ago and `recover_failed_stream` starts it again (an orchestrated run started
+    meanwhile would hold the writer locks its queries need)."""
+    if records := instance.get_run_records(dg.RunsFilter(job_name=CONTINUOUS_JOB, statuses=IN_PROGRESS), limit=1):
+        return f"{CONTINUOUS_JOB} run {records[0].dagster_run.run_id} is advancing every stream"
+    newest = instance.get_run_records(dg.RunsFilter(job_name=CONTINUOUS_JOB), limit=1)
+    if not newest or newest[0].dagster_run.status != dg.DagsterRunStatus.FAILURE:
+        return None
+    run, ended = newest[0].dagster_run, newest[0].end_time
+    if (ended is None or time.time() - ended > RECOVERY_DUE_S
+            or recovery_attempt(instance, run)[0] > MAX_RECOVERY_ATTEMPTS):
+        return None
+    return (f"{CONTINUOUS_JOB} run {run.run_id} failed {time.time() - ended:.0f}s ago and recover_failed_stream "
+            f"starts it again (orchestrated runs resume if it has not within {RECOVERY_DUE_S}s)")
 
 
 def stream_run_in_progress(instance: dg.DagsterInstance, stream: str) -> str | None:
@@ -137,9 +165,8 @@ def landing_files_sensor(context: dg.SensorEvaluationContext, storage: StorageRe
         requests.append(dg.RunRequest(job_name=stream_job_name(spec), run_key=f"{name}:{newest[0]}:{newest[1]}",
                                       tags={STREAM_TAG: name}))
     # The cursor moves on either way: files a continuous run ingests are not a reason for a run after it.
-    if requests and (continuous := continuous_run_in_progress(context.instance)):
-        return dg.SensorResult(skip_reason=f"{CONTINUOUS_JOB} run {continuous} is advancing every stream",
-                               cursor=json.dumps(cursor))
+    if requests and (continuous := continuous_run_in_charge(context.instance)):
+        return dg.SensorResult(skip_reason=continuous, cursor=json.dumps(cursor))
     if not requests:
         return dg.SensorResult(skip_reason="; ".join(busy) or "no new landing files", cursor=json.dumps(cursor))
     return dg.SensorResult(run_requests=requests, cursor=json.dumps(cursor))
@@ -199,23 +226,17 @@ def _failure_summary(context: dg.RunFailureSensorContext) -> str:
 )
 def recover_failed_stream(context: dg.RunFailureSensorContext):
     run = context.dagster_run
-    attempt = int(run.tags.get(RECOVERY_ATTEMPT_TAG, "0")) + 1
-    origin = run.tags.get(RECOVERY_OF_TAG, run.run_id)
+    attempt, origin = recovery_attempt(context.instance, run)
     error = _failure_summary(context)
     continuous = run.job_name == CONTINUOUS_JOB
-    if continuous:
-        record = context.instance.get_run_record_by_id(run.run_id)
-        if record and record.start_time and record.end_time and record.end_time - record.start_time > RECOVERY_CHAIN_RESET_S:
-            attempt, origin = 1, run.run_id  # it ran fine for a while: a new fault, not the old one again
-    elif (other := continuous_run_in_progress(context.instance)):
-        return dg.SkipReason(f"Not recovering run {run.run_id}: {CONTINUOUS_JOB} run {other} is advancing every "
-                             f"stream from the same checkpoints.")
+    if not continuous and (other := continuous_run_in_charge(context.instance)):
+        return dg.SkipReason(f"Not recovering run {run.run_id}: {other}, from the same checkpoints.")
     if attempt > MAX_RECOVERY_ATTEMPTS:
         message = (f"Not recovering run {run.run_id}: it was recovery attempt {attempt - 1} of {MAX_RECOVERY_ATTEMPTS} "
                    f"for run {origin}. The fault persists; fix it (see the run's error), then run the stream's job.")
         context.log.error(message)
         return dg.SkipReason(message)
-    tags = {RECOVERY_OF_TAG: origin, RECOVERY_ATTEMPT_TAG: str(attempt),
+    tags = {RECOVERY_OF_TAG: run.run_id, RECOVERY_CHAIN_TAG: origin, RECOVERY_ATTEMPT_TAG: str(attempt),
             RECOVERY_REASON_TAG: f"run {run.run_id} failed: {error}"[:400]}
     if continuous:  # started again as it was, with its own config
         return [dg.RunRequest(job_name=CONTINUOUS_JOB, run_key=f"recover:{run.run_id}", run_config=run.run_config,

@@ -12,8 +12,8 @@ after its current micro-batch; a killed run is restarted by `recover_failed_stre
 checkpoints.
 
 One writer: each stream's query holds its kernel writer lock for the whole run, the landing sensor requests no
-orchestrated run while a continuous run is in progress, and an orchestrated run started anyway waits for
-the lock and is then refused (StreamBusyError), having written nothing.
+orchestrated run while a continuous run is in progress or its recovery is due, and an orchestrated run started
+anyway waits for the lock and is then refused (StreamBusyError), having written nothing.
 """
 
 

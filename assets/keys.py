@@ -12,7 +12,8 @@ from pipelines.streams import StateTableSpec, StreamSpec, streams
 KINDS = {"spark", "delta"}
 ADVANCE_ALL_JOB = "advance_all"
 STREAM_TAG = "statetables/stream"
-RECOVERY_OF_TAG = "statetables/recovery_of"
+RECOVERY_OF_TAG = "statetables/recovery_of"  # the run that failed
+RECOVERY_CHAIN_TAG = "statetables/recovery_chain_of"  # the run whose failure began the recoveries in a row
 RECOVERY_ATTEMPT_TAG = "statetables/recovery_attempt"
 RECOVERY_REASON_TAG = "statetables/recovery_reason"
 MAX_RECOVERY_ATTEMPTS = 3

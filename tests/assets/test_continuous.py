@@ -23,7 +23,7 @@ import pytest
 from deltalake import DeltaTable as IndependentDeltaTable
 from deltalake.exceptions import TableNotFoundError
 
-from assets.keys import CONTINUOUS_JOB, RECOVERY_ATTEMPT_TAG, RECOVERY_OF_TAG, RECOVERY_REASON_TAG
+from assets.keys import CONTINUOUS_JOB, RECOVERY_ATTEMPT_TAG, RECOVERY_CHAIN_TAG, RECOVERY_OF_TAG, RECOVERY_REASON_TAG
 from pipelines.generate import generate
 from tests.streams import STREAMS
 from statetables.servers import dagster_dev, free_port, launch_run, list_runs, run_status, terminate_run
@@ -83,9 +83,7 @@ def _wait_until_equal(layout, url: str, run_id: str, timeout_s: float) -> tuple[
 
 
 def _recoveries_of(url: str, run_id: str) -> list[dict]:
-    """The runs started to recover `run_id` itself. Not by RECOVERY_OF_TAG: that names the first run of a chain of
-    recoveries, so a recovery of a recovery carries the first run's id."""
-    return [r for r in list_runs(url) if r["tags"].get(RECOVERY_REASON_TAG, "").startswith(f"run {run_id} failed")]
+    return [r for r in list_runs(url) if r["tags"].get(RECOVERY_OF_TAG) == run_id]
 
 
 def _recovery_of(url: str, run_id: str, followed: str = "") -> dict:
@@ -165,16 +163,16 @@ def test_continuous_job_follows_landing_survives_kill_9_and_cancels(layout, engi
             # kill -9 the run worker: the code server reports the run failed, the sensor starts it again.
             os.kill(_run_worker_pid(instance, run_id), signal.SIGKILL)
             recovery = _recovery_of(url, run_id, followed)
-            # A recovery chain names its first run; a followed recovery is attempt 1, so this is attempt 2.
-            origin = recovery["tags"][RECOVERY_OF_TAG]
+            # Recovering a followed recovery (attempt 1) is attempt 2 of the chain the first run's failure began.
             assert recovery["jobName"] == CONTINUOUS_JOB, recovery
-            assert (origin, recovery["tags"][RECOVERY_ATTEMPT_TAG]) in ((run_id, "1"), (first_run_id, "2")), \
-                (recovery, followed)
+            assert (recovery["tags"][RECOVERY_CHAIN_TAG], recovery["tags"][RECOVERY_ATTEMPT_TAG]) in (
+                (run_id, "1"), (first_run_id, "2")), (recovery, followed)
+            assert recovery["tags"][RECOVERY_REASON_TAG].startswith(f"run {run_id} failed")
             assert run_status(url, run_id) == "FAILURE"
 
             _drop(layout, seed=12, sub="second")
             live, followed = _wait_until_equal(layout, url, recovery["runId"], timeout_s=300)
-            # One writer: while a continuous run was in progress no orchestrated run was started.
+            # One writer: while a continuous run was in progress, or its recovery due, no orchestrated run started.
             assert {r["jobName"] for r in list_runs(url)} == {CONTINUOUS_JOB}
 
             terminate_run(url, live)

@@ -25,7 +25,11 @@ from assets.automation import (
     LANDING_SENSOR_ENV, landing_files_sensor, landing_sensor_interval, recover_failed_stream, spark_engine_health,
 )
 from assets.streams import build_stream_assets
-from assets.keys import CONTINUOUS_JOB, blocking_check_names, RECOVERY_ATTEMPT_TAG, RECOVERY_OF_TAG, RECOVERY_REASON_TAG, STREAM_TAG
+from assets import automation
+from assets.keys import (
+    CONTINUOUS_JOB, MAX_RECOVERY_ATTEMPTS, RECOVERY_ATTEMPT_TAG, RECOVERY_CHAIN_TAG, RECOVERY_OF_TAG, RECOVERY_REASON_TAG,
+    STREAM_TAG, blocking_check_names,
+)
 from pipelines.event_time import LATE
 from pipelines.errors import ConfigurationError, EngineUnavailableError
 from pipelines.generate import generate
@@ -198,7 +202,7 @@ def test_check_policy_knows_every_blocking_check():
         CheckPolicyResource(warn_only=["activity:sessions"]).severity("customer_activity", "unique_keys")
 
 
-def test_landing_sensor_requests_one_run_per_stream_with_new_files(layout, landing):
+def test_landing_sensor_requests_one_run_per_stream_with_new_files(layout, landing, monkeypatch):
     storage = StorageResource(home=str(layout.home))
     instance = dg.DagsterInstance.ephemeral()
     with dg.build_sensor_context(instance=instance, resources={"storage": storage}) as context:
@@ -228,9 +232,23 @@ def test_landing_sensor_requests_one_run_per_stream_with_new_files(layout, landi
         during = landing_files_sensor(context)
     assert not during.run_requests and continuous.run_id in during.skip_reason.skip_message
     assert json.loads(during.cursor)["payments"][1] == str(layout.landing("payments") / "during.jsonl")
+    # Failed, it is still in charge while its recovery is due: an orchestrated run would take the writer locks.
     instance.report_run_failed(continuous)
-    landing.write("payments", "after.jsonl", ["{}"])
+    landing.write("payments", "while_failed.jsonl", ["{}"])
     with dg.build_sensor_context(instance=instance, resources={"storage": storage}, cursor=during.cursor) as context:
+        due = landing_files_sensor(context)
+    assert not due.run_requests and "recover_failed_stream starts it again" in due.skip_reason.skip_message
+    with monkeypatch.context() as patched:  # not recovered within RECOVERY_DUE_S: orchestrated runs resume
+        patched.setattr(automation, "RECOVERY_DUE_S", 0)
+        with dg.build_sensor_context(instance=instance, resources={"storage": storage}, cursor=during.cursor) as context:
+            assert [r.job_name for r in landing_files_sensor(context).run_requests] == ["advance_payments"]
+    # Nor once its recoveries are used up: the run-failure sensor gives up on it.
+    given_up = instance.create_run_for_job(_job(CONTINUOUS_JOB), status=dg.DagsterRunStatus.STARTED, tags={
+        RECOVERY_ATTEMPT_TAG: str(MAX_RECOVERY_ATTEMPTS), RECOVERY_OF_TAG: continuous.run_id,
+        RECOVERY_CHAIN_TAG: continuous.run_id})
+    instance.report_run_failed(given_up)
+    landing.write("payments", "after.jsonl", ["{}"])
+    with dg.build_sensor_context(instance=instance, resources={"storage": storage}, cursor=due.cursor) as context:
         after = landing_files_sensor(context)
     assert [r.job_name for r in after.run_requests] == ["advance_payments"]
 
@@ -292,9 +310,20 @@ def test_failure_sensor_requests_a_bounded_recovery_run(spark, layout):
             dagster_run=run).for_run_failure()
         requests = recover_failed_stream(context)
         assert [r.job_name for r in requests] == ["advance_payments"]
-        assert requests[0].tags[RECOVERY_OF_TAG] == run.run_id
+        assert requests[0].tags[RECOVERY_OF_TAG] == requests[0].tags[RECOVERY_CHAIN_TAG] == run.run_id
         assert requests[0].tags[RECOVERY_ATTEMPT_TAG] == "1"
         assert requests[0].tags[RECOVERY_REASON_TAG].startswith(f"run {run.run_id} failed: payments: ")
+
+        # A recovery that failed: the next one names it, and the chain's first run, and counts on.
+        second = instance.create_run_for_job(_job("advance_payments"), status=dg.DagsterRunStatus.STARTED, tags={
+            STREAM_TAG: "payments", **requests[0].tags})
+        instance.report_run_failed(second)
+        again = recover_failed_stream(dg.build_run_status_sensor_context(
+            sensor_name="recover_failed_stream", dagster_instance=instance, dagster_run=instance.get_run_by_id(
+                second.run_id), dagster_event=instance.all_logs(second.run_id, of_type=dg.DagsterEventType.RUN_FAILURE)[
+                0].dagster_event).for_run_failure())
+        assert [(r.job_name, r.tags[RECOVERY_OF_TAG], r.tags[RECOVERY_CHAIN_TAG], r.tags[RECOVERY_ATTEMPT_TAG])
+                for r in again] == [("advance_payments", second.run_id, run.run_id, "2")]
 
         last, last_failure = _failed_run(instance, layout, tags={RECOVERY_ATTEMPT_TAG: "3", RECOVERY_OF_TAG: "x"})
         context = dg.build_run_status_sensor_context(
@@ -319,7 +348,8 @@ def test_failure_sensor_requests_a_bounded_recovery_run(spark, layout):
             sensor_name="recover_failed_stream", dagster_event=event, dagster_instance=instance,
             dagster_run=instance.get_run_by_id(failed.run_id)).for_run_failure())
     assert [r.job_name for r in again] == [CONTINUOUS_JOB] and again[0].run_config == config
-    assert again[0].tags[RECOVERY_OF_TAG] == failed.run_id and again[0].tags[RECOVERY_ATTEMPT_TAG] == "1"
+    assert again[0].tags[RECOVERY_OF_TAG] == again[0].tags[RECOVERY_CHAIN_TAG] == failed.run_id
+    assert again[0].tags[RECOVERY_ATTEMPT_TAG] == "1"
 
 
 def test_bad_configuration_fails_fast_with_the_fix(tmp_path, monkeypatch):
