@@ -8,7 +8,9 @@ change when the checkpoint is replaced (batch ids restart at 0), so it lives ins
 
 from __future__ import annotations
 
+import itertools
 import json
+import logging
 import os
 import random
 import re
@@ -44,9 +46,10 @@ def kept_on_disk(frame: DataFrame) -> DataFrame:
 
 
 CONFLICT_RETRIES = 8
-# Spark waits 10 s for a new Python worker (PythonWorkerFactory, hard-coded); on 2 cores under load three tries 2 and
-# 4 s apart all missed it (the continuous job over Connect in CI): six, up to 10 s apart, wait out a load spike.
-WORKER_START_RETRIES = 6
+# Spark waits 10 s for a new Python worker to connect back (PythonWorkerFactory, hard-coded). The worker imports
+# pyspark, pandas and pyarrow first: 1.3 s on this idle 2-core machine, 5-11 s at a load of 14 (measured), as in CI.
+# Six tries over 90 s all missed there; tries go on for as long as a run may wait for its engine.
+WORKER_START_BUDGET_S = 300.0
 _WORKER_START_FAILED = "Python worker failed to connect back"
 _CONFLICT = re.compile(r"DELTA_CONCURRENT_|io\.delta\.exceptions\.Concurrent\w*Exception|^Concurrent\w*Exception")
 conflicts_retried = {"count": 0}  # in this process; shows that retries happen (tests, diagnostics)
@@ -294,7 +297,8 @@ def run_query(
     this 2-core machine under load) fails the query before its batch commits, or, over Spark Connect, its start:
     the query is started again from its checkpoint, which replays nothing twice."""
     reports: list = []
-    for attempt in range(1, WORKER_START_RETRIES + 1):
+    failing_since: float | None = None
+    for attempt in itertools.count(1):
         writer = (stream.writeStream.queryName(query_name)
                   .option("checkpointLocation", str(checkpoint_dir))
                   .foreachBatch(on_batch))
@@ -304,9 +308,7 @@ def run_query(
             query = (writer.trigger(availableNow=True) if continuous is None else
                      writer.trigger(processingTime=f"{continuous.trigger_interval_s} seconds")).start()
         except Exception as exc:  # noqa: BLE001 - only the worker's failed start is retried, the rest re-raised
-            if _WORKER_START_FAILED not in str(exc) or attempt == WORKER_START_RETRIES:
-                raise
-            time.sleep(min(10, 2 * attempt))
+            failing_since = _retry_worker_start(exc, query_name, attempt, failing_since)
             continue
         seen = ""
         try:
@@ -325,9 +327,8 @@ def run_query(
         except StreamingQueryException as exc:
             if continuous is None:
                 reports += query.recentProgress
-            if _WORKER_START_FAILED not in str(exc) or attempt == WORKER_START_RETRIES:
-                raise
-            time.sleep(min(10, 2 * attempt))
+            # A query that ran batches since its start fails afresh: a budget of its own.
+            failing_since = _retry_worker_start(exc, query_name, attempt, None if seen else failing_since)
         except BaseException:
             # Interrupted (a Dagster cancel arrives as an exception in this thread): the batch finishes first.
             if query.isActive:
@@ -337,6 +338,22 @@ def run_query(
     if progress is not None:
         progress.extend(reports)
     return len(reports), sum(p.numInputRows for p in reports)
+
+
+def _retry_worker_start(exc: Exception, query_name: str, attempt: int, failing_since: float | None) -> float:
+    """Wait before the next try if `exc` is a Python worker's missed connect-back and WORKER_START_BUDGET_S since
+    `failing_since` (now if None) allows; else raise it. Returns when the failures began. Each try is logged: a run
+    that waits here says why."""
+    since = time.monotonic() if failing_since is None else failing_since
+    elapsed = time.monotonic() - since
+    if _WORKER_START_FAILED not in str(exc) or elapsed >= WORKER_START_BUDGET_S:
+        raise exc
+    pause = min(10, 2 * attempt)
+    logging.getLogger("statetables.progress").warning(
+        f"query {query_name}: its Python worker did not connect back within Spark's 10 s (the machine is busy); "
+        f"try {attempt + 1} in {pause} s ({elapsed:.0f} s of {WORKER_START_BUDGET_S:.0f} s spent)")
+    time.sleep(pause)
+    return since
 
 
 def rows_changed(spark: SparkSession, path: Path, after: int, through: int) -> DataFrame:

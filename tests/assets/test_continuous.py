@@ -175,6 +175,12 @@ def test_continuous_job_follows_landing_survives_kill_9_and_cancels(layout, engi
             # One writer: while a continuous run was in progress, or its recovery due, no orchestrated run started.
             assert {r["jobName"] for r in list_runs(url)} == {CONTINUOUS_JOB}
 
+            # Dagster cannot cancel a run still STARTING; a followed recovery may be, its predecessors' queries
+            # having done the work.
+            deadline = time.monotonic() + 180
+            while (status := run_status(url, live)) != "STARTED":
+                assert status in ("QUEUED", "NOT_STARTED", "STARTING") and time.monotonic() < deadline, (status, followed)
+                time.sleep(2)
             terminate_run(url, live)
             deadline = time.monotonic() + 180
             while (status := run_status(url, live)) != "CANCELED":

@@ -152,3 +152,23 @@ def test_a_checkpoints_last_batch_is_found_behind_many_newer_commits(spark, tmp_
     assert table_batches(spark, path, "a") == (1, 1)
     DeltaTable.forPath(spark, str(path)).restoreToVersion(0)  # undoes batch 1
     assert table_batches(spark, path, "a") == (1, 0)
+
+
+def test_a_python_worker_that_misses_its_connect_back_is_tried_again_for_a_budget_then_raised(monkeypatch, caplog):
+    """Spark waits a fixed 10 s for a new Python worker; a busy machine misses it now and then (CI). The query is
+    started again for up to WORKER_START_BUDGET_S, each try logged; any other error, or a spent budget, raises."""
+    from pipelines import streaming
+    pauses = []
+    monkeypatch.setattr(streaming.time, "sleep", pauses.append)
+    missed = RuntimeError("[PYTHON_WORKER] Python worker failed to connect back.")
+    since = streaming._retry_worker_start(missed, "payments", 1, None)
+    assert streaming._retry_worker_start(missed, "payments", 2, since) == since and pauses == [2, 4]
+    assert "payments: its Python worker did not connect back within Spark's 10 s" in caplog.text
+    spent = since - streaming.WORKER_START_BUDGET_S
+    with pytest.raises(RuntimeError) as raised:
+        streaming._retry_worker_start(missed, "payments", 3, spent)
+    assert raised.value is missed and pauses == [2, 4]
+    other = RuntimeError("DELTA_CONCURRENT_APPEND")
+    with pytest.raises(RuntimeError) as raised:
+        streaming._retry_worker_start(other, "payments", 1, None)
+    assert raised.value is other
