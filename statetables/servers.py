@@ -272,11 +272,14 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
+PYTHON_WORKER = Path(__file__).with_name("python-worker")
+
+
 def _engine_env() -> dict[str, str]:
-    # The engine's Python workers (foreachBatch over Connect) import the project
-    # from this interpreter's environment; on loopback only.
-    return {**os.environ, "PYSPARK_PYTHON": sys.executable, "SPARK_LOCAL_IP": "127.0.0.1",
-            "SPARK_HOME": str(spark_home())}
+    # The engine's Python workers (foreachBatch over Connect) import the project from this interpreter's
+    # environment, and pyspark from there too, byte-compiled (`python-worker`); on loopback only.
+    return {**os.environ, "PYSPARK_PYTHON": str(PYTHON_WORKER), "STATETABLES_WORKER_PYTHON": sys.executable,
+            "SPARK_LOCAL_IP": "127.0.0.1", "SPARK_HOME": str(spark_home())}
 
 
 def connect_server_command(port: int, *, jars_dir: str | None = None, conf: dict[str, str] | None = None) -> list[str]:
