@@ -380,6 +380,8 @@ def _apart(user: str | None) -> tuple[list[str], dict[str, str]]:
     env = {key: os.environ[key] for key in keep if key in os.environ}
     env.update({"HOME": str(folder), "TMPDIR": str(folder), "SPARK_HOME": str(spark_home()),
                 "SPARK_LOCAL_IP": "127.0.0.1", "PYSPARK_PYTHON": sys.executable, "SPARK_NO_DAEMONIZE": "1",
+                # For executors given the Connect server's PYSPARK_PYTHON, `python-worker` (Python UDFs only).
+                "STATETABLES_WORKER_PYTHON": sys.executable,
                 "SPARK_WORKER_DIR": str(folder / "work"), "SPARK_LOCAL_DIRS": str(folder / "local")})
     return prefix, env
 
