@@ -14,7 +14,7 @@ KAFKA := .tools/kafka/.resolved
 BROWSER := $(VENV)/.browser
 export STATETABLES_HOME ?= $(CURDIR)/data
 
-.PHONY: install jars jars-s3 s3proxy s3-server jars-kafka kafka kafka-broker class-archive browser ui-screenshots demo run dev serve connect-server cluster test test-long bench bench-core bench-quick bench-event-time bench-engines bench-freshness bench-object-store bench-full chaos chaos-s3 chaos-kafka clean
+.PHONY: install jars jars-s3 s3proxy s3-server jars-kafka kafka kafka-broker class-archive browser ui-screenshots demo run dev serve connect-server cluster test test-long test-all bench bench-core bench-quick bench-event-time bench-engines bench-freshness bench-object-store bench-full chaos chaos-s3 chaos-kafka clean
 
 install: $(INSTALLED)
 $(INSTALLED): setup.py
@@ -143,17 +143,23 @@ kafka-broker: install kafka
 	$(BIN)/statetables kafka-broker --port 9092 --dir $(CURDIR)/kafka-data
 
 # Two workers, each with its own SparkSession: a single test keeps ~65% of the 2 cores busy (much of a
-# small run is waiting on commits and query starts), two keep both busy; 23.7 -> 18.4 min measured.
-# The fast loop (18–20 minutes on 2 cores): every test but those marked `long` (tests/conftest.py).
-test: install jars class-archive browser
-	$(BIN)/pytest -q -n 2 --dist worksteal --durations=15 -m "not long" tests
+# small run is waiting on commits and query starts), two keep both busy. tests/conftest.py orders each worker's
+# share longest first. The fast loop: every test but those marked `long`.
+PYTEST := $(BIN)/pytest -q -n 2 --dist worksteal
+test: install jars class-archive
+	$(PYTEST) --durations=15 -m "not long" tests
 
-# The rest: kill -9 chaos, the continuous job under dagster dev, the same tables over Spark Connect and on a
-# standalone cluster, lost, damaged or set-back checkpoints, a savepoint restore, the whole product on an s3a:// root
-# (its own S3 server: the S3 connector and s3proxy are fetched for it), streams from Kafka topics (its own broker:
-# Spark's Kafka connector and the broker's jars are fetched for it). .ci/run runs it after `make test`.
-test-long: install jars class-archive jars-s3 s3proxy jars-kafka kafka
-	$(BIN)/pytest -q -n 2 --dist worksteal --durations=10 -m long tests
+# The rest: kill -9 chaos, the continuous job and the UI in headless Chromium under dagster dev, the same tables over
+# Spark Connect and on a standalone cluster, lost, damaged or set-back checkpoints, a savepoint restore, the whole
+# product on an s3a:// root (its own S3 server: the S3 connector and s3proxy are fetched for it), streams from Kafka
+# topics (its own broker: Spark's Kafka connector and the broker's jars are fetched for it).
+test-long: install jars class-archive browser jars-s3 s3proxy jars-kafka kafka
+	$(PYTEST) --durations=15 -m long tests
+
+# Both tiers in one session (what .ci/run runs): the long tests start first on both workers and the short ones fill
+# in around them, so neither worker idles at the end of a tier; the summary gives each tier's test seconds.
+test-all: install jars class-archive browser jars-s3 s3proxy jars-kafka kafka
+	$(PYTEST) --durations=25 tests
 
 # The browser test's screenshots of each step, into docs/ui/ (the README shows one).
 ui-screenshots: install jars class-archive browser

@@ -22,6 +22,7 @@ setup(
     ],
     extras_require={
         "test": ["pytest==9.2.0", "pytest-xdist==3.8.0", "deltalake==1.6.6", "pyarrow==22.0.0", "hypothesis==6.170.15",
+                 "filelock==4.3.1",  # the engines test makes its reference tables once per session, across workers
                  "playwright==1.64.1"],  # the browser test drives Chromium with it (`make browser` installs one),
         # make bench: the one-machine alternative (d), memory sampling, the plot
         "bench": ["polars==2.1.0", "psutil==7.2.2", "matplotlib==3.11.2"],

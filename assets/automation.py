@@ -110,16 +110,28 @@ def stream_run_in_progress(instance: dg.DagsterInstance, stream: str) -> str | N
 
 
 LANDING_SENSOR_ENV = "STATETABLES_LANDING_SENSOR_SECONDS"
+FAILURE_SENSOR_ENV = "STATETABLES_FAILURE_SENSOR_SECONDS"
+
+
+def sensor_interval(variable: str, default: int) -> int:
+    """A sensor's `minimum_interval_seconds` from $`variable`, `default` when unset; a bad value names the fix."""
+    value = os.environ.get(variable, str(default))
+    if not value.isdigit() or int(value) < 1:
+        raise ConfigurationError(f"{variable}={value!r}: it must be a whole number of seconds >= 1. "
+                                 f"Fix: e.g. {variable}={default} (or unset it).")
+    return int(value)
 
 
 def landing_sensor_interval() -> int:
-    """The landing sensor's `minimum_interval_seconds`: $STATETABLES_LANDING_SENSOR_SECONDS, default 5. A tick
-    lists the landing folders only, so it is cheap; the wait for it is part of a file's freshness."""
-    value = os.environ.get(LANDING_SENSOR_ENV, "5")
-    if not value.isdigit() or int(value) < 1:
-        raise ConfigurationError(f"{LANDING_SENSOR_ENV}={value!r}: it must be a whole number of seconds >= 1. "
-                                 f"Fix: e.g. {LANDING_SENSOR_ENV}=5 (or unset it).")
-    return int(value)
+    """The landing sensor's interval: $STATETABLES_LANDING_SENSOR_SECONDS, default 5. A tick lists the landing
+    folders only, so it is cheap; the wait for it is part of a file's freshness."""
+    return sensor_interval(LANDING_SENSOR_ENV, 5)
+
+
+def failure_sensor_interval() -> int:
+    """The run-failure sensor's interval: $STATETABLES_FAILURE_SENSOR_SECONDS, default 30 (Dagster's own default for
+    a sensor). The wait for a tick is part of the time from a failed run to its recovery run."""
+    return sensor_interval(FAILURE_SENSOR_ENV, 30)
 
 
 def _newest_records(spec: StreamSpec) -> tuple[int, str] | None:
@@ -218,11 +230,13 @@ def _failure_summary(context: dg.RunFailureSensorContext) -> str:
 
 @dg.run_failure_sensor(
     name="recover_failed_stream",
+    minimum_interval_seconds=failure_sensor_interval(),
     monitored_jobs=[advance_all, *stream_jobs.values(), run_continuously],
     request_jobs=[*stream_jobs.values(), run_continuously],
     default_status=dg.DefaultSensorStatus.RUNNING,
     description=("When a run fails, starts a recovery run of each failed stream; it resumes from the "
-                 f"stream's checkpoint. At most {MAX_RECOVERY_ATTEMPTS} recovery attempts in a row."),
+                 f"stream's checkpoint. At most {MAX_RECOVERY_ATTEMPTS} recovery attempts in a row "
+                 f"(interval: ${FAILURE_SENSOR_ENV}, default 30 s)."),
 )
 def recover_failed_stream(context: dg.RunFailureSensorContext):
     run = context.dagster_run

@@ -121,6 +121,18 @@ def repository(url: str) -> dict:
     return graphql(url, _LOCATION)["repositoriesOrError"]["nodes"][0]
 
 
+_SENSOR_TICKS = """query Ticks($selector: SensorSelector!, $limit: Int) { sensorOrError(sensorSelector: $selector) {
+  ... on Sensor { sensorState { ticks(limit: $limit) { timestamp status } } } } }"""
+
+
+def sensor_ticks(url: str, sensor: str, limit: int = 5) -> list[dict]:
+    """The sensor's newest ticks, newest first: {"timestamp" (epoch seconds), "status"}."""
+    located = repository(url)
+    selector = {"repositoryLocationName": located["location"]["name"], "repositoryName": located["name"],
+                "sensorName": sensor}
+    return graphql(url, _SENSOR_TICKS, {"selector": selector, "limit": limit})["sensorOrError"]["sensorState"]["ticks"]
+
+
 def launch_run(url: str, job: str, run_config: dict | None = None, tags: dict[str, str] | None = None) -> str:
     """Launch `job` through the webserver, as the launchpad does; returns the run id."""
     located = repository(url)

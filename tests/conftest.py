@@ -11,28 +11,71 @@ from pipelines.layout import StorageLayout
 from pipelines.session import build_spark_session
 
 
-# The longest tests start whole processes (kill -9 runs, dagster dev + daemon, Spark servers). Each starts
-# a share of the list: pytest-xdist's worksteal hands every worker one contiguous share, so each worker
-# begins with one of them, and neither runs alone at the end while the other worker sits idle.
-LONG_FIRST = ("tests/test_chaos.py", "tests/assets/test_ui.py", "tests/assets/test_continuous.py",
-              "tests/test_engines.py")
+# Seconds each of the longest tests took alone on 2 cores with 2 workers (a fast day; a slow day doubles them all),
+# by node id prefix: the order below needs their ranks, not their exact values. A test not listed is taken as short.
+EXPECTED_SECONDS = {
+    "tests/test_object_store.py::test_two_deliveries": 400, "tests/test_engines.py::test_a_warm_connect": 330,
+    "tests/test_object_store.py::test_kill_9": 300, "tests/test_chaos.py": 220, "tests/test_kafka.py::test_chaos": 180,
+    "tests/test_engines.py::test_a_cluster": 200, "tests/assets/test_continuous.py": 180, "tests/assets/test_ui.py": 175,
+    "tests/test_kafka.py::test_topics": 130, "tests/assets/test_maintenance.py": 100, "tests/pipelines/test_sessions.py": 60,
+    "tests/pipelines/test_windows.py": 50, "tests/pipelines/test_state_ttl.py::test_keys": 85, "tests/test_kafka.py": 60,
+    "tests/assets/test_dagster.py::test_a_failing": 70, "tests/pipelines/test_recovery.py": 30,
+    "tests/test_object_store.py": 40, "tests/test_engines.py": 40, "tests/pipelines/test_state_tables.py::test_state_tables_equal": 45,
+    "tests/pipelines/test_ingest.py::test_any_file": 35, "tests/pipelines/test_changelog_savepoints.py": 30,
+    "tests/pipelines/test_check_boundaries.py": 20, "tests/pipelines/test_declared_streams.py::test_declared": 28,
+    "tests/pipelines/test_hostile_input.py": 25, "tests/test_contract_promises.py": 20, "tests/test_status.py": 15,
+}
+SHORT_S = 5
+
+
+def expected_seconds(nodeid: str) -> float:
+    prefixes = [p for p in EXPECTED_SECONDS if nodeid.startswith(p)]
+    return EXPECTED_SECONDS[max(prefixes, key=len)] if prefixes else SHORT_S
 
 
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "long: minutes each: whole processes killed and recovered (kill -9, the continuous job), the same "
-                   "tables over Spark Connect and on a standalone cluster (server JVMs of their own), checkpoints lost, "
-                   "damaged or set back. `make test` leaves them out (it takes 18 to 20 minutes on 2 cores); "
-                   "`make test-long` runs them, and .ci/run runs both")
+                   "tables over Spark Connect and on a standalone cluster (server JVMs of their own), the Dagster UI "
+                   "in a browser, checkpoints lost, damaged or set back. `make test` leaves them out; `make test-long` "
+                   "runs them alone, and `make test-all` (what .ci/run runs) runs both tiers in one session")
 
 
-def pytest_collection_modifyitems(items):
-    long = [item for item in items if item.nodeid.startswith(LONG_FIRST)]
-    rest = [item for item in items if not item.nodeid.startswith(LONG_FIRST)]
-    share = -(-len(items) // max(len(long), 1))
-    for i, item in enumerate(long):
-        rest.insert(i * share, item)
-    items[:] = rest
+@pytest.hookimpl(trylast=True)  # after `-m` has deselected: only the tests that will run are ordered
+def pytest_collection_modifyitems(config, items):
+    """Longest first on every worker. pytest-xdist's worksteal gives each of N workers one contiguous 1/N of the list
+    (by count), then moves tests from the end of a busy worker's share to an idle one. So the list is cut into N
+    shares of equal count, each filled longest first by greedy balancing of the expected seconds: every worker
+    starts with a long test, and what is left to steal at the end is short."""
+    workers = int(getattr(config, "workerinput", {}).get("workercount", 1))
+    ranked = sorted(items, key=lambda item: (-expected_seconds(item.nodeid), item.nodeid))
+    sizes = [len(items) // workers + (1 if n < len(items) % workers else 0) for n in range(workers)]
+    sizes.sort()  # worksteal's first share is the smaller one
+    shares: list[list] = [[] for _ in range(workers)]
+    loads = [0.0] * workers
+    for item in ranked:
+        open_shares = [n for n in range(workers) if len(shares[n]) < sizes[n]]
+        n = min(open_shares, key=lambda k: loads[k])
+        shares[n].append(item)
+        loads[n] += expected_seconds(item.nodeid)
+    items[:] = [item for share in shares for item in share]
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Each tier's tests and their seconds (setup, call and teardown, summed over the workers): what `make test` and
+    `make test-long` would each cost, read off one session of both (`make test-all`)."""
+    tests: dict[str, set] = {"fast": set(), "long": set()}
+    seconds = {"fast": 0.0, "long": 0.0}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if getattr(report, "when", None) not in ("setup", "call", "teardown"):
+                continue
+            tier = "long" if "long" in report.keywords else "fast"
+            tests[tier].add(report.nodeid)
+            seconds[tier] += report.duration
+    if tests["fast"] or tests["long"]:
+        terminalreporter.write_line("test seconds by tier (summed over workers): " + ", ".join(
+            f"{tier} {len(tests[tier])} tests {seconds[tier]:.0f} s" for tier in tests if tests[tier]))
 
 
 @pytest.fixture(scope="session")

@@ -20,14 +20,18 @@ Not covered here: continuous mode (over Connect: tests/assets/test_continuous.py
 from __future__ import annotations
 
 import os
+import pickle
 import shutil
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import dagster as dg
 import pytest
+from filelock import FileLock
 
 from pipelines.session import JVM_START_NOISE
 from pipelines.generate import generate
@@ -49,14 +53,31 @@ STREAM_ONLY_TABLES = {"movie_ticket_sales": {"tickets_per_title_hourly", "top_ti
 WHEN_WRITTEN = {"updated_at", "ingested_at", "_commit_timestamp", "scanned_at", "ingest_batch_id"}
 
 
+@contextmanager
+def made_once(tmp_path_factory, worker_id: str, name: str) -> Iterator[tuple[Path, bool]]:
+    """A folder of this test session that the first pytest-xdist worker to get here fills and the others read
+    (under a file lock): (folder, whether it is already filled)."""
+    if worker_id == "master":  # one process: nothing to share
+        yield tmp_path_factory.mktemp(name), False
+        return
+    shared = tmp_path_factory.getbasetemp().parent / name  # the session's folder, above every worker's own
+    with FileLock(f"{shared}.lock"):
+        done = shared / ".made"
+        yield shared, done.exists()
+        shared.mkdir(exist_ok=True)
+        done.touch()
+
+
 @pytest.fixture(scope="module")
-def landing_files(tmp_path_factory) -> Path:
-    """Both streams' landing files (malformed lines, re-deliveries, late events), written once."""
-    home = tmp_path_factory.mktemp("engines-source")
-    layout = StorageLayout.under(home)
-    for seed, spec in enumerate(STREAMS.values(), start=11):
-        generate(spec, layout.landing(spec.name), events=1500, malformed=0.01, duplicates=0.02, late=0.03,
-                 seed=seed, events_per_file=500)
+def landing_files(tmp_path_factory, worker_id) -> Path:
+    """Both streams' landing files (malformed lines, re-deliveries, late events), written once per session: every
+    engine's run reads copies of the same files (names and modification times included)."""
+    with made_once(tmp_path_factory, worker_id, "engines-source") as (home, made):
+        layout = StorageLayout.under(home)
+        if not made:
+            for seed, spec in enumerate(STREAMS.values(), start=11):
+                generate(spec, layout.landing(spec.name), events=1500, malformed=0.01, duplicates=0.02, late=0.03,
+                         seed=seed, events_per_file=500)
     return layout.home / "landing"
 
 
@@ -132,9 +153,16 @@ def one_stream(tables: dict, stream: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def embedded(spark, landing_files, tmp_path_factory) -> dict:
-    """Every table of `advance_all` run under Dagster on the embedded JVM: the reference of the other engines."""
-    return table_rows(run_embedded(landing_files, tmp_path_factory.mktemp("embedded")))
+def embedded(landing_files, tmp_path_factory, worker_id, request) -> dict:
+    """Every table of `advance_all` run under Dagster on the embedded JVM: the reference of the other engines. Run
+    once per session, by the first worker that needs it (its assertions on Dagster's report included)."""
+    with made_once(tmp_path_factory, worker_id, "engines-embedded") as (folder, made):
+        tables = folder / "tables.pickle"
+        if not made:
+            request.getfixturevalue("spark")  # this worker's session, started before the run uses it
+            folder.mkdir(exist_ok=True)
+            tables.write_bytes(pickle.dumps(table_rows(run_embedded(landing_files, folder / "home"))))
+        return pickle.loads(tables.read_bytes())
 
 
 def test_every_asset_of_both_streams_under_dagster_on_the_embedded_jvm(embedded):

@@ -19,7 +19,8 @@ This is also the test of recovery without a person: the real daemon's sensor lau
 
 Each step is a screenshot under $STATETABLES_UI_SHOTS (a temporary folder; `make ui-screenshots` writes docs/ui/).
 
-In the fast loop (`make test`, which installs Chromium first: `make browser`).
+In the long tier (`make test-long` and `make test-all`, which install Chromium first: `make browser`): three minutes
+of a browser and two servers, more than a third of the fast loop's time.
 Not covered: the continuous job's pages (tests/assets/test_continuous.py follows it through GraphQL) and
 Dagster+ features.
 """
@@ -34,10 +35,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+import pytest
 from deltalake import DeltaTable as IndependentDeltaTable
 from playwright.sync_api import Page, expect, sync_playwright
 
-from assets.automation import LANDING_SENSOR_ENV
+from assets.automation import FAILURE_SENSOR_ENV, LANDING_SENSOR_ENV
 from assets.keys import RECOVERY_OF_TAG
 from pipelines import faults
 from pipelines.generate import generate
@@ -46,6 +48,8 @@ from resources.spark import ENGINE_TAG
 from statetables.definitions import defs
 from statetables.servers import RUN_ENDED, repository, dagster_dev, free_port, graphql, list_runs, wait_for_run_end
 from tests.contract_oracle import expected_state, landing_files
+
+pytestmark = pytest.mark.long
 
 SHOTS_ENV = "STATETABLES_UI_SHOTS"
 # Chromium on a closed network: no background services that would try (and fail) to reach Google.
@@ -127,7 +131,9 @@ def test_an_operator_sees_every_asset_what_a_run_did_and_why_a_recovery_ran(layo
     # As `make dev`: every run is a thin client of a warm Spark Connect engine (the faults fire in its foreachBatch).
     # The landing sensor ticks once when the daemon starts (landing is empty then) and not again for an hour: a tick
     # already under way when the test switches it off would otherwise take the files the test's own run reads.
-    dagster_env = {faults.FAULTS_ENV: str(fault_dir), LANDING_SENSOR_ENV: "3600", **FRESHNESS_INTERVAL_ENV}
+    # The failure sensor every 5 s: the recovery run starts seconds after the failure, not up to 30 s.
+    dagster_env = {faults.FAULTS_ENV: str(fault_dir), LANDING_SENSOR_ENV: "3600", FAILURE_SENSOR_ENV: "5",
+                   **FRESHNESS_INTERVAL_ENV}
     engine_port = free_port()
     remote = f"sc://127.0.0.1:{engine_port}"
     with dagster_dev(layout, port=free_port(), engine_port=engine_port, extra_env=dagster_env) as url, \

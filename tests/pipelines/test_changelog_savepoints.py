@@ -134,7 +134,8 @@ def test_read_only_storage_fails_with_the_fix_and_the_next_run_is_exact(spark, l
 
 def test_racing_writers_conflict_retry_and_count_exactly_once(spark, layout):
     """Two writers MERGE into one state table at once (as if a manual job raced the pipeline): Delta's
-    concurrent-modification errors are retried, and every batch counts once."""
+    concurrent-modification errors are retried, and every batch counts once. The collision is made, not hoped
+    for: both start each MERGE at the same instant (a barrier), and a MERGE takes far longer than the gap."""
     from pyspark.sql import functions as F
 
     from pipelines.state import aggregate, ensure_state_table, upsert
@@ -145,6 +146,7 @@ def test_racing_writers_conflict_retry_and_count_exactly_once(spark, layout):
     path = str(layout.table(spec.state_tables[0].name))
     retried_before = conflicts_retried["count"]
     errors = []
+    together = threading.Barrier(2, timeout=120)
 
     def writer(app_id):
         session = spark.newSession()  # own SQL conf: the txn confs of one writer do not leak into the other
@@ -154,9 +156,11 @@ def test_racing_writers_conflict_retry_and_count_exactly_once(spark, layout):
         try:
             batch = aggregate(events, spec.state_tables[0])
             for batch_id in [0, 1, 2, 3, 3]:  # the second 3 is a replay: skipped by its txn id
+                together.wait()
                 upsert(session, path, spec.state_tables[0], batch, app_id, batch_id, {"app_id": app_id})
         except Exception as exc:  # surfaced by the assertion below
             errors.append(exc)
+            together.abort()
 
     threads = [threading.Thread(target=writer, args=(f"racer-{n}",)) for n in range(2)]
     for thread in threads:
