@@ -22,7 +22,7 @@ from urllib.parse import urlparse
 from pyspark.sql import SparkSession
 
 from pipelines.errors import ConfigurationError, EngineUnavailableError
-from pipelines.layout import HOME_ENV
+from pipelines.layout import DEFAULT_HOME, HOME_ENV
 from pipelines.storage import DEFAULT_REGION, ENDPOINT_ENV, REGION_ENV, is_object_store
 
 JARS_ENV = "STATETABLES_JARS_DIR"
@@ -161,6 +161,16 @@ def object_store_root() -> str | None:
     return home if is_object_store(home) else None
 
 
+def warehouse_dir() -> str:
+    """Spark's warehouse folder (`spark.sql.warehouse.dir`), under the storage root: Spark's default is
+    `./spark-warehouse` in the working folder, which it creates as soon as its catalog is used. No table of the
+    project lives there (every table is a path), but nothing the project writes may land outside the root."""
+    home = os.environ.get(HOME_ENV, "").strip() or DEFAULT_HOME
+    if is_object_store(home):
+        return home.rstrip("/") + "/spark-warehouse"
+    return (Path(home).resolve() / "spark-warehouse").as_uri()
+
+
 def object_store_jars(jars_dir: str | os.PathLike | None = None) -> list[Path]:
     """Hadoop's S3A connector and the AWS SDK modules it needs (`make jars-s3`), kept apart from the jars every run
     loads, so that a local-disk install never fetches them."""
@@ -254,7 +264,8 @@ def session_confs(settings: SparkSettings | None = None) -> dict[str, str]:
     # Spark's Kafka connector when fetched: on spark.jars it reaches a cluster's executors too.
     jars += kafka_jars(settings.jars_dir)
     conf = {"spark.master": settings.master, "spark.app.name": settings.app_name,
-            **SESSION_CONFS, **LOCAL_DEFAULTS, "spark.jars": ",".join(str(j) for j in jars)}
+            **SESSION_CONFS, **LOCAL_DEFAULTS, "spark.jars": ",".join(str(j) for j in jars),
+            "spark.sql.warehouse.dir": warehouse_dir()}
     if settings.master.startswith(("local", "spark://127.0.0.1:", "spark://localhost:")):
         # The engine is on this host only: keep the driver on loopback.
         conf.update({"spark.driver.host": "127.0.0.1", "spark.driver.bindAddress": "127.0.0.1"})

@@ -298,7 +298,7 @@ def connect_server_command(port: int, *, jars_dir: str | None = None, conf: dict
     """`spark-submit` of Spark's SparkConnectServer carrying Delta's jars, SQL extension and catalog,
     bound to 127.0.0.1 (Spark binds every interface unless told)."""
     from pipelines.session import (LOCAL_DEFAULTS, LOG4J_CONFIG, PARALLEL_GC, SESSION_CONFS, delta_jars, kafka_jars,
-                                   object_store_confs, object_store_jars, object_store_root)
+                                   object_store_confs, object_store_jars, object_store_root, warehouse_dir)
 
     jars = delta_jars(jars_dir)
     # An object-store root: the server reads and writes the bucket, with S3A and the environment's credentials.
@@ -308,6 +308,7 @@ def connect_server_command(port: int, *, jars_dir: str | None = None, conf: dict
     # Spark's Kafka connector when fetched (`make jars-kafka`): a client's format("kafka") runs in the server.
     jars += kafka_jars(jars_dir)
     confs = {**SESSION_CONFS, **LOCAL_DEFAULTS, **(object_store_confs() if store else {}),
+             "spark.sql.warehouse.dir": warehouse_dir(),
              "spark.driver.extraJavaOptions": f"{PARALLEL_GC} -Dlog4j2.configurationFile=file:{LOG4J_CONFIG}",
              "spark.connect.grpc.binding.address": "127.0.0.1",
              "spark.connect.grpc.binding.port": str(port), "spark.driver.host": "127.0.0.1",
