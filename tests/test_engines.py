@@ -9,10 +9,9 @@ server carrying Delta (`advance_all`, then a run with nothing new), on a standal
 table of each run, read back with the independent `deltalake` reader, must equal the embedded run's. The servers
 are the project's own (statetables/servers.py), on 127.0.0.1.
 
-The embedded run is made once (a module fixture) and is the fast loop's end-to-end Dagster test;
-the Connect and standalone comparisons, each starting server JVMs of their own, are in the long tier (`make
-test-long`, which .ci/run runs after `make test`): they gave their room in the 10-minute fast loop to the browser
-test (tests/assets/test_ui.py), which issue 11 puts there.
+The embedded run is made once per test session (the first worker that needs it runs it, the others read its
+tables) and is the fast loop's end-to-end Dagster test; the Connect and standalone comparisons, each starting
+server JVMs of their own, are in the long tier (`make test-long`; .ci/run runs both tiers).
 Not covered here: continuous mode (over Connect: tests/assets/test_continuous.py), clusters of several hosts
 (docs/deploy.md).
 """

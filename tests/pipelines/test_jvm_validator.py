@@ -1,7 +1,7 @@
 """The JVM validator (pipelines/validate.py, jvm/) against the SQL validator it replaced (tests/reference_validator.py).
 
-Both judge the same generated and hostile lines, over 10,000 in one Spark job per stream: event-shaped lines with
-every field drawn around its boundaries, lines broken at the byte level, any JSON value, raw bytes, deep nesting
+Both judge the same generated and hostile lines, over 2,400 in one Spark job per stream, newly drawn on every run:
+event-shaped lines with every field drawn around its boundaries, lines broken at the byte level, any JSON value, raw bytes, deep nesting
 (tests/pipelines/test_validation_properties.py's strategies). Every column must be equal: reason, field, detail,
 record id, raw line, typed values, content hash. The one exception is where the JVM validator is exact and the
 reference was not: a JSON number with an exponent or more than 38 digits, which the reference read through a
@@ -36,7 +36,7 @@ from tests.pipelines.test_validation_properties import (
 )
 from tests.reference_validator import validate_lines as reference_validate_lines
 
-BATCHES_PER_STREAM = 20  # of 300 lines: 6,000 lines per stream, 12,000 in all
+BATCHES_PER_STREAM = 8  # of 300 lines: 2,400 lines per stream, a new draw on every run
 COLUMNS = ("reason", "reason_field", "detail", "record_id", "raw_line", "content_hash")
 # Hand-picked lines where the two readings part or nearly part: exponents, long literals, the decimal boundary.
 EDGES = [
@@ -67,7 +67,7 @@ def _read_through_a_double(raw: bytes) -> bool:
     return any(c in text for c in "eE") or sum(c.isdigit() for c in text) > 38
 
 
-@settings(max_examples=2, **SEARCH)
+@settings(max_examples=1, **SEARCH)
 @given(data=st.data())
 def test_the_jvm_validator_judges_every_line_as_the_sql_reference(spark, data):
     rng = random.Random(data.draw(st.integers(0, 2**32 - 1), label="mutation seed"))
@@ -76,7 +76,7 @@ def test_the_jvm_validator_judges_every_line_as_the_sql_reference(spark, data):
         for i in range(BATCHES_PER_STREAM):
             lines += data.draw(line_batch(spec, odd=i % 2 == 0))
         lines += [mutate(rng, line) for line in data.draw(st.lists(odd_line(), min_size=50, max_size=50))]
-        assert len(lines) >= 5_000
+        assert len(lines) >= 2_000
         jvm = _judged(spark, validate_lines, spec, lines)
         reference = _judged(spark, reference_validate_lines, spec, lines)
         assert [r["line_number"] for r in jvm] == list(range(1, len(lines) + 1))
