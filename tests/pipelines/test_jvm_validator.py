@@ -1,11 +1,12 @@
 """The JVM validator (pipelines/validate.py, jvm/) against the SQL validator it replaced (tests/reference_validator.py).
 
 Both judge the same generated and hostile lines, over 2,400 in one Spark job per stream, newly drawn on every run:
-event-shaped lines with every field drawn around its boundaries, lines broken at the byte level, any JSON value, raw bytes, deep nesting
-(tests/pipelines/test_validation_properties.py's strategies). Every column must be equal: reason, field, detail,
-record id, raw line, typed values, content hash. The one exception is where the JVM validator is exact and the
-reference was not: a JSON number with an exponent or more than 38 digits, which the reference read through a
-double. There the JVM validator must give the exact reading (tests/contract_oracle.py), and the test counts them.
+event-shaped lines with every field drawn around its boundaries, lines broken at the byte level, any JSON value, raw
+bytes, deep nesting (tests/pipelines/test_validation_properties.py's strategies). Every column must be equal:
+reason, field, detail, record id, raw line, typed values, content hash. The one exception is where the JVM validator
+is exact and the reference was not: a JSON number with an exponent or more than 38 digits, which the reference read
+through a double. There the JVM validator must give the exact reading (tests/contract_oracle.py), and the test
+counts them.
 Integer and boolean fields and upper bounds, which no product stream has yet, are judged on a test stream, edge by
 edge, against both the reference and a table of expected verdicts written out by hand.
 """
