@@ -19,7 +19,6 @@ from pipelines.windows import OPEN_HOURS_SCHEMA, TOP_N, fold_windows, top_titles
 from tests.streams import MOVIE_TICKET_SALES, PAYMENTS
 
 UTC = dt.timezone.utc
-DAY = dt.datetime(2026, 11, 1, tzinfo=UTC)
 
 
 def at(hh_mm_ss: str, day: int = 1) -> dt.datetime:
@@ -30,22 +29,21 @@ def ms(moment: dt.datetime) -> int:
     return int(moment.timestamp() * 1000)
 
 
-def payments(spark, rows):
-    """Bronze payments: (payment_id, customer_id, amount, paid_at)."""
+def bronze(spark, columns: str, rows):
+    """Bronze rows of `columns` (id, key, value, event time), each from line n of one landing file."""
     return spark.createDataFrame(
-        [(pid, customer, Decimal(amount), moment, "f.jsonl", n) for n, (pid, customer, amount, moment)
-         in enumerate(rows, start=1)],
-        "payment_id string, customer_id string, amount decimal(18,2), paid_at timestamp, source_file string, "
-        "line_number long")
+        [(*row[:2], Decimal(row[2]), row[3], "f.jsonl", n) for n, row in enumerate(rows, start=1)],
+        f"{columns}, source_file string, line_number long")
+
+
+def payments(spark, rows):
+    """(payment_id, customer_id, amount, paid_at)"""
+    return bronze(spark, "payment_id string, customer_id string, amount decimal(18,2), paid_at timestamp", rows)
 
 
 def sales(spark, rows):
-    """Bronze sales: (event_id, title, value, sale_ts)."""
-    return spark.createDataFrame(
-        [(eid, title, Decimal(value), moment, "f.jsonl", n) for n, (eid, title, value, moment)
-         in enumerate(rows, start=1)],
-        "event_id string, title string, ticket_total_value decimal(18,2), sale_ts timestamp, source_file string, "
-        "line_number long")
+    """(event_id, title, value, sale_ts)"""
+    return bronze(spark, "event_id string, title string, ticket_total_value decimal(18,2), sale_ts timestamp", rows)
 
 
 def _utc(moment):
