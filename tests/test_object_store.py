@@ -4,8 +4,9 @@ tests/object_store.py), read back with an independent reader (`deltalake`) and t
 Covers: the writer lease between OS processes (one holds, the other waits and is refused; a holder killed with
 kill -9 loses it within its lifetime, the next takes over; the loser's fence refuses its next commit); two
 deliveries of both contract streams through `statetables run` (as a user runs it), then lost checkpoints, every
-key and window equal to the oracle, nothing written to the working folder; kill -9 at named points between a batch's commits; the same tables from a
-Spark Connect server in front of a standalone cluster whose worker shares nothing with the driver but the bucket.
+key and window equal to the oracle, nothing written to the working folder; kill -9 at named points between a
+batch's commits; the same tables from a Spark Connect server in front of a standalone cluster whose worker shares
+nothing with the driver but the bucket.
 Not covered: a bucket on AWS itself (no network here)."""
 
 from __future__ import annotations

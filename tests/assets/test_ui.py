@@ -46,7 +46,7 @@ from pipelines.generate import generate
 from tests.streams import PAYMENTS, STREAMS
 from resources.spark import ENGINE_TAG
 from statetables.definitions import defs
-from statetables.servers import RUN_ENDED, repository, dagster_dev, free_port, graphql, list_runs, wait_for_run_end
+from statetables.servers import RUN_ENDED, dagster_dev, free_port, graphql, list_runs, sensor_ticks, wait_for_run_end
 from tests.contract_oracle import expected_state, landing_files
 
 pytestmark = pytest.mark.long
@@ -59,8 +59,6 @@ RUN_TIMEOUT_MS = 300_000
 LOCATION = "statetables.definitions:defs"
 # The daemon evaluates freshness policies every 30 s by default; every 5 s here, so the test waits less.
 FRESHNESS_INTERVAL_ENV = {"FRESHNESS_DAEMON_INTERVAL_SECONDS": "5"}
-_SENSOR_TICKS = """query Ticks($selector: SensorSelector!) { sensorOrError(sensorSelector: $selector) {
-  ... on Sensor { sensorState { ticks(limit: 1) { status } } } } }"""
 _FRESHNESS = """query Fresh($key: AssetKeyInput!) { assetNodeOrError(assetKey: $key) {
   ... on AssetNode { freshnessStatusInfo { freshnessStatus } } } }"""
 
@@ -94,10 +92,7 @@ def wait_for(condition, what: str, timeout_s: float = RUN_TIMEOUT_MS / 1000):
 
 def first_tick_ended(url: str, sensor: str) -> bool:
     """Whether the sensor's first tick (the daemon evaluates it when it starts) has ended."""
-    located = repository(url)
-    selector = {"repositoryLocationName": located["location"]["name"], "repositoryName": located["name"],
-                "sensorName": sensor}
-    ticks = graphql(url, _SENSOR_TICKS, {"selector": selector})["sensorOrError"]["sensorState"]["ticks"]
+    ticks = sensor_ticks(url, sensor, limit=1)
     return bool(ticks) and ticks[0]["status"] != "STARTED"
 
 

@@ -98,8 +98,8 @@ def test_sessions_cut_at_the_gap_join_out_of_order_and_close_on_the_watermark(sp
 
 def test_the_ttl_forgets_the_previous_session_and_the_days_spend(spark):
     settings = SessionSettings(watermark_delay=dt.timedelta(0), state_ttl=dt.timedelta(hours=1))
-    last = spark.createDataFrame([("kept", at("09:00:00"), Decimal("5.00")), ("forgot", at("08:00:00"), Decimal("7.00"))],
-                                 LAST_SESSIONS_SCHEMA)
+    last = spark.createDataFrame(
+        [("kept", at("09:00:00"), Decimal("5.00")), ("forgot", at("08:00:00"), Decimal("7.00"))], LAST_SESSIONS_SCHEMA)
     fold = fold_sessions(spark.createDataFrame([], OPEN_SESSIONS_SCHEMA), last, payments(spark, [
         ("k", "kept", "1", at("09:59:59.999999")),  # 1 µs less than the TTL after 09:00: remembered
         ("f", "forgot", "1", at("09:00:00")),  # exactly the TTL after 08:00: forgotten
