@@ -32,7 +32,9 @@ from pipelines.faults import (
     INGEST_AFTER_BRONZE_COMMIT, INGEST_AFTER_QUARANTINE_COMMIT, INGEST_POISON, InjectedFault,
     fault_marker, fault_point,
 )
-from pipelines.streaming import create_table_if_missing, history_rows, kept_on_disk, retry_on_conflict, storage_fault
+from pipelines.streaming import (
+    Appended, create_table_if_missing, history_rows, kept_on_disk, retry_on_conflict, storage_fault, table_version,
+)
 from pipelines.streams import StreamSpec
 from pipelines.validate import content_identity, validate_lines
 
@@ -171,6 +173,15 @@ MAX_ISOLATION_PROBES = 64
 
 
 @dataclass(frozen=True)
+class Ingested:
+    """What an ingest step did: the counts its commits record, and its bronze commit (None when Delta skipped it as
+    a replay of a batch already committed)."""
+
+    counts: dict
+    appended: Appended | None
+
+
+@dataclass(frozen=True)
 class IngestSettings:
     """What one stream's ingest needs to know inside a micro-batch (bound with functools.partial)."""
 
@@ -304,12 +315,13 @@ def _isolate(lines: DataFrame, batch_id: int, settings: IngestSettings, ingested
     return culprits if passed_any or len(keys) == 1 else []
 
 
-def ingest_batch(units: DataFrame, batch_id: int, *, settings: IngestSettings) -> dict:
+def ingest_batch(units: DataFrame, batch_id: int, *, settings: IngestSettings) -> Ingested:
     """The ingest step of a stream's micro-batch: read the batch's units, validate, dedup, append to quarantine
-    then bronze, both idempotently. Returns the batch's counts, as its commits record them (`_write_batch`).
+    then bronze, both idempotently. Returns the batch's counts, as its commits record them, and its bronze commit
+    (`_write_batch`).
 
-    Both appends happen even when empty: each commit records `{"app_id", "batch_id"}` in its
-    userMetadata, which is how the next run checks the checkpoint against the tables. If the batch
+    Bronze's append happens even when empty: its commit records `{"app_id", "batch_id"}` in its userMetadata,
+    which is how the next run checks the checkpoint against the tables; quarantine's, only with a bad line. If the batch
     fails for a reason tied to its data, the lines that cause it are isolated and quarantined as
     `unprocessable` (dead letters), and the rest of the batch goes on.
     """
@@ -323,7 +335,7 @@ def ingest_batch(units: DataFrame, batch_id: int, *, settings: IngestSettings) -
     return _ingest_lines(lines, batch_id, settings, ingested_at, vanished, may_repeat, {})
 
 
-def ingest_records(records: DataFrame, batch_id: int, *, settings: IngestSettings) -> dict:
+def ingest_records(records: DataFrame, batch_id: int, *, settings: IngestSettings) -> Ingested:
     """`ingest_batch` for a micro-batch of a topic's records: each record a line; both commits also record the
     next offset of every partition (pipelines/kafka_source.py)."""
     ingested_at = datetime.now(timezone.utc)
@@ -339,7 +351,7 @@ def ingest_records(records: DataFrame, batch_id: int, *, settings: IngestSetting
 
 
 def _ingest_lines(lines: DataFrame, batch_id: int, settings: IngestSettings, ingested_at: datetime,
-                  vanished: list[str], may_repeat: bool, recorded: dict) -> dict:
+                  vanished: list[str], may_repeat: bool, recorded: dict) -> Ingested:
     write = partial(_write_batch, lines, batch_id, settings, ingested_at, vanished, may_repeat=may_repeat,
                     recorded=recorded)
     try:
@@ -399,8 +411,9 @@ def _by_event_time(accepted: DataFrame, spec: StreamSpec, rows: int) -> DataFram
 
 def _write_batch(lines: DataFrame, batch_id: int, settings: IngestSettings, ingested_at: datetime,
                  vanished: list[str], unprocessable: DataFrame | None, error: str | None, *,
-                 may_repeat: bool, recorded: dict) -> dict:
-    """Quarantine, then bronze, each one append carrying the batch's counts in its userMetadata; returns them."""
+                 may_repeat: bool, recorded: dict) -> Ingested:
+    """Quarantine, then bronze, each one append carrying the batch's counts in its userMetadata; returns them, and
+    the bronze commit with its rows."""
     spec = settings.spec
     classified, facts = _classify(lines, batch_id, settings, ingested_at, unprocessable, error, may_repeat)
     classified = kept_on_disk(classified)
@@ -419,16 +432,22 @@ def _write_batch(lines: DataFrame, batch_id: int, settings: IngestSettings, inge
               ACCEPTED_VALUE_TOTAL: str(value_before + (accepted["value"] or 0 if accepted else 0)), **recorded}
     if counts["lines"] != sum(counts[k] for k in OUTCOMES):
         raise AssertionError(f"line accounting broken in batch {batch_id}: {counts}")
+    # Quarantine is written only when the batch has a bad line (a commit costs ~0.35 s warm); bronze always is,
+    # even empty: its commit carries the batch's counts and ids, which the checkpoint is checked against.
+    accepted_rows = classified.where(F.col("outcome") == "accepted").select(*bronze_schema(spec).fieldNames())
     writes = (
         (classified.where(F.col("outcome") == "quarantined").select(*quarantine_schema(spec).fieldNames()),
-         settings.quarantine_path, INGEST_AFTER_QUARANTINE_COMMIT),
+         settings.quarantine_path if "quarantined" in outcomes else None, INGEST_AFTER_QUARANTINE_COMMIT),
         # Each bronze file holds one range of event times: the dedup lookup of later batches (an
         # event-time window) then skips the other files by their statistics.
-        (_by_event_time(classified.where(F.col("outcome") == "accepted").select(*bronze_schema(spec).fieldNames()),
-                        spec, accepted["count"] if accepted else 0),
+        (_by_event_time(accepted_rows, spec, accepted["count"] if accepted else 0),
          settings.bronze_path, INGEST_AFTER_BRONZE_COMMIT),
     )
+    bronze_before = table_version(lines.sparkSession, settings.bronze_path)
     for frame, path, fault in writes:
+        if path is None:
+            fault_point(fault)
+            continue
         retry_on_conflict(
             lambda: frame.write.format("delta").mode("append")
             .option("txnAppId", settings.app_id).option("txnVersion", batch_id)
@@ -438,4 +457,6 @@ def _write_batch(lines: DataFrame, batch_id: int, settings: IngestSettings, inge
             .save(path),
             f"append of micro-batch {batch_id} to {path}")
         fault_point(fault)
-    return counts
+    # One writer (the lock): a version after the one before is this batch's commit, not a replay Delta skipped.
+    bronze_after = table_version(lines.sparkSession, settings.bronze_path)
+    return Ingested(counts, Appended(bronze_after, accepted_rows) if bronze_after == (bronze_before or 0) + 1 else None)

@@ -187,8 +187,9 @@ def _last_batches(rows: list, app_id: str) -> tuple[int | None, int | None]:
 
 
 def verify_checkpoint(spark: SparkSession, checkpoint_dir: Path, written_tables: list[Path], *,
-                      source_table_id: str | None = None) -> CheckpointVerdict:
-    """Trust the checkpoint, or say precisely why not. Reads only; changes nothing."""
+                      source_table_id: str | None = None, sometimes_written: list[Path] = ()) -> CheckpointVerdict:
+    """Trust the checkpoint, or say precisely why not. Reads only; changes nothing. Every batch commits to each of
+    `written_tables` (bronze); only some to each of `sometimes_written` (quarantine: a batch with a bad line)."""
     offsets, commits = _batch_files(checkpoint_dir / "offsets"), _batch_files(checkpoint_dir / "commits")
     origin = read_origin(checkpoint_dir)
     if not checkpoint_dir.exists():
@@ -236,27 +237,31 @@ def verify_checkpoint(spark: SparkSession, checkpoint_dir: Path, written_tables:
     # records its rebuild commit as batch first_batch - 1, so that commit must still be in effect.
     done = last_commit if last_commit is not None and last_commit >= origin.first_batch else None
     planned = last_offset if last_offset is not None and last_offset >= origin.first_batch else origin.first_batch - 1
-    for table in written_tables:
+    for table in [*written_tables, *sometimes_written]:
         ever, in_effect = table_batches(spark, table, origin.app_id)
         if ever != in_effect:
             return CheckpointVerdict(None, f"{table.name} was restored to before batch {ever} of this checkpoint")
+        if ever is not None and ever > planned:
+            return CheckpointVerdict(
+                None, f"{table.name} holds batch {ever} but the checkpoint planned only up to {planned} "
+                      f"(checkpoint older than the table)")
+        if table not in written_tables:
+            continue
         if ever is None and origin.source_start_version is not None:
             return CheckpointVerdict(None, f"{table.name} no longer holds the rebuild this checkpoint starts from")
         if done is not None and (ever is None or ever < done):
             return CheckpointVerdict(
                 None, f"the checkpoint finished batch {done} but {table.name} holds batches only up to {ever} "
                       f"(table replaced or rolled back)")
-        if ever is not None and ever > planned:
-            return CheckpointVerdict(
-                None, f"{table.name} holds batch {ever} but the checkpoint planned only up to {planned} "
-                      f"(checkpoint older than the table)")
     return CheckpointVerdict(origin, None, last_commit)
 
 
 def checkpoint_for_run(spark: SparkSession, checkpoint_dir: Path, set_aside_root: Path, written_tables: list[Path],
-                       *, source_table_id: str | None = None) -> tuple[CheckpointVerdict, Path | None]:
+                       *, source_table_id: str | None = None, sometimes_written: list[Path] = ()
+                       ) -> tuple[CheckpointVerdict, Path | None]:
     """Verify; if untrusted, move it aside. Returns the verdict and where the old checkpoint went."""
-    verdict = verify_checkpoint(spark, checkpoint_dir, written_tables, source_table_id=source_table_id)
+    verdict = verify_checkpoint(spark, checkpoint_dir, written_tables, source_table_id=source_table_id,
+                                sometimes_written=sometimes_written)
     moved = None
     if verdict.origin is None and checkpoint_dir.exists():
         moved = set_aside(checkpoint_dir, set_aside_root)

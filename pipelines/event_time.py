@@ -25,7 +25,7 @@ from pipelines.faults import fault_point
 from pipelines.errors import DefinitionChangedError
 from pipelines.layout import StorageLayout
 from pipelines.streaming import (
-    commits_since, history_rows, kept_on_disk, retry_on_conflict, rows_added, table_version,
+    BronzeRows, commits_since, history_rows, kept_on_disk, retry_on_conflict, table_version,
 )
 
 LATE = "late_events"
@@ -183,18 +183,20 @@ class EventTimeStage:
     def fold_and_write(self, rows: DataFrame, app_id: str, batch_id: int, marker: dict) -> FoldedBatch:
         raise NotImplementedError
 
-    def advance(self, spark: SparkSession, bronze_path: Path, through: int, app_id: str, batch_id: int) -> None:
-        """Fold bronze up to version `through`, writing under the txn id (app id, batch id)."""
+    def advance(self, spark: SparkSession, bronze: BronzeRows, app_id: str, batch_id: int) -> None:
+        """Fold bronze up to version `bronze.through`, writing under the txn id (app id, batch id)."""
+        through = bronze.through
         if through <= self.last.bronze_version:
             return
-        rows = rows_added(spark, bronze_path, self.last.bronze_version, through)
+        rows = bronze.after(self.last.bronze_version)
         closing = self.layout.table(self.closing_table)
         # The version this batch's closing commit will have: until it exists, its earlier writes are unfinished.
         marker = {"app_id": app_id, "batch_id": batch_id,
                   self.closing_marker: (table_version(spark, closing) or 0) + 1}
         folded = self.fold_and_write(rows, app_id, batch_id, marker)
         progress = {"app_id": app_id, "batch_id": batch_id, "watermark_ms": folded.watermark_ms,
-                    "bronze_version": through, "rows_read": rows.count(),
+                    "bronze_version": through,
+                    "rows_read": bronze.count_after(self.last.bronze_version),
                     "state_versions": folded.state_versions, **folded.figures}
         fault_point(self.before_closing_fault)
         append_batch(folded.closed, closing, app_id, batch_id, progress)

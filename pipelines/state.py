@@ -33,7 +33,7 @@ from pipelines.expiry import (
 from pipelines.faults import STATE_AFTER_MERGE_COMMIT, STATE_AFTER_REBUILD, STATE_BATCH_END, STATE_MERGE_START, fault_point
 from pipelines.streaming import (
     TXN_APP_ID, TXN_VERSION, USER_METADATA, commit_actions, commit_confs, commits_since, create_table_if_missing,
-    history_rows, retry_on_conflict, rows_added, table_version,
+    BronzeRows, history_rows, retry_on_conflict, table_version,
 )
 from pipelines.streams import Aggregate, StateTableSpec, StreamSpec
 
@@ -236,12 +236,13 @@ class StateTableStage:
         self.rebuilt_through: int | None = None
         self.note: str | None = None  # why the table folds bronze it had folded before (a RESTORE)
 
-    def advance(self, spark: SparkSession, bronze_path: Path, through: int, app_id: str, batch_id: int) -> None:
+    def advance(self, spark: SparkSession, bronze: BronzeRows, app_id: str, batch_id: int) -> None:
+        through = bronze.through
         if through <= self.through:
             return
         table = self.table
         table_path = str(self.layout.table(table.name))
-        events = rows_added(spark, bronze_path, self.through, through)
+        events = bronze.after(self.through)
         batch = aggregate(events, table)
         fault_point(STATE_MERGE_START)
         metadata = {"app_id": app_id, "batch_id": batch_id, FOLDED_THROUGH: through}

@@ -54,7 +54,7 @@ from pipelines.source import LedgerView, ScanResult, landing_listing, record_uni
 from pipelines.state import StateTableStage, state_table_stage
 from pipelines.locks import Fence, writer_lock
 from pipelines.streaming import (
-    Continuous, StreamRunResult, TableVersions, commits_since, require_writable, run_query, storage_errors,
+    Appended, BronzeRows, Continuous, StreamRunResult, TableVersions, commits_since, require_writable, run_query, storage_errors,
     table_id, table_version,
 )
 from pipelines.streams import StreamSpec, streams
@@ -160,20 +160,22 @@ class StreamBatch:
         if self.fence is not None:  # an object-store root: this run must still hold the stream's lease
             self.fence()
         ingest = ingest_batch if self.spec.topic is None else ingest_records
-        counts = ingest(units, batch_id, settings=self.ingest)
-        self.fold(units.sparkSession, self.ingest.app_id, batch_id)
-        log_batch(self.spec.name, batch_id, counts, time.monotonic() - started)
+        ingested = ingest(units, batch_id, settings=self.ingest)
+        self.fold(units.sparkSession, self.ingest.app_id, batch_id, ingested.appended)
+        log_batch(self.spec.name, batch_id, ingested.counts, time.monotonic() - started)
         fault_point(STREAM_BATCH_END)
 
-    def fold(self, spark: SparkSession, app_id: str, batch_id: int) -> None:
+    def fold(self, spark: SparkSession, app_id: str, batch_id: int, appended: Appended | None = None) -> None:
         """Every step after bronze, up to bronze's newest version (this batch's append, and any a batch that died
-        before its later steps committed had made)."""
+        before its later steps committed had made). A step whose only unfolded version is `appended` folds its
+        rows as the batch holds them; a step further behind reads bronze (`BronzeRows`)."""
         bronze_path = self.layout.table(self.spec.bronze_table)
         through = table_version(spark, bronze_path)
+        rows = BronzeRows(spark, bronze_path, through, appended)
         for state in self.states:
-            state.advance(spark, bronze_path, through, app_id, batch_id)
+            state.advance(spark, rows, app_id, batch_id)
         if self.event_time is not None:
-            self.event_time.advance(spark, bronze_path, through, app_id, batch_id)
+            self.event_time.advance(spark, rows, app_id, batch_id)
         for changelog in self.changelogs:
             changelog.advance(spark, app_id, batch_id)
             if (topic := self.topics.get(changelog.table.name)) is not None:
@@ -268,7 +270,8 @@ def advance_stream(spark: SparkSession, layout: StorageLayout, spec: StreamSpec,
             topic_partitions(spec.topic)  # the brokers answer and the topic exists, before any query starts
             scan, source = ScanResult([], 0, []), source_id(spec.topic)
         verdict, moved = checkpoint_for_run(spark, checkpoint, layout.set_aside_checkpoints,
-                                            [quarantine_path, bronze_path], source_table_id=source)
+                                            [bronze_path], source_table_id=source,
+                                            sometimes_written=[quarantine_path])
         origin, recovery = verdict.origin, None
         if origin is None:
             reason = verdict.problem or "no checkpoint yet"

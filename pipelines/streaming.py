@@ -370,6 +370,43 @@ def rows_added(spark: SparkSession, path: Path, after: int, through: int) -> Dat
             .drop("_change_type", "_commit_version", "_commit_timestamp"))
 
 
+@dataclass(frozen=True)
+class Appended:
+    """The bronze commit a micro-batch has just made: its version and its rows (kept on local disk)."""
+
+    version: int
+    rows: DataFrame
+
+
+@dataclass(frozen=True)
+class BronzeRows:
+    """The bronze rows a step of a micro-batch has not folded yet, up to version `through`. When the step's only
+    unfolded version is the batch's own append, they are that append's rows as the batch holds them (no read of
+    bronze: a Delta read costs a snapshot and a plan); otherwise (a step behind after a crash, a catch-up) they
+    are read from bronze's change data."""
+
+    spark: SparkSession
+    path: Path
+    through: int
+    appended: Appended | None = None  # this batch's bronze commit, when it made one
+
+    def after(self, folded: int) -> DataFrame:
+        """The rows of the versions after `folded` up to `through`."""
+        if self.appended is not None and self.appended.version == self.through == folded + 1:
+            return self.appended.rows
+        return rows_added(self.spark, self.path, folded, self.through)
+
+    def count_after(self, folded: int) -> int:
+        return rows_appended(self.spark, self.path, folded, self.through)
+
+
+def rows_appended(spark: SparkSession, path: Path, after: int, through: int) -> int:
+    """How many rows `rows_added` over the same versions holds, from the appends' commit metrics in the log: no
+    Spark job."""
+    return sum(int(c["metrics"].get("numOutputRows", 0)) for c in commits_since(spark, path, after)
+               if c["version"] <= through and c["operation"] == "WRITE")
+
+
 def _storage_message(path: Path | str, cause: str) -> str:
     return (f"Cannot write to {path}: {cause}. The storage root is read-only, full or not writable by this user; "
             f"this run stopped before anything half-written could count. Fix: make the folder writable or free "

@@ -76,7 +76,7 @@ def test_corrupt_checkpoint_files_are_detected(spark, layout):
     _deliver(layout, spec, seed=1, events=200)
     advance(spark, layout, spec, event_time=False, max_files_per_trigger=1)
     checkpoint = layout.checkpoint(spec.name)
-    tables = [layout.table(spec.quarantine_table), layout.table(spec.bronze_table)]
+    tables = [layout.table(spec.bronze_table)]
     assert verify_checkpoint(spark, checkpoint, tables).problem is None
     last = str(max(int(p.name) for p in (checkpoint / "offsets").iterdir() if p.name.isdigit()))
 
