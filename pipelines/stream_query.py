@@ -54,7 +54,8 @@ from pipelines.source import LedgerView, ScanResult, landing_listing, record_uni
 from pipelines.state import StateTableStage, state_table_stage
 from pipelines.locks import Fence, writer_lock
 from pipelines.streaming import (
-    Appended, BronzeRows, Continuous, StreamRunResult, TableVersions, commits_since, require_writable, run_query, storage_errors,
+    INTERPRETED, SMALL_BATCH_BYTES, Appended, BronzeRows, Continuous, StreamRunResult, batch_bytes,
+    session_confs_during, TableVersions, commits_since, require_writable, run_query, storage_errors,
     table_id, table_version,
 )
 from pipelines.streams import StreamSpec, streams
@@ -159,9 +160,12 @@ class StreamBatch:
         started = time.monotonic()
         if self.fence is not None:  # an object-store root: this run must still hold the stream's lease
             self.fence()
-        ingest = ingest_batch if self.spec.topic is None else ingest_records
-        ingested = ingest(units, batch_id, settings=self.ingest)
-        self.fold(units.sparkSession, self.ingest.app_id, batch_id, ingested.appended)
+        # A topic's records cannot be sized without reading them: its batches keep the session's settings.
+        small = self.spec.topic is None and batch_bytes(units) < SMALL_BATCH_BYTES
+        with session_confs_during(units.sparkSession, INTERPRETED if small else {}):
+            ingest = ingest_batch if self.spec.topic is None else ingest_records
+            ingested = ingest(units, batch_id, settings=self.ingest)
+            self.fold(units.sparkSession, self.ingest.app_id, batch_id, ingested.appended)
         log_batch(self.spec.name, batch_id, ingested.counts, time.monotonic() - started)
         fault_point(STREAM_BATCH_END)
 

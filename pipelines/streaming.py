@@ -482,6 +482,39 @@ def retry_on_conflict(commit: Callable[[], None], what: str) -> None:
             time.sleep(min(attempt, 4) * random.uniform(0.5, 1.5))
 
 
+# Spark generates and compiles Java code for a query's expressions. A micro-batch's plans carry its own literals (its
+# time, batch id, watermark), so a warm process compiled most of them again on every batch. For a small batch,
+# evaluating the expressions interpreted costs less than compiling them: a warm run of 300 payments 7.8 s instead
+# of 9.2 s, its first run in a process 25.6 s instead of 29.6 s (median of seven runs each; docs/performance.md).
+# Above SMALL_BATCH_BYTES of input, compiled code wins again and the session's own settings stand.
+INTERPRETED = {"spark.sql.codegen.wholeStage": "false", "spark.sql.codegen.factoryMode": "NO_CODEGEN"}
+SMALL_BATCH_BYTES = 8 << 20
+GZIP_RATIO = 10  # a compressed unit's bytes count this many times
+
+
+def batch_bytes(units: DataFrame) -> int:
+    """The landing bytes a micro-batch of ledger units reads (compressed units at GZIP_RATIO times their size)."""
+    size = F.when(F.col("compressed"), F.col("byte_length") * GZIP_RATIO).otherwise(F.col("byte_length"))
+    return int(units.agg(F.sum(size)).first()[0] or 0)
+
+
+@contextmanager
+def session_confs_during(spark: SparkSession, confs: dict[str, str]) -> Iterator[None]:
+    """Session confs for a block, with what was set before put back after (over Spark Connect the session is
+    shared with other queries; these confs change how fast a query runs, never what it writes)."""
+    before = {key: spark.conf.get(key, None) for key in confs}
+    for key, value in confs.items():
+        spark.conf.set(key, value)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                spark.conf.unset(key)
+            else:
+                spark.conf.set(key, value)
+
+
 @contextmanager
 def commit_confs(spark: SparkSession, confs: dict[str, str]) -> Iterator[None]:
     """Session confs for one Delta commit; unset after, as foreachBatch shares the session over Spark Connect."""
