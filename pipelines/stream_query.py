@@ -54,9 +54,8 @@ from pipelines.source import LedgerView, ScanResult, landing_listing, record_uni
 from pipelines.state import StateTableStage, state_table_stage
 from pipelines.locks import Fence, writer_lock
 from pipelines.streaming import (
-    INTERPRETED, SMALL_BATCH_BYTES, Appended, BronzeRows, Continuous, StreamRunResult, batch_bytes,
-    session_confs_during, TableVersions, commits_since, require_writable, run_query, storage_errors,
-    table_id, table_version,
+    INTERPRETED, SMALL_BATCH_BYTES, Appended, BronzeRows, Continuous, StreamRunResult, TableVersions, batch_bytes,
+    commits_since, require_writable, run_query, session_confs_during, storage_errors, table_id, table_version,
 )
 from pipelines.streams import StreamSpec, streams
 from pipelines.windows import HOURLY, OPEN_HOURS, TOP, windows_stage

@@ -484,9 +484,9 @@ def retry_on_conflict(commit: Callable[[], None], what: str) -> None:
 
 # Spark generates and compiles Java code for a query's expressions. A micro-batch's plans carry its own literals (its
 # time, batch id, watermark), so a warm process compiled most of them again on every batch. For a small batch,
-# evaluating the expressions interpreted costs less than compiling them: a warm run of 300 payments 7.8 s instead
-# of 9.2 s, its first run in a process 25.6 s instead of 29.6 s (median of seven runs each; docs/performance.md).
-# Above SMALL_BATCH_BYTES of input, compiled code wins again and the session's own settings stand.
+# evaluating the expressions interpreted costs less than compiling them (a warm 300-payment run 8-11% faster, the
+# first run of a process 13%: docs/performance.md). Above SMALL_BATCH_BYTES of input compiled code wins again, and
+# the session's own settings stand.
 INTERPRETED = {"spark.sql.codegen.wholeStage": "false", "spark.sql.codegen.factoryMode": "NO_CODEGEN"}
 SMALL_BATCH_BYTES = 8 << 20
 GZIP_RATIO = 10  # a compressed unit's bytes count this many times
