@@ -31,7 +31,9 @@ import os
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from typing import Iterator
 
 from pyspark.sql import DataFrame, SparkSession
 
@@ -132,16 +134,28 @@ if not PROGRESS.handlers:
     PROGRESS.propagate = False
 
 
-def log_batch(stream: str, batch_id: int, counts: dict, elapsed_s: float) -> None:
+def log_batch(stream: str, batch_id: int, counts: dict, elapsed_s: float, steps_s: dict[str, float]) -> None:
     """The micro-batch's line: its counts (what ingest_batch computed and bronze's commit records), its rate and
-    duration. The figures are also on the record (`figures`), for a handler that wants them as data."""
+    duration, and each step's seconds (`<step>_s`: ingest, state, event_time, changelog, those it has). The figures
+    are also on the record (`figures`), for a handler that wants them as data."""
     lines = int(counts.get("lines", 0))
     figures = {"stream": stream, "batch": batch_id, "lines": lines, "accepted": int(counts.get("accepted", 0)),
                "quarantined": int(counts.get("quarantined", 0)), "duplicates": int(counts.get("duplicates", 0)),
                "rows_per_s": round(lines / elapsed_s, 1) if elapsed_s > 0 else 0.0, "elapsed_s": round(elapsed_s, 2)}
     if counts.get("already_ingested"):  # a replay under a new checkpoint: lines that an earlier attempt wrote
         figures["already_ingested"] = int(counts["already_ingested"])
+    figures.update({f"{step}_s": round(seconds, 2) for step, seconds in steps_s.items()})
     PROGRESS.info(" ".join(f"{key}={value}" for key, value in figures.items()), extra={"figures": figures})
+
+
+@contextmanager
+def timed(seconds: dict[str, float], step: str) -> Iterator[None]:
+    """Add the block's wall time to `seconds[step]`."""
+    started = time.monotonic()
+    try:
+        yield
+    finally:
+        seconds[step] = seconds.get(step, 0.0) + time.monotonic() - started
 
 
 class StreamBatch:
@@ -161,28 +175,36 @@ class StreamBatch:
             self.fence()
         # A topic's records cannot be sized without reading them: its batches keep the session's settings.
         small = self.spec.topic is None and batch_bytes(units) < SMALL_BATCH_BYTES
+        steps_s: dict[str, float] = {}
         with session_confs_during(units.sparkSession, INTERPRETED if small else {}):
             ingest = ingest_batch if self.spec.topic is None else ingest_records
-            ingested = ingest(units, batch_id, settings=self.ingest)
-            self.fold(units.sparkSession, self.ingest.app_id, batch_id, ingested.appended)
-        log_batch(self.spec.name, batch_id, ingested.counts, time.monotonic() - started)
+            with timed(steps_s, "ingest"):
+                ingested = ingest(units, batch_id, settings=self.ingest)
+            self.fold(units.sparkSession, self.ingest.app_id, batch_id, ingested.appended, steps_s)
+        log_batch(self.spec.name, batch_id, ingested.counts, time.monotonic() - started, steps_s)
         fault_point(STREAM_BATCH_END)
 
-    def fold(self, spark: SparkSession, app_id: str, batch_id: int, appended: Appended | None = None) -> None:
+    def fold(self, spark: SparkSession, app_id: str, batch_id: int, appended: Appended | None = None,
+             steps_s: dict[str, float] | None = None) -> None:
         """Every step after bronze, up to bronze's newest version (this batch's append, and any a batch that died
         before its later steps committed had made). A step whose only unfolded version is `appended` folds its
-        rows as the batch holds them; a step further behind reads bronze (`BronzeRows`)."""
+        rows as the batch holds them; a step further behind reads bronze (`BronzeRows`). Each step's seconds are
+        added to `steps_s`."""
+        steps_s = {} if steps_s is None else steps_s
         bronze_path = self.layout.table(self.spec.bronze_table)
         through = table_version(spark, bronze_path)
         rows = BronzeRows(spark, bronze_path, through, appended)
-        for state in self.states:
-            state.advance(spark, rows, app_id, batch_id)
+        with timed(steps_s, "state"):
+            for state in self.states:
+                state.advance(spark, rows, app_id, batch_id)
         if self.event_time is not None:
-            self.event_time.advance(spark, rows, app_id, batch_id)
-        for changelog in self.changelogs:
-            changelog.advance(spark, app_id, batch_id)
-            if (topic := self.topics.get(changelog.table.name)) is not None:
-                topic.advance(spark, changelog)
+            with timed(steps_s, "event_time"):
+                self.event_time.advance(spark, rows, app_id, batch_id)
+        with timed(steps_s, "changelog"):
+            for changelog in self.changelogs:
+                changelog.advance(spark, app_id, batch_id)
+                if (topic := self.topics.get(changelog.table.name)) is not None:
+                    topic.advance(spark, changelog)
 
     def catch_up(self, spark: SparkSession) -> bool:
         """Bring every step up to bronze's newest version before the query starts, under an app id of its own;

@@ -484,8 +484,8 @@ def retry_on_conflict(commit: Callable[[], None], what: str) -> None:
 
 # Spark generates and compiles Java code for a query's expressions. A micro-batch's plans carry its own literals (its
 # time, batch id, watermark), so a warm process compiled most of them again on every batch. For a small batch,
-# evaluating the expressions interpreted costs less than compiling them (a warm 300-payment run 8-11% faster, the
-# first run of a process 13%: docs/performance.md). Above SMALL_BATCH_BYTES of input compiled code wins again, and
+# evaluating the expressions interpreted costs less than compiling them (a warm 300-payment run 6-11% faster, the
+# first run of a process 7-13%: docs/performance.md). Above SMALL_BATCH_BYTES of input compiled code wins again, and
 # the session's own settings stand.
 INTERPRETED = {"spark.sql.codegen.wholeStage": "false", "spark.sql.codegen.factoryMode": "NO_CODEGEN"}
 SMALL_BATCH_BYTES = 8 << 20

@@ -87,6 +87,10 @@ def test_each_micro_batch_logs_one_line_with_its_counts(ran):
     line = records[0].getMessage()
     assert line.startswith("stream=movie_ticket_sales batch=0 lines=9 accepted=5 quarantined=3 duplicates=1 "), line
     assert "rows_per_s=" in line and "elapsed_s=" in line
+    # each step's seconds, which together are most of the batch
+    steps = [figures[f"{step}_s"] for step in ("ingest", "state", "changelog")]
+    assert all(s > 0 for s in steps) and sum(steps) <= figures["elapsed_s"] + 0.01, figures
+    assert "ingest_s=" in line and "state_s=" in line
 
 
 def test_status_names_what_is_pending_and_what_each_step_folded(spark, ran):
