@@ -321,8 +321,8 @@ def ingest_batch(units: DataFrame, batch_id: int, *, settings: IngestSettings) -
     (`_write_batch`).
 
     Bronze's append happens even when empty: its commit records `{"app_id", "batch_id"}` in its userMetadata,
-    which is how the next run checks the checkpoint against the tables; quarantine's, only with a bad line. If the batch
-    fails for a reason tied to its data, the lines that cause it are isolated and quarantined as
+    which is how the next run checks the checkpoint against the tables; quarantine's happens only with a bad line.
+    If the batch fails for a reason tied to its data, the lines that cause it are isolated and quarantined as
     `unprocessable` (dead letters), and the rest of the batch goes on.
     """
     # Fixed once per attempt, so a recomputed partition classifies every line the same way.
@@ -336,7 +336,7 @@ def ingest_batch(units: DataFrame, batch_id: int, *, settings: IngestSettings) -
 
 
 def ingest_records(records: DataFrame, batch_id: int, *, settings: IngestSettings) -> Ingested:
-    """`ingest_batch` for a micro-batch of a topic's records: each record a line; both commits also record the
+    """`ingest_batch` for a micro-batch of a topic's records: each record a line; its commits also record the
     next offset of every partition (pipelines/kafka_source.py)."""
     ingested_at = datetime.now(timezone.utc)
     topic = settings.spec.topic
