@@ -10,8 +10,9 @@ query). Its foreachBatch, `StreamBatch`, reads top to bottom in data-flow order:
 4. the changelog, from the state-table versions this batch wrote (pipelines/changelog.py).
 
 Exactly once. Every write carries the stream's transaction id (app id, batch id), so a replay of a batch is a
-no-op table by table. Each step after bronze reads the bronze rows added after the version its own last commit
-recorded, and records the version it reached in the same commit as its rows. So a batch replayed after a crash
+no-op table by table. Each step after bronze folds the bronze rows added after the version its own last commit
+recorded (this batch's own append as the batch holds it, when that is all the step lacks), and records the version
+it reached in the same commit as its rows. So a batch replayed after a crash
 between any two commits, or after the checkpoint was lost (a new app id), folds every bronze row once: a step
 that had committed skips it, a step that had not folds it, from the state the previous batch left (recorded
 versions, read by time travel), never from what this batch had half written.
