@@ -183,7 +183,7 @@ bench-quick: install jars class-archive
 bench-core: install jars class-archive
 	$(BIN)/python -m benchmarks.run --only core
 
-# only case (g): the windows and sessions steps against the all-time step, 1M events of each stream
+# only case (g): the windowed and session tables' steps against the all-time step, 1M events of each stream
 bench-event-time: install jars class-archive
 	$(BIN)/python -m benchmarks.run --only paths
 

@@ -30,7 +30,8 @@ from pipelines.kafka_source import end_offsets
 from pipelines.session import REMOTE_ENV, engine_answers
 from pipelines.source import landing_listing
 from pipelines.storage import AnyPath
-from pipelines.streams import StreamSpec, streams
+from pipelines.streams import StreamSpec
+from pipelines.project import streams
 from resources import SparkSessionResource, StorageResource
 
 DEEP_CHECKS = dg.AssetSelection.checks(*deep_check_keys())

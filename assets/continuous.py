@@ -37,7 +37,8 @@ from pipelines.continuous import ContinuousStep, create_tables, run_steps_contin
 from pipelines.layout import StorageLayout
 from pipelines.stream_query import advance_stream, event_time_streams, event_time_tables
 from pipelines.streaming import Continuous, commits_since, table_version
-from pipelines.streams import StateTableSpec, StreamSpec, streams
+from pipelines.streams import StateTableSpec, StreamSpec
+from pipelines.project import streams
 from resources import CheckPolicyResource, SparkSessionResource, StorageResource
 from resources.check_policy import WARN_ONLY_NOTE
 
@@ -47,15 +48,15 @@ class ContinuousConfig(dg.Config):
         "Processing-time trigger of each stream's query: how often it looks for new input. Freshness (landing "
         "file to state table) is a few of these."))
     event_time_steps: bool = Field(default=True, description=(
-        "Also keep the windows (movie_ticket_sales) and sessions (payments) in each micro-batch, for the streams "
-        "that keep them ($STATETABLES_EVENT_TIME, default all)."))
+        "Also keep the windowed and session tables in each micro-batch, for the streams that keep them "
+        "($STATETABLES_EVENT_TIME, default all)."))
     report_every_seconds: float = Field(default=30.0, gt=0, description=(
         "How often the run reports to Dagster: a materialization per table that committed since the last "
         "report, and the state tables' per-run checks."))
     streams: StreamConfig = Field(default_factory=StreamConfig, description="As in the streams' assets.")
 
     def event_time_kept(self) -> frozenset[str]:
-        """The streams whose windows or sessions this run keeps."""
+        """The streams whose windowed and session tables this run keeps."""
         return event_time_streams() if self.event_time_steps else frozenset()
 
 

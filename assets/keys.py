@@ -7,7 +7,10 @@ from datetime import timedelta
 import dagster as dg
 
 from pipelines.changelog import changelog_name
-from pipelines.streams import StateTableSpec, StreamSpec, streams
+from pipelines.streams import StateTableSpec, StreamSpec
+from pipelines.project import streams
+# The blocking checks' names live with the policy that names them (resources/check_policy.py).
+from resources.check_policy import DEEP_CHECK
 
 KINDS = {"spark", "delta"}
 ADVANCE_ALL_JOB = "advance_all"
@@ -17,7 +20,6 @@ RECOVERY_CHAIN_TAG = "statetables/recovery_chain_of"  # the run whose failure be
 RECOVERY_ATTEMPT_TAG = "statetables/recovery_attempt"
 RECOVERY_REASON_TAG = "statetables/recovery_reason"
 MAX_RECOVERY_ATTEMPTS = 3
-DEEP_CHECK = "reconciles_with_bronze"  # reads all of bronze: nightly and on demand, not in every run
 DEEP_CHECK_JOB = "reconcile_state_tables"
 CONTINUOUS_JOB = "run_continuously"
 MAINTENANCE_JOB = "maintain_tables"
@@ -46,17 +48,6 @@ def changelog_key(table: StateTableSpec) -> dg.AssetKey:
 
 def deep_check_keys() -> list[dg.AssetCheckKey]:
     return [dg.AssetCheckKey(state_key(t), DEEP_CHECK) for spec in streams().values() for t in spec.state_tables]
-
-
-def blocking_check_names() -> list[str]:
-    """Every blocking check as ASSET:CHECK (resource check_policy names them; a test holds this list to the
-    definitions' own). Written out, not read from the definitions, which import the resources."""
-    per_state_table = ("totals_match_bronze", DEEP_CHECK, "unique_keys", "nothing_negative")
-    specs = streams().values()
-    return sorted([*(f"{t.name}:{check}" for spec in specs for t in spec.state_tables for check in per_state_table),
-                   *(("tickets_per_title_hourly:windows_reconcile_with_bronze",
-                      "top_titles_hourly:top_titles_match_windows") if any(s.windows for s in specs) else ()),
-                   *(("customer_activity:sessions_reconcile_with_bronze",) if any(s.sessions for s in specs) else ())])
 
 
 def pool(spec: StreamSpec) -> str:

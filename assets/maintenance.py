@@ -10,8 +10,9 @@ from assets.keys import MAINTENANCE_JOB, REFRESH_JOB
 from assets.metadata import records_table
 from pipelines.maintenance import MIN_RETAIN, maintain_stream
 from pipelines.project import project
-from pipelines.refresh import refresh_state_table
-from pipelines.streams import streams
+from pipelines.refresh import refresh_event_time_table, refresh_state_table
+from pipelines.streams import StateTableSpec
+from pipelines.project import streams
 from resources import SparkSessionResource, StorageResource
 
 
@@ -54,22 +55,25 @@ weekly_maintenance = dg.ScheduleDefinition(
 
 class RefreshConfig(dg.Config):
     table: str = Field(default="", description=(
-        "The state table to rebuild from bronze under the project file's definition (required: empty fails the "
-        "run, naming the tables there are)."))
+        "The state, windowed or session table to rebuild from bronze under the project file's definition "
+        "(required: empty fails the run, naming the tables there are)."))
 
 
-@dg.op(description="Rebuild one state table from its stream's bronze under the current definition, in one commit.")
+@dg.op(description="Rebuild one state, windowed or session table from its stream's bronze under the current "
+                   "definition, in one commit.")
 def refresh_table(context: dg.OpExecutionContext, config: RefreshConfig, spark: SparkSessionResource,
                   storage: StorageResource):
-    spec, table = project().state_table(config.table)
-    figures = refresh_state_table(spark.spark_session, storage.layout(), spec, table)
+    spec, table = project().table(config.table)
+    refresh = refresh_state_table if isinstance(table, StateTableSpec) else refresh_event_time_table
+    figures = refresh(spark.spark_session, storage.layout(), spec, table)
     context.log_event(dg.AssetMaterialization(asset_key=dg.AssetKey(table.name), metadata={
         **figures, "refreshed": True, "sql": dg.MetadataValue.md(f"```sql\n{table.sql}\n```")},
         description="full refresh from bronze"))
     yield dg.Output(None)
 
 
-@dg.job(name=REFRESH_JOB, description="Full refresh: one state table rebuilt from bronze under the project file's "
-                                      "definition, its content replaced in one commit (`statetables refresh TABLE`).")
+@dg.job(name=REFRESH_JOB, description="Full refresh: one state, windowed or session table rebuilt from bronze under "
+                                      "the project file's definition, its content replaced in one commit "
+                                      "(`statetables refresh TABLE`).")
 def refresh_state_table_job():
     refresh_table()

@@ -18,7 +18,7 @@ from pyspark.sql import functions as F
 from assets.metadata import (
     RUNBOOK_LINE, RUNBOOK_METADATA, event_time_metadata, frame_table, records_table, recovery_metadata,
 )
-from assets import sessions as sessions_assets, windows as windows_assets
+from assets import event_time as event_time_assets
 from assets.keys import (
     DEEP_CHECK, KINDS, STATE_FRESHNESS, bronze_key, changelog_key, pool, quarantine_key, state_key, stream_op_name,
 )
@@ -27,11 +27,13 @@ from pipelines.changelog import changelog_name
 from pipelines.expiry import EXPIRY
 from pipelines import table_checks
 from pipelines.state import changed_definitions, folded_through
-from pipelines.stream_query import StreamSettings, advance_stream
+from pipelines.event_time import recorded_changes
+from pipelines.stream_query import StreamSettings, advance_stream, event_time_streams
 from pipelines.table_checks import quarantine_reasons, state_totals
 from pipelines.streaming import StreamRunResult, commits_since
 from pipelines.errors import ConfigurationError, DefinitionChangedError
-from pipelines.streams import StateTableSpec, StreamSpec, stream_spec, streams
+from pipelines.streams import StateTableSpec, StreamSpec
+from pipelines.project import stream_spec, streams
 from resources import CheckPolicyResource, SparkSessionResource, StorageResource
 
 class StreamConfig(dg.Config):
@@ -64,24 +66,22 @@ def _versions(result: StreamRunResult, name: str) -> dict:
     return {"table_version_before": v.before if v.before is not None else -1, "table_version": v.after}
 
 
-def _event_time_assets(spec: StreamSpec):
-    return windows_assets if spec.windows else sessions_assets if spec.sessions else None
-
-
 def require_current_definitions(layout) -> None:
     """When the code location loads: refuse state tables whose rows an earlier definition wrote, naming the fix (a
     run would refuse them too, before touching data)."""
     changed = changed_definitions(layout, [t for spec in streams().values() for t in spec.state_tables])
+    changed += [change for spec in streams().values() for change in recorded_changes(layout, spec)]
     if changed:
-        raise DefinitionChangedError("The project file changed state tables that hold rows: " + "; ".join(changed))
+        raise DefinitionChangedError("The project file changed tables that hold rows: " + "; ".join(changed))
 
 
 def build_stream_assets(spec: StreamSpec, keeps_event_time: bool = True) -> list:
     """The stream's one step (a multi-asset: every table its streaming query writes) and the state table's
-    blocking checks. Without `keeps_event_time`, the stream has no windows or sessions assets and its runs do not
+    blocking checks. Without `keeps_event_time`, the stream has no windowed or session assets and its runs do not
     write them (pipelines/stream_query.py, `event_time_streams`)."""
     bronze, quarantine = bronze_key(spec), quarantine_key(spec)
-    event_time = _event_time_assets(spec) if keeps_event_time else None
+    event_time = keeps_event_time and bool(spec.event_time_tables)
+    owns_late = event_time and event_time_assets.late_events_owner(event_time_streams() | {spec.name}) == spec.name
 
     @dg.multi_asset(
         name=stream_op_name(spec),
@@ -98,7 +98,7 @@ def build_stream_assets(spec: StreamSpec, keeps_event_time: bool = True) -> list
                 f"number, a machine-readable `reason` (+ `reason_field`, `detail`). Conflicting re-uses of an "
                 f"accepted `{spec.id_field}` land here as `conflicting_duplicate`. Nothing is dropped." + RUNBOOK_LINE)),
             *(spec_ for table in spec.state_tables for spec_ in _state_table_specs(spec, table)),
-            *(event_time.specs(spec) if event_time else ()),
+            *(event_time_assets.specs(spec, owns_late) if event_time else ()),
         ],
         check_specs=[
             dg.AssetCheckSpec("quarantine_rate", asset=quarantine, description=(
@@ -108,7 +108,7 @@ def build_stream_assets(spec: StreamSpec, keeps_event_time: bool = True) -> list
                 "rewritten under the same name) or vanished before it could be read. Appended lines are "
                 "ingested; a rewritten file's content is ingested as its next version, re-deliveries in it "
                 "counted once. See docs/recovery.md, 'Landing files that change'.")),
-            *(event_time.CHECK_SPECS if event_time else ()),
+            *(event_time_assets.check_specs(spec) if event_time else ()),
         ],
         pool=pool(spec),
     )
@@ -116,7 +116,7 @@ def build_stream_assets(spec: StreamSpec, keeps_event_time: bool = True) -> list
                storage: StorageResource, check_policy: CheckPolicyResource):
         session, layout = spark.spark_session, storage.layout()
         current = current_declaration(spec)
-        result = advance_stream(session, layout, current, replace(config.settings(), event_time=event_time is not None))
+        result = advance_stream(session, layout, current, replace(config.settings(), event_time=event_time))
         bronze_commits = result.commits[spec.bronze_table]
         counts = {k: sum(c["user"].get(k, 0) for c in bronze_commits)
                   for k in ("files", "lines", "accepted", "quarantined", "duplicates", "already_ingested",
@@ -161,8 +161,8 @@ def build_stream_assets(spec: StreamSpec, keeps_event_time: bool = True) -> list
                       "lines_read": counts["lines"], "rows_quarantined": counts["quarantined"]})
         for table in current.state_tables:
             yield _state_result(session, layout, current, table, result, counts, common)
-        if event_time is not None:
-            yield from event_time.results(session, layout, result, check_policy)
+        if event_time:
+            yield from event_time_assets.results(session, layout, current, result, check_policy, owns_late)
         for table in spec.state_tables:
             name = changelog_name(table)
             path = layout.table(name)

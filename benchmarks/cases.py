@@ -142,46 +142,49 @@ def warm(args) -> dict:
 
 def paths(args) -> dict:
     """(g) The event-time steps against the all-time step, on the same bronze, in one process: run each stream
-    without its event-time step, then time, each over all of bronze in one go, a fresh state table's MERGE and
-    the event-time step (windows for sales, sessions for payments), with the operator's state size."""
+    without its windowed and session tables, then time, each over all of bronze in one go, a fresh state table's
+    MERGE and each windowed or session table's step, with its operator state's size."""
     import shutil
     from dataclasses import replace
+    from pipelines.event_time import state_table_figures
     from pipelines.layout import StorageLayout
-    from pipelines.sessions import sessions_stage, state_figures as sessions_state
+    from pipelines.sessions import sessions_stage
     from pipelines.state import StateTableStage, ensure_state_table
     from pipelines.stream_query import StreamSettings, advance_stream
-    from pipelines.streaming import table_version
-    from pipelines.streams import streams
-    from pipelines.windows import state_figures as windows_state, windows_stage
+    from pipelines.streaming import BronzeRows, table_version
+    from pipelines.project import streams
+    from pipelines.windows import windows_stage
     spark = _session()
     layout = StorageLayout.under(args.home)
     out = {}
-    for name, stage_of, state_of in (("movie_ticket_sales", windows_stage, windows_state),
-                                     ("payments", sessions_stage, sessions_state)):
-        if not layout.landing(name).is_dir():
+    for name, spec in streams().items():
+        if not layout.landing(name).is_dir() or not spec.event_time_tables:
             continue
-        spec = streams()[name]
         started = time.monotonic()
         advance_stream(spark, layout, spec, replace(StreamSettings(), event_time=False))
         ingest_s = time.monotonic() - started
-        bronze = layout.table(spec.bronze_table)
-        through = table_version(spark, bronze)
-        rows = spark.read.format("delta").load(str(bronze)).count()
-        (table,) = spec.state_tables
+        bronze_path = layout.table(spec.bronze_table)
+        bronze = BronzeRows(spark, bronze_path, table_version(spark, bronze_path), None)
+        rows = spark.read.format("delta").load(str(bronze_path)).count()
+        table = spec.state_tables[0]
         shutil.rmtree(layout.table(table.name))
         ensure_state_table(spark, layout, table)
         started = time.monotonic()
-        StateTableStage(layout, spec, table, 0).advance(spark, bronze, through, "bench/all-time", 0)
+        StateTableStage(layout, spec, table, 0).advance(spark, bronze, "bench/all-time", 0)
         all_time_s = time.monotonic() - started
-        stage = stage_of(spark, layout)  # not timed: creates its tables and their first, empty state
-        started = time.monotonic()
-        stage.advance(spark, bronze, through, "bench/event-time", 0)
-        event_time_s = time.monotonic() - started
-        state = state_of(spark, layout)
+        steps = {}
+        for declared in spec.event_time_tables:
+            stage = (windows_stage if declared.kind == "window" else sessions_stage)(spark, layout, spec, declared)
+            started = time.monotonic()
+            stage.advance(spark, bronze, "bench/event-time", 0)
+            steps[declared.name] = {"seconds": round(time.monotonic() - started, 2),
+                                    **state_table_figures(spark, layout.table(declared.state_table))}
+        event_time_s = sum(step["seconds"] for step in steps.values())
         out[name] = {"bronze_rows": rows, "ingest_s": round(ingest_s, 2), "all_time_s": round(all_time_s, 2),
                      "event_time_s": round(event_time_s, 2), "event_time_micro_batches": 1,
                      "all_time_events_per_s": round(rows / all_time_s), "event_time_events_per_s": round(rows / event_time_s),
-                     "operator_state_rows": state.get("rows"), "operator_state_bytes": state.get("bytes")}
+                     "operator_state_rows": sum(step["rows"] for step in steps.values()),
+                     "operator_state_bytes": sum(step["bytes"] for step in steps.values()), "event_time_tables": steps}
     return {"work_s": sum(v["all_time_s"] + v["event_time_s"] for v in out.values()), **out}
 
 
@@ -190,7 +193,7 @@ def validation(args) -> dict:
     SQL one it replaced (tests/reference_validator.py), in turn, twice each; the second time of each counts."""
     from datetime import datetime, timezone
     from pyspark.sql import functions as F
-    from pipelines.streams import stream_spec
+    from pipelines.project import stream_spec
     from pipelines.validate import validate_lines
     from tests.reference_validator import validate_lines as sql_validate_lines
     spark = _session()

@@ -135,7 +135,7 @@ class Data:
 
     def history(self, events: int) -> Path:
         from pipelines.generate import generate
-        from pipelines.streams import stream_spec
+        from pipelines.project import stream_spec
         folder = self.root / f"history-{events}"
         if not folder.is_dir():
             start = datetime.now(timezone.utc) - timedelta(seconds=15.5 * events, days=5)
@@ -161,7 +161,7 @@ class Data:
 
     def sales_history(self, events: int) -> Path:
         from pipelines.generate import generate
-        from pipelines.streams import stream_spec
+        from pipelines.project import stream_spec
         folder = self.root / f"sales-history-{events}"
         if not folder.is_dir():
             start = datetime.now(timezone.utc) - timedelta(seconds=15.5 * events, days=5)
@@ -170,7 +170,7 @@ class Data:
 
     def increment(self, events: int, seed: int, customers: int) -> Path:
         from pipelines.generate import generate
-        from pipelines.streams import stream_spec
+        from pipelines.project import stream_spec
         folder = self.root / f"increment-{events}-{seed}"
         if not folder.is_dir():
             # recent events, about 1 s apart: an increment is the last day or so of traffic
@@ -632,7 +632,7 @@ def only_freshness(work: Path, *, keep: bool, quick: bool) -> None:
     (benchmarks/freshness.py), into docs/bench/freshness.json."""
     from benchmarks.freshness import run_mode
     from pipelines.generate import generate
-    from pipelines.streams import stream_spec
+    from pipelines.project import stream_spec
 
     started = time.monotonic()
     files, every_s = (10, 2.0) if quick else (60, 2.0)

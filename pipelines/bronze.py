@@ -16,7 +16,7 @@ from functools import partial, reduce
 from pathlib import Path
 
 
-from pyspark.sql import Column, DataFrame, SparkSession, Window
+from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.types import (
     BinaryType, BooleanType, DecimalType, LongType, StringType, StructField, StructType, TimestampType,
@@ -27,7 +27,7 @@ from pipelines.errors import ConcurrentWriterError, StorageError
 from pipelines.kafka_source import (
     KAFKA_FIELDS, SOURCE_OFFSETS, batch_ranges, offsets_record, record_lines, recorded_offsets,
 )
-from pipelines.source import LEDGER_SCHEMA, arrival_order, read_units, split_lines
+from pipelines.source import LEDGER_SCHEMA, read_units, split_lines
 from pipelines.faults import (
     INGEST_AFTER_BRONZE_COMMIT, INGEST_AFTER_QUARANTINE_COMMIT, INGEST_POISON, InjectedFault,
     fault_marker, fault_point,
@@ -110,46 +110,52 @@ def _already_ingested(bronze: DataFrame, quarantine: DataFrame, spec: StreamSpec
     return in_bronze.unionByName(in_quarantine).distinct()
 
 
-def _outcomes(marked: DataFrame, bronze: DataFrame, spec: StreamSpec, lo: Column, hi: Column) -> DataFrame:
+def _outcomes(marked: DataFrame, bronze: DataFrame, spec: StreamSpec, lo: Column, hi: Column,
+              horizon_us: int, *, repeats: bool = True) -> DataFrame:
     """Every line of the batch with its `outcome`, in one pass: `already_ingested` (column `_done`), `quarantined`
-    (a reason), then among the valid lines not yet ingested `accepted` (new), `duplicates` (an id seen before
-    with the same content) or `quarantined` as `conflicting_duplicate` (an id seen before with other content).
+    (a reason), then among the valid lines not yet ingested `accepted` (new), `duplicates` (an id accepted before
+    with the same content) or `quarantined` as `conflicting_duplicate` (an id accepted before with other content).
 
-    An id already in bronze keeps the content it was accepted with; otherwise the first arrival in the batch
-    wins. Bronze is searched among events whose event time lies between `lo` and `hi` (the batch's event times
-    widened by the dedup horizon). Content is compared by `content_identity`, computed from bronze's typed
-    columns, so rows of any earlier version compare the same way.
+    The contract's rule: an event is compared with the accepted events of its id whose event time lies within the
+    dedup horizon of its own; none there, it is a new event. So the same lines give the same tables however they
+    are cut into micro-batches. Bronze is searched among events whose event time lies between `lo` and `hi` (the
+    batch's event times widened by the horizon). Content is compared by `content_identity`, computed from bronze's
+    typed columns, so rows of any earlier version compare the same way.
 
-    No sort of the batch: ids are counted by a hash aggregation, and only the lines of ids the batch holds more
-    than once (re-deliveries, a few in a hundred) are ranked by arrival; every other line is its id's first. Both
-    lookups join the whole batch with a small side (those lines; bronze's rows of the batch's ids), which the
-    adaptive planner broadcasts: a hash join, not a sort-merge of every line.
+    A line whose id the batch holds once is decided by a join with bronze's events of its id within its horizon.
+    The lines of ids the batch holds more than once (re-deliveries, a few in a hundred) are decided in arrival
+    order, each against what bronze and the lines before it accepted (`_decided_in_order`); `repeats` False
+    (the batch holds each valid id once, as its facts counted) skips that job. No sort of the batch: ids are
+    counted by a hash aggregation.
     """
     id_col, ts_col = spec.id_field, spec.event_time_field
     candidate = F.col("reason").isNull() & F.col("_done").isNull()
     # Only candidates have a key; every other line has NULL and is never compared.
     keyed = marked.withColumn("_key", F.when(candidate, F.col(id_col)))
-    candidates = keyed.where(candidate).select("_key", "unit", "line_number", "content_hash")
-    repeated = candidates.groupBy("_key").agg(F.count("*").alias("_n")).where(F.col("_n") > 1).select("_key")
-    by_arrival = Window.partitionBy("_key").orderBy(*arrival_order())
-    ranked_repeats = (candidates.join(repeated, "_key", "left_semi")
-                      .select("unit", "line_number", F.row_number().over(by_arrival).alias("_rank"),
-                              F.first("content_hash").over(by_arrival).alias("_first_hash")))
-    ranked = keyed.join(ranked_repeats, ["unit", "line_number"], "left")
-    # Only bronze rows of the batch's ids are hashed: the event-time range skips files by their
-    # statistics, the semi join skips every other id before the (costly) content hash.
-    prior = (
-        bronze.where(F.col(ts_col).between(lo, hi))
-        .join(candidates.select(F.col("_key")).distinct(), F.col(id_col) == F.col("_key"), "left_semi")
-        .groupBy(F.col(id_col).alias("_prior_id"))
-        .agg(F.collect_set(content_identity(spec)).alias("_prior_hashes"))
-    )
-    looked_up = ranked.join(prior, ranked["_key"] == prior["_prior_id"], "left")
-    seen = F.col("_prior_id").isNotNull()
-    first_hash = F.coalesce(F.col("_first_hash"), F.col("content_hash"))
-    known_content = F.when(seen, F.array_contains("_prior_hashes", F.col("content_hash"))).otherwise(
-        F.col("content_hash") == first_hash)
-    is_new = ~seen & (F.coalesce(F.col("_rank"), F.lit(1)) == 1)
+    candidates = keyed.where(candidate).select("_key", "unit", "line_number", "content_hash",
+                                               F.unix_micros(ts_col).alias("_at"))
+    # Bronze's events of the batch's ids: the event-time range skips files by their statistics, the semi join
+    # skips every other id before the (costly) content hash.
+    prior = (bronze.where(F.col(ts_col).between(lo, hi))
+             .join(candidates.select("_key").distinct(), F.col(id_col) == F.col("_key"), "left_semi")
+             .select(F.col(id_col).alias("_prior_id"), F.unix_micros(ts_col).alias("_prior_at"),
+                     content_identity(spec).alias("_prior_hash")))
+    singles, looked_up = candidates, keyed
+    if repeats:
+        repeated = candidates.groupBy("_key").agg(F.count("*").alias("_n")).where(F.col("_n") > 1).select("_key")
+        singles = candidates.join(repeated, "_key", "left_anti")
+        in_order = _decided_in_order(candidates.join(repeated, "_key", "left_semi"),
+                                     prior.join(repeated, F.col("_prior_id") == F.col("_key"), "left_semi"), horizon_us)
+        looked_up = keyed.join(in_order, ["unit", "line_number"], "left")
+    else:
+        looked_up = keyed.withColumn("_decided", F.lit(None).cast("string"))
+    within = (F.col("_key") == F.col("_prior_id")) & (F.abs(F.col("_at") - F.col("_prior_at")) <= horizon_us)
+    near = (singles.join(prior, within)
+            .groupBy("unit", "line_number").agg(F.max(F.col("_prior_hash") == F.col("content_hash")).alias("_same")))
+    looked_up = looked_up.join(near, ["unit", "line_number"], "left")
+    decided = F.col("_decided")
+    is_new = F.when(decided.isNotNull(), decided == "accepted").otherwise(F.col("_same").isNull())
+    known_content = F.when(decided.isNotNull(), decided == "duplicates").otherwise(F.coalesce("_same", F.lit(False)))
     conflict = candidate & ~is_new & ~known_content
     outcome = (F.when(F.col("_done"), F.lit("already_ingested"))
                .when(F.col("reason").isNotNull(), F.lit("quarantined"))
@@ -165,6 +171,32 @@ def _outcomes(marked: DataFrame, bronze: DataFrame, spec: StreamSpec, lo: Column
                ).otherwise(F.col("detail")).alias("detail"),
         outcome.alias("outcome"),
     )
+
+
+def _decided_in_order(lines: DataFrame, prior: DataFrame, horizon_us: int) -> DataFrame:
+    """(unit, line_number, `_decided`) for lines of ids the batch holds more than once: in arrival order, a line is
+    `accepted` when no accepted event of its id (in bronze, or an earlier line) lies within its horizon, else
+    `duplicates` when one there has its content, else `conflicting`. Sequential by nature (each accepted line
+    widens what the next is compared with), so it runs in the driver over those lines and their ids' bronze events
+    only: a few in a hundred of a batch, read in one job."""
+    rows = (lines.select("_key", "unit", "line_number", "_at", "content_hash", F.lit(False).alias("_prior"))
+            .unionByName(prior.select(F.col("_prior_id").alias("_key"), F.lit(None).cast("long").alias("unit"),
+                                      F.lit(None).cast("long").alias("line_number"), F.col("_prior_at").alias("_at"),
+                                      F.col("_prior_hash").alias("content_hash"), F.lit(True).alias("_prior")))
+            .collect())
+    accepted: dict[str, list[tuple[int, str]]] = {}
+    for row in rows:
+        if row["_prior"]:
+            accepted.setdefault(row["_key"], []).append((row["_at"], row["content_hash"]))
+    decided = []
+    for row in sorted((r for r in rows if not r["_prior"]), key=lambda r: (r["unit"], r["line_number"])):
+        kept = accepted.setdefault(row["_key"], [])
+        near = {content for at, content in kept if abs(at - row["_at"]) <= horizon_us}
+        if not near:
+            kept.append((row["_at"], row["content_hash"]))
+        decided.append((row["unit"], row["line_number"], "accepted" if not near else
+                        "duplicates" if row["content_hash"] in near else "conflicting"))
+    return lines.sparkSession.createDataFrame(decided, "unit bigint, line_number bigint, _decided string")
 
 
 OUTCOMES = ("accepted", "quarantined", "duplicates", "already_ingested")
@@ -244,8 +276,10 @@ def _classify(lines: DataFrame, batch_id: int, settings: IngestSettings, ingeste
     # Planning the validation again for each of the batch's queries cost more than running it.
     stamped = kept_on_disk(stamped)
     valid_ts = F.when(F.col("reason").isNull(), F.col(ts_col))
+    valid_id = F.when(F.col("reason").isNull(), F.col(spec.id_field))
     facts = stamped.agg(F.unix_micros(F.min(valid_ts)).alias("lo"), F.unix_micros(F.max(valid_ts)).alias("hi"),
-                        F.count("*").alias("lines"), F.collect_set("source_file").alias("files")).first()
+                        F.count("*").alias("lines"), F.collect_set("source_file").alias("files"),
+                        F.count(valid_id).alias("valid"), F.count_distinct(valid_id).alias("ids")).first()
     # Event times are compared as micros, never as Python datetimes: no year-0 or year-10000 surprises.
     lo, hi = facts["lo"] or 0, facts["hi"] or 0
     bronze = spark.read.format("delta").load(settings.bronze_path)
@@ -258,7 +292,7 @@ def _classify(lines: DataFrame, batch_id: int, settings: IngestSettings, ingeste
         marked = stamped.withColumn("_done", F.lit(None).cast("boolean"))
     horizon = _micros(settings.horizon)
     classified = _outcomes(marked, bronze, spec, F.timestamp_micros(F.lit(lo - horizon)),
-                           F.timestamp_micros(F.lit(hi + horizon)))
+                           F.timestamp_micros(F.lit(hi + horizon)), horizon, repeats=facts["valid"] > facts["ids"])
     return classified, {"lines": facts["lines"], "files": facts["files"]}
 
 

@@ -27,11 +27,11 @@ from pyspark.sql import SparkSession
 from pipelines.bronze import ensure_bronze_tables
 from pipelines.layout import StorageLayout
 from pipelines.changelog import ensure_changelog
-from pipelines.sessions import ensure_session_tables
+from pipelines import sessions, windows
+from pipelines.event_time import ensure_tables
 from pipelines.state import ensure_state_table
 from pipelines.streaming import Continuous, StreamRunResult
-from pipelines.streams import streams
-from pipelines.windows import ensure_window_tables
+from pipelines.project import streams
 
 
 @dataclass(frozen=True)
@@ -50,10 +50,9 @@ def create_tables(spark: SparkSession, layout: StorageLayout) -> None:
         for table in spec.state_tables:
             ensure_state_table(spark, layout, table)
             ensure_changelog(spark, layout, table)
-        if spec.windows is not None:
-            ensure_window_tables(spark, layout)
-        if spec.sessions is not None:
-            ensure_session_tables(spark, layout)
+        for table in spec.event_time_tables:
+            ensure_tables(spark, layout, spec, table, (windows if table.kind == "window" else sessions)
+                          .state_schema(table))
 
 
 def run_steps_continuously(steps: list[ContinuousStep], continuous: Continuous, *, tick_s: float) -> Iterator[None]:

@@ -86,6 +86,11 @@ def replace_table(spark: SparkSession, path: str | Path, content: DataFrame, pro
               f"AS SELECT * FROM {{content}}", content=content)
 
 
+def add_column(spark: SparkSession, path: str | Path, name: str, sql_type: str) -> None:
+    """Add a nullable column at the end of the table's schema (its rows get NULL)."""
+    spark.sql(f"ALTER TABLE {table_ref(path)} ADD COLUMNS ({ident(name)} {sql_type})")
+
+
 def set_property(spark: SparkSession, path: str | Path, key: str, value: str) -> None:
     if not _PROPERTY_KEY.match(key):
         raise ValueError(f"not a table property name: {key!r}")

@@ -32,25 +32,23 @@ STATE_AFTER_MERGE_COMMIT = "state.after_merge_commit"  # MERGE committed, checkp
 STATE_BATCH_END = "state.batch_end"
 STATE_AFTER_REBUILD = "state.after_rebuild"  # a rebuild from bronze committed, before the query starts
 INGEST_POISON = "ingest.poison_line"
-# Between the commits of a windows batch: late_events, top_titles_hourly, the open hours, then the closing
-# tickets_per_title_hourly commit.
+# Between the commits of a windowed table's batch: late_events, its top N tables, its state, then the closing
+# commit to the table.
 WINDOWS_AFTER_LATE_COMMIT = "windows.after_late_commit"
 WINDOWS_AFTER_TOP_COMMIT = "windows.after_top_commit"
-WINDOWS_AFTER_OPEN_HOURS_COMMIT = "windows.after_open_hours_commit"
+WINDOWS_AFTER_STATE_COMMIT = "windows.after_state_commit"
 WINDOWS_BEFORE_CLOSING_COMMIT = "windows.before_closing_commit"
-# Between the commits of a sessions batch: late_events, the open sessions, the last sessions, then the closing
-# customer_activity commit.
+# Between the commits of a session table's batch: late_events, its state, then the closing commit to the table.
 SESSIONS_AFTER_LATE_COMMIT = "sessions.after_late_commit"
-SESSIONS_AFTER_OPEN_SESSIONS_COMMIT = "sessions.after_open_sessions_commit"
-SESSIONS_AFTER_LAST_SESSIONS_COMMIT = "sessions.after_last_sessions_commit"
+SESSIONS_AFTER_STATE_COMMIT = "sessions.after_state_commit"
 SESSIONS_BEFORE_CLOSING_COMMIT = "sessions.before_closing_commit"
 # After the last commit of a batch (the changelog's): foreachBatch returns, Spark then writes the commit file.
 STREAM_BATCH_END = "stream.batch_end"
 POINTS = (INGEST_AFTER_QUARANTINE_COMMIT, INGEST_AFTER_BRONZE_COMMIT, STATE_MERGE_START,
           STATE_AFTER_MERGE_COMMIT, STATE_BATCH_END, STATE_AFTER_REBUILD, INGEST_POISON,
-          WINDOWS_AFTER_LATE_COMMIT, WINDOWS_AFTER_TOP_COMMIT, WINDOWS_AFTER_OPEN_HOURS_COMMIT,
-          WINDOWS_BEFORE_CLOSING_COMMIT, SESSIONS_AFTER_LATE_COMMIT, SESSIONS_AFTER_OPEN_SESSIONS_COMMIT,
-          SESSIONS_AFTER_LAST_SESSIONS_COMMIT, SESSIONS_BEFORE_CLOSING_COMMIT, STREAM_BATCH_END)
+          WINDOWS_AFTER_LATE_COMMIT, WINDOWS_AFTER_TOP_COMMIT, WINDOWS_AFTER_STATE_COMMIT,
+          WINDOWS_BEFORE_CLOSING_COMMIT, SESSIONS_AFTER_LATE_COMMIT, SESSIONS_AFTER_STATE_COMMIT,
+          SESSIONS_BEFORE_CLOSING_COMMIT, STREAM_BATCH_END)
 
 
 class InjectedFault(RuntimeError):

@@ -17,30 +17,21 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 from pipelines import delta_sql
-from pipelines.changelog import changelog_name
 from pipelines.errors import ConfigurationError
-from pipelines.event_time import LATE
 from pipelines.layout import StorageLayout
 from pipelines.savepoints import list_savepoints
-from pipelines.sessions import ACTIVITY, LAST_SESSIONS, OPEN_SESSIONS
 from pipelines.locks import writer_lock
+from pipelines.stream_query import StreamSettings, stream_tables as all_tables
 from pipelines.streaming import history_rows, table_version
 from pipelines.streams import StreamSpec
-from pipelines.windows import HOURLY, OPEN_HOURS, TOP
 
 MIN_RETAIN = timedelta(days=7)  # Delta's retentionDurationCheck refuses less; it is not turned off here
 SAVEPOINT_MARGIN = timedelta(hours=1)
 
 
 def stream_tables(spec: StreamSpec) -> list[str]:
-    """Every table a run of the stream writes (late_events with the stream that declares windows or sessions)."""
-    names = [spec.files_table, spec.quarantine_table, spec.bronze_table,
-             *(t.name for t in spec.state_tables), *(changelog_name(t) for t in spec.state_tables)]
-    if spec.windows is not None:
-        names += [HOURLY, TOP, OPEN_HOURS, LATE]
-    if spec.sessions is not None:
-        names += [ACTIVITY, OPEN_SESSIONS, LAST_SESSIONS]
-    return names
+    """Every table of the stream: its ledger (a landing folder's) and every table its runs write."""
+    return [*((spec.files_table,) if spec.topic is None else ()), *all_tables(spec, StreamSettings())]
 
 
 def _retention(spark, path: Path, name: str, saved: dict[str, int], retain: timedelta) -> timedelta:

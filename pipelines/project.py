@@ -10,12 +10,15 @@
           order_id: {type: string}
           total:    {type: decimal, min: 0}
         dedup_horizon_days: 7         # optional settings, here and nowhere else, so every run uses them
+        watermark_delay_minutes: 10   # how far behind the newest event the windows and sessions close
     state_tables:
       - CREATE TABLE orders_per_key AS SELECT ... FROM orders GROUP BY ...
       - {sql: CREATE TABLE ..., ttl_days: 30}
+      - CREATE TABLE orders_hourly AS SELECT ... FROM orders GROUP BY region, window(ordered_at, '1 hour')
 
-State tables are the seeds' SQL, parsed by sqlglot (Spark dialect) and kept only when every column can be merged
-incrementally; anything else fails the load naming the file's line and the fix, before any data is touched.
+The tables are SQL, parsed by pipelines/declared_sql.py (state, windowed and session tables, top N) and kept only
+when every column can be kept incrementally; anything else fails the load naming the file's line and the fix,
+before any data is touched.
 """
 
 from __future__ import annotations
@@ -27,28 +30,32 @@ from datetime import timedelta
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
-import sqlglot
 import yaml
-from sqlglot import exp
 
+from pipelines.declared_sql import NAME, SQL_HELP, parse_table
 from pipelines.errors import ConfigurationError
 from pipelines.streams import (
-    Aggregate, FieldRule, KafkaTopic, SessionOptions, StateTableSpec, StreamSpec, WindowOptions,
+    LATE_EVENTS, EventTimeTableSpec, FieldRule, KafkaTopic, StateTableSpec, StreamSpec, TopSpec,
 )
 
 PROJECT_ENV = "STATETABLES_PROJECT"
 PROJECT_FILE = "statetables.yaml"
 SHIPPED = Path(__file__).resolve().parents[1] / PROJECT_FILE
-NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,99}$")
 KINDS = ("string", "decimal", "timestamp", "integer", "boolean")
 RULES = {"type", "required", "trim", "max_length", "min", "max", "min_exclusive", "max_exclusive"}
-STREAM_KEYS = {"id", "event_time", "fields", "dedup_horizon_days", "event_time_max_ahead_hours", "windows",
-               "sessions", "source"}
+STREAM_KEYS = {"id", "event_time", "fields", "dedup_horizon_days", "event_time_max_ahead_hours",
+               "watermark_delay_minutes", "source"}
+# Options of earlier project files, now declared by SQL: what to write instead.
+REPLACED_KEYS = {
+    "windows": "declare a windowed table under `state_tables:`, e.g. `CREATE TABLE t AS SELECT key, window.start AS "
+               "window_start, window.end AS window_end, COUNT(*) AS n FROM stream GROUP BY key, window(event_time, "
+               "'1 hour')`, and its top N as a table of its own; the watermark delay is the stream's "
+               "`watermark_delay_minutes:`",
+    "sessions": "declare a session table under `state_tables:`, e.g. `CREATE TABLE t AS SELECT key, MIN(event_time) "
+                "AS session_start, MAX(event_time) AS session_end, COUNT(*) AS n FROM stream GROUP BY key, "
+                "session_window(event_time, '30 minutes')` (`ttl_days:` beside its `sql:`); the watermark delay is "
+                "the stream's `watermark_delay_minutes:`"}
 TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,249}$")  # Kafka's own rule for topic names
-# The columns bronze adds to a stream's fields (pipelines/bronze.py): a state table may not aggregate them.
-SQL_HELP = ("Fix: write `CREATE TABLE name AS SELECT key, ..., COUNT(*) AS n, SUM(col) AS total, ... FROM stream "
-            "GROUP BY key, ...` with aggregates COUNT(*), COUNT(col), SUM, MIN, MAX, AVG, MIN_BY, MAX_BY over the "
-            "stream's fields (README, 'Declare a stream').")
 
 
 @dataclass(frozen=True)
@@ -71,6 +78,16 @@ class Project:
         known = ", ".join(t.name for s in self.streams.values() for t in s.state_tables)
         raise ConfigurationError(f"No state table {name!r} in {self.path}. Fix: use one of {known}.")
 
+    def table(self, name: str) -> tuple[StreamSpec, StateTableSpec | EventTimeTableSpec]:
+        """A state, windowed or session table by name (a top N: the windowed table it ranks, rebuilt with it)."""
+        for spec in self.streams.values():
+            for table in (*spec.state_tables, *spec.event_time_tables):
+                if table.name == name or (isinstance(table, EventTimeTableSpec)
+                                          and name in {top.name for top in table.tops}):
+                    return spec, table
+        known = ", ".join(t.name for s in self.streams.values() for t in (*s.state_tables, *s.event_time_tables))
+        raise ConfigurationError(f"No table {name!r} in {self.path}. Fix: use one of {known}.")
+
     @property
     def state_tables(self) -> list[StateTableSpec]:
         return [t for s in self.streams.values() for t in s.state_tables]
@@ -90,6 +107,16 @@ def project_path() -> Path:
 
 
 _loaded: dict[tuple[Path, int], Project] = {}
+
+
+def stream_spec(name: str) -> StreamSpec:
+    """The declared stream by name (the project file); an unknown name fails with the list of known ones."""
+    return project().stream(name)
+
+
+def streams() -> dict[str, StreamSpec]:
+    """Every declared stream, in the project file's order."""
+    return project().streams
 
 
 def project(path: Path | None = None) -> Project:
@@ -146,27 +173,30 @@ def load_project(text: str, path: Path) -> Project:
     streams = {name: _stream(where, name, key, node, servers) for name, (key, node) in
                _mapping(where, top["streams"][1], "streams").items()}
     tables: dict[str, list[StateTableSpec]] = {name: [] for name in streams}
+    timed: dict[str, list[EventTimeTableSpec]] = {name: [] for name in streams}
+    tops: dict[str, list[TopSpec]] = {}
+    windowed: dict[str, EventTimeTableSpec] = {}
     items = top.get("state_tables", (None, yaml.SequenceNode("tag:yaml.org,2002:seq", [])))[1]
     if not isinstance(items, yaml.SequenceNode):
         raise where.fail(items, "`state_tables:` must be a list", "write each table as `- CREATE TABLE ...`")
-    taken = {t for s in streams.values() for t in (s.bronze_table, s.quarantine_table, s.files_table)}
+    taken = {t for s in streams.values() for t in (s.bronze_table, s.quarantine_table, s.files_table)} | {LATE_EVENTS}
     for item in items.value:
-        table = _state_table(where, item, streams, servers)
-        if table.name in taken or table.name in {t.name for ts in tables.values() for t in ts}:
-            raise where.fail(item, f"the table name {table.name!r} is taken", "give the state table another name")
-        taken.add(table.name)
-        tables[table.stream].append(table)
-    specs = {name: replace(spec, state_tables=tuple(tables[name])) for name, spec in streams.items()}
-    for spec in specs.values():
-        if (spec.windows or spec.sessions) and spec.value_field is None:
-            raise where.fail(None, f"stream {spec.name} (line {spec.line}) declares `{'windows' if spec.windows else 'sessions'}:`, "
-                             f"which total a value, but none of its state tables sums a required decimal field",
-                             "add SUM(<decimal field>) to one of its state tables")
-    for kind in ("windows", "sessions"):
-        using = [s for s in specs.values() if getattr(s, kind) is not None]
-        if len(using) > 1:
-            raise where.fail(None, f"{', '.join(s.name for s in using)} all declare `{kind}:`; their output tables "
-                             f"have one name each", f"declare `{kind}:` on one stream")
+        table = _table(where, item, streams, windowed, servers)
+        owned = (table.name, table.state_table) if isinstance(table, EventTimeTableSpec) else (table.name,)
+        if clash := next((name for name in owned if name in taken), None):
+            raise where.fail(item, f"the table name {clash!r} is taken", "give the table another name")
+        taken.update(owned)
+        if isinstance(table, TopSpec):
+            tops.setdefault(table.source, []).append(table)
+        elif isinstance(table, EventTimeTableSpec):
+            timed[table.stream].append(table)
+            if table.kind == "window":
+                windowed[table.name] = table
+        else:
+            tables[table.stream].append(table)
+    specs = {name: replace(spec, state_tables=tuple(tables[name]), event_time_tables=tuple(
+                 replace(t, tops=tuple(tops.get(t.name, ()))) for t in timed[name]))
+             for name, spec in streams.items()}
     return Project(path, specs)
 
 
@@ -226,6 +256,9 @@ def _stream(where: _Where, name: str, key: yaml.Node, node: yaml.Node, servers: 
     if not NAME.match(name):
         raise where.fail(key, f"stream name {name!r} is not allowed", "use letters, digits and '_'")
     entries = _mapping(where, node, f"stream {name}")
+    if replaced := sorted(set(entries) & set(REPLACED_KEYS)):
+        raise where.fail(entries[replaced[0]][0], f"stream {name}: `{replaced[0]}:` is no longer an option",
+                         REPLACED_KEYS[replaced[0]])
     if unknown := sorted(set(entries) - STREAM_KEYS):
         raise where.fail(entries[unknown[0]][0], f"stream {name}: unknown setting {unknown[0]!r}",
                          f"use some of {', '.join(sorted(STREAM_KEYS))}")
@@ -249,64 +282,15 @@ def _stream(where: _Where, name: str, key: yaml.Node, node: yaml.Node, servers: 
     if "event_time_max_ahead_hours" in entries:
         settings["max_ahead"] = timedelta(hours=_number(where, entries["event_time_max_ahead_hours"][1],
                                                         "event_time_max_ahead_hours"))
-    if "windows" in entries:
-        settings["windows"] = _windows(where, spec, entries["windows"][1])
-    if "sessions" in entries:
-        settings["sessions"] = _sessions(where, spec, entries["sessions"][1])
+    if "watermark_delay_minutes" in entries:
+        settings["watermark_delay"] = timedelta(minutes=_number(where, entries["watermark_delay_minutes"][1],
+                                                                "watermark_delay_minutes", positive=False))
+        if settings["watermark_delay"] < timedelta(0):
+            raise where.fail(entries["watermark_delay_minutes"][1], "watermark_delay_minutes is negative",
+                             "give 0 or more minutes")
     if "source" in entries:
         settings["topic"] = _source(where, name, entries["source"][1], servers)
     return replace(spec, **settings)
-
-
-def _delay(where: _Where, options: dict, name: str, default: timedelta) -> timedelta:
-    if name not in options:
-        return default
-    return timedelta(minutes=_number(where, options[name][1], name, positive=False))
-
-
-# What the event-time operators read from a stream besides its id, event time and the summed value.
-WINDOW_FIELDS = {"title": "string"}
-SESSION_FIELDS = {"customer_id": "string"}
-
-
-def _operator_fields(where: _Where, spec: StreamSpec, node: yaml.Node, kind: str, needs: dict[str, str]) -> None:
-    kinds = {f.name: f for f in spec.fields}
-    for field, want in needs.items():
-        if field not in kinds or kinds[field].kind != want or not kinds[field].required:
-            raise where.fail(node, f"stream {spec.name}: `{kind}:` keys on a required {want} field {field!r}",
-                             f"declare `{field}: {{type: {want}}}` in the stream, or remove `{kind}:`")
-
-
-def _windows(where: _Where, spec: StreamSpec, node: yaml.Node) -> WindowOptions:
-    options = _mapping(where, node, f"windows of {spec.name}")
-    allowed = {"watermark_delay_minutes", "size_minutes", "top"}
-    if unknown := sorted(set(options) - allowed):
-        raise where.fail(options[unknown[0]][0], f"windows: unknown option {unknown[0]!r}",
-                         f"use some of {', '.join(sorted(allowed))}")
-    # One-hour windows with a top 10 are what the windows keep today; other sizes are refused, not ignored.
-    for option, fixed in (("size_minutes", 60), ("top", 10)):
-        if option in options and _value(options[option][1]) != fixed:
-            raise where.fail(options[option][1], f"windows: {option} {_value(options[option][1])!r} is not supported "
-                             f"(only {fixed})", f"set {option}: {fixed} or remove it")
-    _operator_fields(where, spec, node, "windows", WINDOW_FIELDS)
-    return WindowOptions(watermark_delay=_delay(where, options, "watermark_delay_minutes",
-                                                WindowOptions.watermark_delay))
-
-
-def _sessions(where: _Where, spec: StreamSpec, node: yaml.Node) -> SessionOptions:
-    options = _mapping(where, node, f"sessions of {spec.name}")
-    allowed = {"watermark_delay_minutes", "gap_minutes", "state_ttl_days"}
-    if unknown := sorted(set(options) - allowed):
-        raise where.fail(options[unknown[0]][0], f"sessions: unknown option {unknown[0]!r}",
-                         f"use some of {', '.join(sorted(allowed))}")
-    _operator_fields(where, spec, node, "sessions", SESSION_FIELDS)
-    defaults = SessionOptions()
-    return SessionOptions(
-        watermark_delay=_delay(where, options, "watermark_delay_minutes", defaults.watermark_delay),
-        gap=timedelta(minutes=_number(where, options["gap_minutes"][1], "gap_minutes"))
-        if "gap_minutes" in options else defaults.gap,
-        state_ttl=timedelta(days=_number(where, options["state_ttl_days"][1], "state_ttl_days"))
-        if "state_ttl_days" in options else defaults.state_ttl)
 
 
 def _bound(where: _Where, node: yaml.Node, field: str, kind: str) -> str:
@@ -368,14 +352,9 @@ def _flag(where: _Where, rules: dict, rule: str, default: bool) -> bool:
     return value
 
 
-# sqlglot's expression class → the aggregate it is, for those a MERGE can combine.
-_AGGREGATES = {exp.Count: "count", exp.Sum: "sum", exp.Min: "min", exp.Max: "max", exp.Avg: "avg",
-               exp.ArgMin: "min_by", exp.ArgMax: "max_by"}
-NUMERIC = ("decimal", "integer")
-
-
-def _state_table(where: _Where, item: yaml.Node, streams: dict[str, StreamSpec],
-                 servers: str | None = None) -> StateTableSpec:
+def _table(where: _Where, item: yaml.Node, streams: dict[str, StreamSpec], windowed: dict[str, EventTimeTableSpec],
+           servers: str | None = None) -> StateTableSpec | EventTimeTableSpec | TopSpec:
+    """One item of `state_tables:`: SQL text, or `{sql: ..., ttl_days: N, changelog_topic: name}`."""
     ttl = changelog_topic = None
     if isinstance(item, yaml.MappingNode):
         options = _mapping(where, item, "a state table")
@@ -393,118 +372,6 @@ def _state_table(where: _Where, item: yaml.Node, streams: dict[str, StreamSpec],
         sql_node = item
     sql = _value(sql_node)
     if not isinstance(sql, str):
-        raise where.fail(sql_node, "a state table must be SQL text", SQL_HELP.removeprefix("Fix: "))
-    fail = lambda message: where.fail(sql_node, message, SQL_HELP.removeprefix("Fix: "))  # noqa: E731
-    try:
-        statements = [s for s in sqlglot.parse(sql, read="spark") if s is not None]
-    except sqlglot.errors.ParseError as exc:
-        raise fail(f"the SQL does not parse: {str(exc).splitlines()[0]}") from None
-    if len(statements) != 1 or not isinstance(statements[0], exp.Create) or statements[0].kind != "TABLE":
-        raise fail("a state table is one `CREATE TABLE name AS SELECT ...` statement")
-    create = statements[0]
-    name = create.this.name if isinstance(create.this, exp.Table) else ""
-    select = create.expression
-    if not NAME.match(name or "") or not isinstance(select, exp.Select):
-        raise fail("a state table is `CREATE TABLE name AS SELECT ...` with a plain name")
-    where_of = lambda message: fail(f"state table {name}: {message}")  # noqa: E731
-    for clause, what in (("joins", "a join"), ("where", "a WHERE"), ("having", "a HAVING"), ("order", "an ORDER BY"),
-                         ("limit", "a LIMIT"), ("distinct", "SELECT DISTINCT"), ("with", "a WITH"),
-                         ("qualify", "a QUALIFY")):
-        if select.args.get(clause):
-            raise where_of(f"{what} cannot be kept incrementally")
-    source = select.args.get("from_") or select.args.get("from")
-    if source is None or not isinstance(source.this, exp.Table) or source.this.args.get("db"):
-        raise where_of("FROM must name one declared stream")
-    stream_name = source.this.name
-    if stream_name not in streams:
-        raise where_of(f"FROM {stream_name}: no such stream (declared: {', '.join(streams)})")
-    spec = streams[stream_name]
-    fields = {f.name: f for f in spec.fields}
-
-    def field_of(node: exp.Expression, role: str) -> str:
-        if not isinstance(node, exp.Column) or node.table:
-            raise where_of(f"{role} must be a plain column of {stream_name}, got `{node.sql('spark')}`")
-        if node.name not in fields:
-            raise where_of(f"unknown column {node.name!r} (the fields of {stream_name}: {', '.join(fields)})")
-        return node.name
-
-    group = select.args.get("group")
-    if group is None or not group.expressions:
-        raise where_of("no GROUP BY: a state table has one row per key")
-    keys = tuple(field_of(g, "a GROUP BY item") for g in group.expressions)
-    if len(set(keys)) != len(keys):
-        raise where_of("a key is grouped twice")
-    selected_keys, aggregates, names = [], [], set()
-    for item_sql in select.expressions:
-        if isinstance(item_sql, exp.Column):
-            column = field_of(item_sql, "a selected key")
-            if column not in keys:
-                raise where_of(f"`{column}` is neither grouped nor aggregated")
-            selected_keys.append(column)
-            out = column
-        else:
-            if not isinstance(item_sql, exp.Alias):
-                raise where_of(f"`{item_sql.sql('spark')}` needs a column name: add `AS name`")
-            out = item_sql.alias
-            if isinstance(item_sql.this, exp.Column):  # `col AS name`: a renamed key, or a bare column
-                column = field_of(item_sql.this, "a selected column")
-                raise where_of(f"select the key `{column}` as is, without AS" if column in keys
-                               else f"`{column}` is neither grouped nor aggregated")
-            aggregates.append(_aggregate(item_sql.this, out, spec, field_of, where_of))
-        if out in names:
-            raise where_of(f"two columns are named {out!r}")
-        names.add(out)
-    if set(selected_keys) != set(keys) or len(selected_keys) != len(keys):
-        raise where_of(f"select every GROUP BY key once, as is: {', '.join(keys)}")
-    if not aggregates:
-        raise where_of("no aggregate: add one, e.g. COUNT(*) AS events")
-    if names & {"updated_at"} or any(n.startswith("_") for n in names):
-        raise where_of("`updated_at` and names starting with `_` are the table's own columns")
-    required = {f.name for f in spec.fields if f.required}
-    counted = next((a.name for a in aggregates if a.function == "count" and (a.column is None or a.column in required)),
-                   None)
-    summed = next((a for a in aggregates if a.function == "sum" and a.column in required
-                   and spec.field(a.column).kind == "decimal"), None)
-    table = StateTableSpec(name=name, stream=stream_name, keys=tuple(selected_keys), aggregates=tuple(aggregates),
-                           sql=" ".join(sql.split()), line=sql_node.start_mark.line + 1, ttl=ttl, fields=spec.fields,
-                           count_column=counted, sum_column=summed.name if summed else None,
-                           summed_field=summed.column if summed else None,
-                           last_ts_column=next((a.name for a in aggregates if a.function == "max"
-                                                and a.column == spec.event_time_field), None),
-                           changelog_topic=changelog_topic)
-    if ttl is not None:
-        _check_ttl(table, spec, where_of)
-    return table
-
-
-def _aggregate(node: exp.Expression, name: str, spec: StreamSpec, field_of, where_of) -> Aggregate:
-    function = _AGGREGATES.get(type(node))
-    if function is None:
-        raise where_of(f"`{node.sql('spark')}` is not an aggregate the table can merge incrementally")
-    argument = node.this
-    if isinstance(argument, exp.Distinct):
-        raise where_of(f"`{node.sql('spark')}`: DISTINCT cannot be kept incrementally")
-    if function == "count" and isinstance(argument, exp.Star):
-        return Aggregate(name, "count")
-    column = field_of(argument, f"the argument of {function.upper()}")
-    kind = spec.field(column).kind
-    if function in ("sum", "avg") and kind not in NUMERIC:
-        raise where_of(f"{function.upper()}({column}): {column} is a {kind}; sum and average need a decimal or integer")
-    if function in ("min_by", "max_by"):
-        by = node.args.get("expression")
-        if by is None:
-            raise where_of(f"{function.upper()} takes (value, ordering)")
-        by_column = field_of(by, f"the ordering of {function.upper()}")
-        if spec.field(by_column).kind == "boolean":
-            raise where_of(f"{function.upper()} orders by {by_column}, a boolean: order by a time or a number")
-        return Aggregate(name, function, column, by_column)
-    if node.args.get("expressions"):
-        raise where_of(f"`{node.sql('spark')}` takes one column")
-    return Aggregate(name, function, column)
-
-
-def _check_ttl(table: StateTableSpec, spec: StreamSpec, where_of) -> None:
-    """A TTL deletes keys by their newest event time and keeps running totals of what it deleted, so the table
-    needs one key, a MAX of the event time and a count of every event."""
-    if len(table.keys) != 1 or table.count_column is None or table.last_ts_column is None:
-        raise where_of(f"ttl_days needs one key, COUNT(*) and MAX({spec.event_time_field}) in the table")
+        raise where.fail(sql_node, "a state table must be SQL text", SQL_HELP)
+    return parse_table(sql, lambda message: where.fail(sql_node, message, SQL_HELP), streams, windowed,
+                       line=sql_node.start_mark.line + 1, ttl=ttl, changelog_topic=changelog_topic)

@@ -1,4 +1,5 @@
-"""Full refresh: a state table rebuilt from its stream's bronze under the project file's definition.
+"""Full refresh: a state, windowed or session table rebuilt from its stream's bronze under the project file's
+definition.
 
 `statetables refresh TABLE` (and the `refresh_state_table` job in Dagster) is how a changed declaration (keys,
 aggregates) takes effect: runs refuse to fold into a table that an earlier definition wrote (pipelines/state.py,
@@ -25,7 +26,7 @@ from pipelines.layout import StorageLayout
 from pipelines.state import DEFINITION_PROPERTY, FOLDED_THROUGH, aggregate, definition_of
 from pipelines.streaming import USER_METADATA, commit_confs, table_id, table_version
 from pipelines.locks import writer_lock
-from pipelines.streams import StateTableSpec, StreamSpec
+from pipelines.streams import EventTimeTableSpec, StateTableSpec, StreamSpec
 
 
 def refresh_state_table(spark: SparkSession, layout: StorageLayout, spec: StreamSpec, table: StateTableSpec, *,
@@ -70,3 +71,58 @@ def _restart_changelog(spark: SparkSession, layout: StorageLayout, table: StateT
     (rows.write.format("delta").mode("overwrite").option("overwriteSchema", "true")
      .option("userMetadata", json.dumps({COVERS: version, STATE_TABLE_ID: table_id(spark, path), "refreshed": True}))
      .save(str(layout.table(changelog_name(table)))))
+
+
+def refresh_event_time_table(spark: SparkSession, layout: StorageLayout, spec: StreamSpec, table: EventTimeTableSpec,
+                             *, lock_timeout_s: float = 60.0) -> dict:
+    """Rebuild a windowed or session table (and its top N tables) from all of its stream's bronze, as one batch
+    would fold it from nothing: no event is late for the rebuilt table (its late_events rows are deleted), and the
+    watermark is the newest event minus the delay. Its state is replaced first, its top N tables next, the table
+    last, in one commit that records the progress: a crash before that commit leaves the table as it was, and the
+    refresh can be run again."""
+    from pipelines import sessions, windows
+    from pipelines.event_time import (
+        DEFINITION_PROPERTY as EVENT_TIME_DEFINITION, LATE, NO_PROGRESS, definition_of as event_time_definition,
+        ensure_tables, output_schema, top_schema,
+    )
+    operator = windows if table.kind == "window" else sessions
+    path, bronze_path = layout.table(table.name), layout.table(spec.bronze_table)
+    with writer_lock(layout.locks, spec.name, lock_timeout_s):
+        bronze_version = table_version(spark, bronze_path)
+        if bronze_version is None:
+            raise ConfigurationError(f"{spec.bronze_table} does not exist yet, so there is nothing to rebuild "
+                                     f"{table.name} from. Fix: run the stream (`statetables run`): it builds the "
+                                     f"table under the project file's definition.")
+        events = spark.read.format("delta").option("versionAsOf", bronze_version).load(str(bronze_path))
+        empty = spark.createDataFrame([], operator.state_schema(table))
+        if table.kind == "window":
+            fold = windows.fold_windows(table, spec, empty, events, NO_PROGRESS.watermark_ms)
+            state, closed = fold.open_windows, fold.closed
+        else:
+            fold = sessions.fold_sessions(table, spec, empty, events, NO_PROGRESS.watermark_ms)
+            state, closed = fold.state, fold.closed
+        app_id = new_app_id(f"{spec.name}/refresh")
+        state_path = layout.table(table.state_table)
+        (state.write.format("delta").mode("overwrite").option("overwriteSchema", "true")
+         .save(str(state_path)))
+        closed = closed.select(*(F.col(f.name).cast(f.dataType) for f in output_schema(table))).localCheckpoint()
+        for top in table.tops:
+            delta_sql.replace_table(spark, layout.table(top.name), windows.top_rows(top, table, closed).select(
+                *(F.col(f.name).cast(f.dataType) for f in top_schema(top, table))),
+                {"delta.enableChangeDataFeed": "true",
+                 EVENT_TIME_DEFINITION: event_time_definition(top, spec.watermark_delay)})
+        metadata = {"app_id": app_id, "batch_id": -1, "refreshed": table.name, "watermark_ms": fold.watermark_ms,
+                    "bronze_version": bronze_version, "rows_read": events.count(),
+                    "state_versions": {table.state_table: table_version(spark, state_path)}}
+        with commit_confs(spark, {USER_METADATA: json.dumps(metadata)}):
+            delta_sql.replace_table(spark, path, closed, {
+                "delta.enableChangeDataFeed": "true",
+                EVENT_TIME_DEFINITION: event_time_definition(table, spec.watermark_delay)})
+        ensure_tables(spark, layout, spec, table, operator.state_schema(table))
+        late = spark.read.format("delta").load(str(layout.table(LATE))).where(F.col("table_name") == table.name)
+        if not late.isEmpty():
+            delta_sql.merge(spark, layout.table(LATE), late.select("table_name", "event_id").distinct(),
+                            on="t.table_name = s.table_name AND t.event_id = s.event_id",
+                            clauses="WHEN MATCHED THEN DELETE")
+    return {"table": table.name, "table_version": table_version(spark, path), "bronze_version": bronze_version,
+            "keys": spark.read.format("delta").load(str(path)).count()}

@@ -27,7 +27,7 @@ from pipelines.state import FOLDED_THROUGH, folded_through, set_table_content
 from pipelines import storage
 from pipelines.locks import writer_lock
 from pipelines.project import project
-from pipelines.streams import streams
+from pipelines.project import streams
 
 MANIFEST = "manifest.json"
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")

@@ -1,37 +1,29 @@
-"""Payments in per-customer activity sessions: `customer_activity`, one row per closed session.
+"""Session tables: `GROUP BY keys, session_window(event_time, gap)`, one row per closed session of a key.
 
-A session is a customer's payments with less than 30 minutes between one and the next: exactly 30
-minutes apart is two sessions (not Spark's `session_window`, which merges at exactly the gap). It closes
-once the watermark (newest payment of the earlier batches minus the delay) is 30 minutes past its last
-payment: no payment still to come can join it. Its row says when it started and ended, how many payments
-and how much, the last five payment ids, when the customer's previous session ended, and how much the
-customer spent that day.
+A session is a key's events with less than the gap between one and the next: exactly the gap apart is two
+sessions (the contract's rule, and Spark's: an event's session window is [time, time + gap)). It closes once the
+watermark (newest event of the earlier batches minus the stream's delay) is a gap past its last event: no event
+still to come can join it. Its row is final then: the declared aggregates, `session_window.start` (its first
+event) and `session_window.end` (its last event plus the gap, as Spark's), and two kinds of per-key values a
+session carries from the ones before it:
+- LAG(agg) OVER (PARTITION BY keys ORDER BY MIN(event_time)): the previous session's value of an aggregate;
+- SUM(agg) OVER (PARTITION BY keys, DATE(MAX(event_time)) ORDER BY MIN(event_time)): the running total of the
+  key's sessions that end on the same UTC day.
+With `ttl_days`, a session starting that long or more after the key's previous session ended has forgotten it
+(no previous value, a fresh day total); event time makes the rule exact and repeatable.
 
-Operator state is two Delta tables, so any reader can query a customer's open session, and nothing depends
-on the number of partitions:
-- `customer_open_sessions` (list state): one row per open session, with its count, amount and last five
-  payments. Sessions, not payments: a payment arriving out of order within the watermark can join two open
-  sessions into one, and the rows hold what that needs (first and last payment);
-- `customer_last_sessions` (value state): per customer, the newest closed session's end and the spend on
-  its UTC day. A later session only ever closes on that day or after, so that day's total is all of the
-  "spend per day" map state a session can still need.
-The timers are a watermark rule: a session closes in the batch whose watermark is a gap past its end.
+Operator state is one Delta table, `<table>_state`, so any reader can query a key's open session, and nothing
+depends on the number of partitions: a row per open session (`_open`: its first and last event and the
+aggregates' partial columns; sessions, not events: an event arriving out of order within the watermark can join
+two open sessions into one, and the rows hold what that needs), and, when the table declares per-key values, a
+row per key (`_open` false) with its newest closed session's end and the values the next session starts from. A
+later session only ever closes on that day or after, so that day's total is all of a day total's state a session
+can still need. Keys idle for the TTL with nothing open leave it.
 
-The sessions are a step of the payments stream's micro-batch (pipelines/stream_query.py): the bronze rows it
-has not folded yet are folded by `fold_sessions`, a plain function from (state before, payments, the
-watermark) to (state after, closed sessions, late payments, the next watermark): window functions over the
-open sessions and the new payments, in the JVM. No Python runs per payment, customer or state call (the
-transformWithState operator this replaces made a Python<->JVM round trip per state call: 313 s per 1M
-payments, 51x the all-time MERGE step).
-
-TTL, D days of event time (default 30): a session starting D or more after the customer's previous session
-ended has forgotten it (no previous session, a fresh day total); customers idle that long with nothing open
-leave `customer_last_sessions`. Event time makes the rule exact and repeatable: a replay writes the same rows.
-Late payments go to late_events (`stream` = payments) and still count in payments_per_customer.
-
-Exactly once as in windows.py: every write of a batch is computed from the state versions the previous
-batch's closing commit recorded, and carries the stream's txn id (app id, batch id): late_events, the open
-sessions, the last sessions, then customer_activity, the closing commit with the progress.
+A batch's bronze rows are folded by `fold_sessions`, a plain function from (state before, events, the watermark)
+to (state after, closed sessions, late events, the next watermark): window functions over the open sessions and
+the new events, in the JVM. Exactly once as in pipelines/event_time.py: late_events, the state, then the table,
+the closing commit with the progress.
 """
 
 from __future__ import annotations
@@ -39,290 +31,226 @@ from __future__ import annotations
 import datetime as dt
 from dataclasses import dataclass
 
-from pyspark.sql import DataFrame, SparkSession, Window
+from pyspark.sql import Column, DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
-from pyspark.sql.types import ArrayType, LongType, StringType, StructField, StructType, TimestampType
+from pyspark.sql.types import BooleanType, LongType, StructField, StructType, TimestampType
 
-from pipelines import event_time
-from pipelines.checkpoints import new_app_id
+from pipelines.bronze import FIELD_TYPES
 from pipelines.event_time import (
-    LATE, LATE_SCHEMA, EventTimeStage, FoldedBatch, Progress, append_batch, read_state, require_settings,
-    resumed_stage, undo_late_rows, write_state,
+    EventTimeStage, FoldedBatch, Progress, append_late, behind_watermark, ensure_tables, kept_events, late_rows,
+    newest_of_stream, next_watermark, output_schema, partial_schema, read_state, resumed, undo_late_rows,
+    write_state,
 )
 from pipelines.faults import (
-    SESSIONS_AFTER_LAST_SESSIONS_COMMIT, SESSIONS_AFTER_LATE_COMMIT, SESSIONS_AFTER_OPEN_SESSIONS_COMMIT,
-    SESSIONS_BEFORE_CLOSING_COMMIT, fault_point,
+    SESSIONS_AFTER_LATE_COMMIT, SESSIONS_AFTER_STATE_COMMIT, SESSIONS_BEFORE_CLOSING_COMMIT, fault_point,
 )
 from pipelines.layout import StorageLayout
-from pipelines.state import TOTAL_TYPE
-from pipelines.streaming import create_table_if_missing, kept_on_disk, table_version
-from pipelines.streams import sessions_stream
+from pipelines.state import combined_columns, final_column, partial_columns
+from pipelines.streaming import kept_on_disk, table_version
+from pipelines.streams import EventTimeTableSpec, StreamSpec
 
-ACTIVITY = "customer_activity"
-OPEN_SESSIONS = "customer_open_sessions"
-LAST_SESSIONS = "customer_last_sessions"
-SESSION_GAP = dt.timedelta(minutes=30)
-DEFAULT_WATERMARK_DELAY = dt.timedelta(minutes=10)
-DEFAULT_STATE_TTL = dt.timedelta(days=30)
-LAST_PAYMENTS = 5
+OPEN, FIRST, LAST = "_open", "_first", "_last"
 _DAY_US = 86_400_000_000
 _US = dt.timedelta(microseconds=1)
 
-ACTIVITY_SCHEMA = StructType([
-    StructField("customer_id", StringType(), nullable=False),
-    StructField("session_start", TimestampType(), nullable=False),  # its first payment
-    StructField("session_end", TimestampType(), nullable=False),  # its last payment
-    StructField("payment_count", LongType(), nullable=False),
-    StructField("total_amount", TOTAL_TYPE, nullable=False),
-    StructField("last_payment_ids", ArrayType(StringType(), containsNull=False), nullable=False),  # newest first
-    StructField("previous_session_end", TimestampType()),  # null: none, or idle longer than the TTL
-    StructField("day_amount", TOTAL_TYPE, nullable=False),  # spent on session_end's UTC day so far
-])
-_PAYMENT = StructType([StructField("paid_at", TimestampType()), StructField("payment_id", StringType())])
-OPEN_SESSIONS_SCHEMA = StructType([
-    StructField("customer_id", StringType(), nullable=False),
-    StructField("session_start", TimestampType(), nullable=False),
-    StructField("session_end", TimestampType(), nullable=False),
-    StructField("payment_count", LongType(), nullable=False),
-    StructField("total_amount", TOTAL_TYPE, nullable=False),
-    StructField("last_payments", ArrayType(_PAYMENT, containsNull=False), nullable=False),  # newest first
-])
-LAST_SESSIONS_SCHEMA = StructType([
-    StructField("customer_id", StringType(), nullable=False),
-    StructField("session_end", TimestampType(), nullable=False),
-    StructField("day_amount", TOTAL_TYPE, nullable=False),  # spent on session_end's UTC day
-])
+
+def _carried(column: str) -> str:
+    """The per-key row's column that the next session's `column` (a LAG or a day total) starts from."""
+    return f"_carried_{column}"
 
 
-@dataclass(frozen=True)
-class SessionSettings:
-    """How sessions are cut and kept (resource/asset config)."""
+def _keyed(table: EventTimeTableSpec) -> list:
+    """The columns whose values a key carries from one session to the next."""
+    return [c for c in table.columns if c.role in ("previous", "day_total")]
 
-    watermark_delay: dt.timedelta = DEFAULT_WATERMARK_DELAY
-    state_ttl: dt.timedelta = DEFAULT_STATE_TTL
-    gap: dt.timedelta = SESSION_GAP
 
-    def __post_init__(self):
-        if self.watermark_delay < dt.timedelta(0):
-            raise ValueError(f"watermark delay {self.watermark_delay} is negative. Fix: give a delay of 0 or more.")
-        if self.state_ttl < dt.timedelta(milliseconds=1):
-            raise ValueError(f"state TTL {self.state_ttl} is not positive. Fix: give a TTL of at least 1 ms "
-                             f"(default {DEFAULT_STATE_TTL.days} days).")
+def state_schema(table: EventTimeTableSpec) -> StructType:
+    """`<table>_state`: the keys, whether the row is an open session, its first and last event, the aggregates'
+    partial columns (open sessions), and the carried values (per-key rows)."""
+    field = {f.name: f for f in table.fields}
+    typed = {f.name: f.dataType for f in output_schema(table)}
+    return StructType([
+        *(StructField(k, FIELD_TYPES[field[k].kind], nullable=not field[k].required) for k in table.keys),
+        StructField(OPEN, BooleanType(), nullable=False), StructField(FIRST, TimestampType()),
+        StructField(LAST, TimestampType(), nullable=False), *partial_schema(table),
+        *(StructField(_carried(c.name), typed[c.name]) for c in _keyed(table))])
 
 
 @dataclass(frozen=True)
 class SessionsFold:
-    """What one batch does to the sessions: the state after it and what it emits."""
+    """What one batch does to a session table: the state after it and what it emits."""
 
-    open_sessions: DataFrame  # rows of customer_open_sessions after the batch
-    last_sessions: DataFrame  # rows of customer_last_sessions after the batch
-    closed: DataFrame  # rows of customer_activity: the sessions the new watermark has closed
+    state: DataFrame  # rows of <table>_state after the batch
+    closed: DataFrame  # rows of the table: the sessions the new watermark has closed
     late: DataFrame  # rows of late_events
     watermark_ms: int  # the watermark after the batch
 
 
-def _micros(column: str):
-    return F.unix_micros(F.col(column))
+def _same_keys(left: DataFrame, right: DataFrame, keys: tuple[str, ...]) -> Column:
+    """Key equality, NULL-safe (GROUP BY keeps NULL as a key of its own); `right`'s keys renamed `_k_<key>`."""
+    condition = F.lit(True)
+    for k in keys:
+        condition = condition & left[k].eqNullSafe(right[f"_k_{k}"])
+    return condition
 
 
-def fold_sessions(open_sessions: DataFrame, last_sessions: DataFrame, payments: DataFrame, watermark_ms: int,
-                  settings: SessionSettings) -> SessionsFold:
-    """(open and last sessions before, a batch of bronze payments, the watermark before) -> the state after and
-    the outputs. One pass over the batch, for the sessions after it (kept, as are the closed ones); late
-    payments are read again when written.
+def fold_sessions(table: EventTimeTableSpec, spec: StreamSpec, state: DataFrame, events: DataFrame,
+                  watermark_ms: int) -> SessionsFold:
+    """(state before, a batch of bronze events, the watermark before) -> the state after and the outputs.
 
-    A payment at or behind the watermark is late. The others join the customers' open sessions: per customer,
-    in event-time order, a piece (an open session, or a payment) less than the gap after the latest end before
-    it joins that session. The watermark then moves to the newest payment minus the delay (never back), and
-    every session it is a gap past closes, oldest first, each knowing the previous one's end and the day's
-    spend so far; the TTL's rule forgets both."""
-    spec = sessions_stream()
-    gap_us, ttl_us = settings.gap // _US, settings.state_ttl // _US
-    at = F.col(spec.event_time_field)
-    behind = F.unix_micros(at) <= F.lit(watermark_ms * 1000)
-    late = payments.where(behind).select(
-        F.lit(spec.name).alias("stream"), F.col(spec.id_field).alias("event_id"), at.alias("event_time"),
-        F.timestamp_millis(F.lit(watermark_ms)).alias("watermark"),
-        (F.lit(watermark_ms) - F.unix_millis(at)).alias("late_by_ms"), "source_file", "line_number")
-    arrived = payments.where(~behind).select(
-        "customer_id", at.alias("session_start"), at.alias("session_end"), F.lit(1).cast(LongType()).alias("payment_count"),
-        F.col(spec.value_field).cast(TOTAL_TYPE).alias("total_amount"),
-        F.array(F.struct(at.alias("paid_at"), F.col(spec.id_field).alias("payment_id"))).alias("last_payments"))
-    pieces = open_sessions.select(*OPEN_SESSIONS_SCHEMA.fieldNames()).unionByName(arrived)
-    in_order = Window.partitionBy("customer_id").orderBy("session_start", "session_end")
-    latest_end = F.max(_micros("session_end")).over(in_order.rowsBetween(Window.unboundedPreceding, -1))
-    starts = F.when(latest_end.isNull() | (_micros("session_start") - latest_end >= gap_us), 1).otherwise(0)
-    sessions = kept_on_disk(pieces.withColumn("_starts", starts)
-                .withColumn("_session", F.sum("_starts").over(in_order.rowsBetween(Window.unboundedPreceding, 0)))
-                .groupBy("customer_id", "_session")
-                .agg(F.min("session_start").alias("session_start"), F.max("session_end").alias("session_end"),
-                     F.sum("payment_count").cast(LongType()).alias("payment_count"),
-                     F.sum("total_amount").cast(TOTAL_TYPE).alias("total_amount"),
-                     F.slice(F.sort_array(F.flatten(F.collect_list("last_payments")), asc=False), 1, LAST_PAYMENTS)
-                     .alias("last_payments"))
-                .drop("_session"))  # the closed rows, the open ones and the kept state all read it
-    # The newest on-time payment (or open session's end, which an earlier batch's watermark has allowed for);
-    # a late payment is at or behind the watermark, so it could not move it.
-    newest = sessions.agg(F.max(F.unix_millis("session_end"))).first()[0]
-    after = (watermark_ms if newest is None
-             else max(watermark_ms, newest - settings.watermark_delay // dt.timedelta(milliseconds=1)))
-    closes = _micros("session_end") + gap_us <= F.lit(after * 1000)
-    closed = kept_on_disk(_closed_rows(sessions.where(closes), last_sessions, ttl_us))  # written; the kept state reads it
+    An event at or behind the watermark is late. The others join their key's open sessions: per key, in
+    event-time order, a piece (an open session, or an event) less than the gap after the latest end before it
+    joins that session. The watermark then moves to the newest event minus the delay (never back), and every
+    session it is a gap past closes, oldest first, each knowing the previous one's values; the TTL's rule forgets
+    them."""
+    keys, kinds = list(table.keys), {f.name: f.kind for f in table.fields}
+    gap_us = table.size // _US
+    stream_events, events = events, kept_events(table, events)
+    at = F.col(table.event_time_field)
+    behind = behind_watermark(table, watermark_ms)
+    partials = [f.name for f in partial_schema(table)]
+    schema = state_schema(table)
+    # Sessions are cut on (key, first, last) alone: the state's partial columns travel renamed, beside the events'
+    # own fields, and each side is aggregated in its own way once every piece knows its session.
+    held = state.where(F.col(OPEN)).select(*keys, FIRST, LAST, *(F.col(p).alias(f"_s{p}") for p in partials),
+                                            F.lit(True).alias("_held"))
+    arrived = events.where(~behind).select("*", at.alias(FIRST), at.alias(LAST), F.lit(False).alias("_held"))
+    pieces = held.unionByName(arrived, allowMissingColumns=True)
+    in_order = Window.partitionBy(*keys).orderBy(FIRST, LAST)
+    latest_end = F.max(F.unix_micros(LAST)).over(in_order.rowsBetween(Window.unboundedPreceding, -1))
+    starts = F.when(latest_end.isNull() | (F.unix_micros(FIRST) - latest_end >= gap_us), 1).otherwise(0)
+    cut = kept_on_disk(pieces.withColumn("_starts", starts).withColumn(
+        "_session", F.sum("_starts").over(in_order.rowsBetween(Window.unboundedPreceding, 0))))
+    from_events = (cut.where(~F.col("_held")).groupBy(*keys, "_session")
+                   .agg(*[c for a in table.aggregates for c in partial_columns(a, kinds)],
+                        F.min(FIRST).alias(FIRST), F.max(LAST).alias(LAST)))
+    from_state = cut.where(F.col("_held")).select(*keys, "_session", *(F.col(f"_s{p}").alias(p) for p in partials),
+                                                   FIRST, LAST)
+    sessions = kept_on_disk(
+        from_events.unionByName(from_state).groupBy(*keys, "_session")
+        .agg(*[c for a in table.aggregates for c in combined_columns(a, kinds)],
+             F.min(FIRST).alias(FIRST), F.max(LAST).alias(LAST)).drop("_session"))
+    newest = newest_of_stream(table, stream_events, watermark_ms, sessions.agg(F.max(F.unix_millis(LAST))).first()[0])
+    after = next_watermark(watermark_ms, newest, spec.watermark_delay)
+    closes = F.unix_micros(LAST) + F.lit(gap_us) <= F.lit(after * 1000)
+    carried = state.where(~F.col(OPEN))
+    closed = kept_on_disk(_closed_rows(table, sessions.where(closes), carried))  # written; the state reads it
     still_open = sessions.where(~closes)
-    # The customer's newest closed session replaces the stored one; a customer idle for the TTL with nothing
-    # open is forgotten (the rule above would forget them anyway: this only keeps the table small).
-    newest_closed = (closed.withColumn("_n", F.row_number().over(
-        Window.partitionBy("customer_id").orderBy(F.desc("session_end"))))
-        .where(F.col("_n") == 1).select("customer_id", "session_end", "day_amount"))
-    kept = (last_sessions.join(newest_closed.select("customer_id"), "customer_id", "left_anti")
-            .unionByName(newest_closed)
-            .join(still_open.select("customer_id").distinct().withColumn("_open", F.lit(True)), "customer_id", "left")
-            .where(F.col("_open").isNotNull() | (_micros("session_end") + ttl_us > F.lit(after * 1000)))
-            .select(*LAST_SESSIONS_SCHEMA.fieldNames()))
-    return SessionsFold(open_sessions=still_open, last_sessions=kept, closed=closed, late=late, watermark_ms=after)
+    typed = {f.name: f.dataType for f in schema}
+    open_rows = still_open.select(*keys, F.lit(True).alias(OPEN), FIRST, LAST, *partials,
+                                  *(F.lit(None).cast(typed[_carried(c.name)]).alias(_carried(c.name))
+                                    for c in _keyed(table)))
+    next_state = open_rows
+    if _keyed(table):
+        next_state = open_rows.unionByName(_carried_after(table, closed, carried, still_open, after),
+                                           allowMissingColumns=True)
+    return SessionsFold(state=next_state.select(*(F.col(f.name).cast(f.dataType) for f in schema)),
+                        closed=closed.select(*output_schema(table).fieldNames()),
+                        late=late_rows(table, spec, events.where(behind), watermark_ms), watermark_ms=after)
 
 
-def _closed_rows(closing: DataFrame, last_sessions: DataFrame, ttl_us: int) -> DataFrame:
-    """Rows of customer_activity for `closing`, oldest first per customer: the previous session's end (the
-    stored one for the first), unless the session started the TTL or more after it (forgotten: null, and the
-    day's spend starts again); the spend on the session's UTC day so far, the stored day's total included
-    while nothing has been forgotten in between."""
-    by_customer = Window.partitionBy("customer_id").orderBy("session_start")
-    previous = F.coalesce(F.lag("session_end").over(by_customer), F.col("_stored_end"))
-    day = F.floor(_micros("session_end") / _DAY_US)
-    with_previous = (closing.join(last_sessions.select("customer_id", F.col("session_end").alias("_stored_end"),
-                                                       F.col("day_amount").alias("_stored_day")), "customer_id", "left")
-                     .withColumn("_previous", previous)
-                     .withColumn("_forgets", (F.col("_previous").isNotNull()
-                                              & (_micros("session_start") - F.unix_micros("_previous") >= ttl_us))
-                                 .cast(LongType()))
-                     .withColumn("_epoch", F.sum("_forgets").over(by_customer.rowsBetween(Window.unboundedPreceding, 0)))
-                     .withColumn("_day", day))
-    same_day = Window.partitionBy("customer_id", "_epoch", "_day").orderBy("session_start").rowsBetween(
-        Window.unboundedPreceding, 0)
-    stored = F.when((F.col("_epoch") == 0) & (F.floor(F.unix_micros("_stored_end") / _DAY_US) == F.col("_day")),
-                    F.col("_stored_day")).otherwise(F.lit(0))
-    return with_previous.select(
-        "customer_id", "session_start", "session_end", "payment_count", "total_amount",
-        F.transform("last_payments", lambda p: p["payment_id"]).alias("last_payment_ids"),
-        F.when(F.col("_forgets") == 1, F.lit(None)).otherwise(F.col("_previous")).cast(TimestampType())
-        .alias("previous_session_end"),
-        (F.sum("total_amount").over(same_day) + stored).cast(TOTAL_TYPE).alias("day_amount"))
+def _forgotten(table: EventTimeTableSpec, started: Column, previous_last: Column) -> Column:
+    """Whether a session starting at `started` has forgotten the key's session that ended at `previous_last`."""
+    if table.ttl is None:
+        return F.lit(False)
+    return previous_last.isNotNull() & (F.unix_micros(started) - F.unix_micros(previous_last) >= table.ttl // _US)
+
+
+def _closed_rows(table: EventTimeTableSpec, closing: DataFrame, carried: DataFrame) -> DataFrame:
+    """Rows of the table for `closing` (with `_first` and `_last` kept for the state), oldest first per key: the
+    previous session's values (the carried ones for the first), unless it is forgotten (null, and the day totals
+    start again); the day totals so far, the carried ones included while nothing has been forgotten in between."""
+    keys, kinds = list(table.keys), {f.name: f.kind for f in table.fields}
+    typed = {f.name: f.dataType for f in output_schema(table)}
+    gap_us = table.size // _US
+    stored = carried.select(*(F.col(k).alias(f"_k_{k}") for k in keys), F.col(LAST).alias("_stored_last"),
+                            *(F.col(_carried(c.name)).alias(f"_stored_{c.name}") for c in _keyed(table)))
+    finals = closing.select(*keys, FIRST, LAST, *(final_column(a, kinds).alias(a.name) for a in table.aggregates))
+    joined = finals.join(stored, _same_keys(finals, stored, tuple(keys)), "left").drop(*(f"_k_{k}" for k in keys))
+    by_key = Window.partitionBy(*keys).orderBy(FIRST)
+    first_closed = F.row_number().over(by_key) == 1
+    previous_last = F.when(first_closed, F.col("_stored_last")).otherwise(F.lag(LAST).over(by_key))
+    numbered = (joined.withColumn("_forgets", _forgotten(table, F.col(FIRST), previous_last).cast(LongType()))
+                .withColumn("_epoch", F.sum("_forgets").over(by_key.rowsBetween(Window.unboundedPreceding, 0)))
+                .withColumn("_day", F.floor(F.unix_micros(LAST) / _DAY_US)))
+    same_day = Window.partitionBy(*keys, "_epoch", "_day").orderBy(FIRST).rowsBetween(Window.unboundedPreceding, 0)
+    stored_day = F.floor(F.unix_micros("_stored_last") / _DAY_US)
+    columns = []
+    for column in table.columns:
+        if column.role == "key":
+            value = F.col(column.name)
+        elif column.role == "start":
+            value = F.col(FIRST)
+        elif column.role == "end":
+            value = F.timestamp_micros(F.unix_micros(LAST) + F.lit(gap_us))
+        elif column.role == "aggregate":
+            value = F.col(column.of)
+        elif column.role == "previous":
+            previous = F.when(first_closed, F.col(f"_stored_{column.name}")).otherwise(F.lag(column.of).over(by_key))
+            value = F.when(F.col("_forgets") == 1, F.lit(None)).otherwise(previous)
+        else:
+            running = F.sum(column.of).over(same_day)
+            kept = F.when((F.col("_epoch") == 0) & (stored_day == F.col("_day")), F.col(f"_stored_{column.name}"))
+            value = F.coalesce(running + kept, running, kept)
+        columns.append(value.cast(typed[column.name]).alias(column.name))
+    return numbered.select(*columns, FIRST, LAST)
+
+
+def _carried_after(table: EventTimeTableSpec, closed: DataFrame, carried: DataFrame, still_open: DataFrame,
+                   watermark_ms: int) -> DataFrame:
+    """The per-key rows after the batch: a key's newest closed session replaces its row (what the next session's
+    LAG sees is this one's aggregate; its day totals go on from this one's); a key idle for the TTL with nothing
+    open is forgotten (the rule would forget it anyway: this only keeps the table small)."""
+    keys = list(table.keys)
+    newest = (closed.withColumn("_n", F.row_number().over(Window.partitionBy(*keys).orderBy(F.desc(LAST))))
+              .where(F.col("_n") == 1)
+              .select(*keys, LAST, *(F.col(c.of if c.role == "previous" else c.name).alias(_carried(c.name))
+                                     for c in _keyed(table))))
+    renamed = newest.select(*(F.col(k).alias(f"_k_{k}") for k in keys))
+    kept = carried.join(renamed, _same_keys(carried, renamed, tuple(keys)), "left_anti")
+    rows = kept.select(*keys, LAST, *(_carried(c.name) for c in _keyed(table))).unionByName(newest)
+    if table.ttl is not None:
+        opened = still_open.select(*(F.col(k).alias(f"_k_{k}") for k in keys)).distinct().withColumn("_has_open",
+                                                                                                   F.lit(True))
+        rows = (rows.join(opened, _same_keys(rows, opened, tuple(keys)), "left")
+                .where(F.col("_has_open").isNotNull()
+                       | (F.unix_micros(LAST) + F.lit(table.ttl // _US) > F.lit(watermark_ms * 1000)))
+                .drop("_has_open", *(f"_k_{k}" for k in keys)))
+    return rows.withColumn(OPEN, F.lit(False)).withColumn(FIRST, F.lit(None).cast(TimestampType()))
 
 
 class SessionsStage(EventTimeStage):
-    """The sessions step of a payments micro-batch: late payments, the open sessions, the last sessions, then
-    the closed sessions as the closing commit."""
+    """A session table's step of its stream's micro-batch: late events, the state, then the closed sessions as
+    the closing commit."""
 
-    closing_table, closing_marker, before_closing_fault = ACTIVITY, "activity_version", SESSIONS_BEFORE_CLOSING_COMMIT
-
-    def __init__(self, layout: StorageLayout, last: Progress, settings: SessionSettings):
-        super().__init__(layout, last)
-        self.settings = settings
+    before_closing_fault = SESSIONS_BEFORE_CLOSING_COMMIT
 
     def fold_and_write(self, rows: DataFrame, app_id: str, batch_id: int, marker: dict) -> FoldedBatch:
-        spark, layout, spec = rows.sparkSession, self.layout, sessions_stream()
-        payments = rows.select("customer_id", spec.id_field, spec.event_time_field, spec.value_field, "source_file",
-                               "line_number")
-        versions = self.last.state_versions
-        fold = fold_sessions(read_state(spark, layout.table(OPEN_SESSIONS), versions[OPEN_SESSIONS]),
-                             read_state(spark, layout.table(LAST_SESSIONS), versions[LAST_SESSIONS]),
-                             payments, self.last.watermark_ms, self.settings)
+        spark, layout, table = rows.sparkSession, self.layout, self.table
+        state_path = layout.table(table.state_table)
+        before = read_state(spark, state_path, self.last.state_version, state_schema(table))
+        fold = fold_sessions(table, self.spec, before, rows, self.last.watermark_ms)
         sessions_closed, late_count = fold.closed.count(), fold.late.count()
         if late_count:
-            append_batch(fold.late, layout.table(LATE), app_id, batch_id, marker)
+            append_late(fold.late, layout, table, app_id, batch_id, marker)
         fault_point(SESSIONS_AFTER_LATE_COMMIT)
-        versions = {OPEN_SESSIONS: write_state(fold.open_sessions, layout.table(OPEN_SESSIONS), app_id, batch_id)}
-        fault_point(SESSIONS_AFTER_OPEN_SESSIONS_COMMIT)
-        versions[LAST_SESSIONS] = write_state(fold.last_sessions, layout.table(LAST_SESSIONS), app_id, batch_id)
-        fault_point(SESSIONS_AFTER_LAST_SESSIONS_COMMIT)
-        return FoldedBatch(fold.closed, versions, fold.watermark_ms,
+        version = write_state(fold.state, state_path, app_id, batch_id)
+        fault_point(SESSIONS_AFTER_STATE_COMMIT)
+        return FoldedBatch(fold.closed, version, fold.watermark_ms,
                            {"sessions_closed": sessions_closed, "late_events": late_count})
 
 
-def last_progress(spark: SparkSession, layout: StorageLayout) -> Progress | None:
-    return event_time.last_progress(spark, layout.table(ACTIVITY), f"{ACTIVITY} and {LATE}")
-
-
-def _state_from_tables(spark: SparkSession, layout: StorageLayout, last: Progress,
-                       settings: SessionSettings) -> SessionsFold:
-    """Tables of an earlier statetables, which kept the sessions' state in RocksDB: the state at the last
-    committed batch, built once from bronze (payments up to its version that are neither late nor in a closed
-    session) and customer_activity (each customer's newest session), then folded with no payments at the
-    watermark the next batch would have had (the newest payment read minus the delay), as that batch would."""
-    spec = sessions_stream()
-    payments = (spark.read.format("delta").option("versionAsOf", last.bronze_version)
-                .load(str(layout.table(spec.bronze_table))))
-    late = spark.read.format("delta").load(str(layout.table(LATE))).where(F.col("stream") == spec.name)
-    activity = spark.read.format("delta").load(str(layout.table(ACTIVITY)))
-    in_closed = activity.select(F.col("customer_id").alias("c"), F.col("session_start").alias("s"),
-                                F.col("session_end").alias("e"))
-    open_payments = (payments.join(late.select(F.col("event_id").alias(spec.id_field)), spec.id_field, "left_anti")
-                     .join(in_closed, (F.col("customer_id") == F.col("c"))
-                           & F.col(spec.event_time_field).between(F.col("s"), F.col("e")), "left_anti"))
-    newest_session = (activity.withColumn("_n", F.row_number().over(
-        Window.partitionBy("customer_id").orderBy(F.desc("session_end")))).where(F.col("_n") == 1)
-        .select(*LAST_SESSIONS_SCHEMA.fieldNames()))
-    empty_open = spark.createDataFrame([], OPEN_SESSIONS_SCHEMA)
-    # The open payments as sessions (watermark 0 and no delay bound: nothing late, nothing closes) ...
-    opened = fold_sessions(empty_open, newest_session, open_payments, 0,
-                           SessionSettings(dt.timedelta(days=366_000), settings.state_ttl, settings.gap))
-    newest = payments.agg(F.max(F.unix_millis(spec.event_time_field))).first()[0] or 0
-    # ... of which those the next watermark passes close now.
-    return fold_sessions(kept_on_disk(opened.open_sessions), newest_session, open_payments.limit(0),
-                         max(last.watermark_ms, newest - settings.watermark_delay // dt.timedelta(milliseconds=1)),
-                         settings)
-
-
-def _first_state(spark: SparkSession, layout: StorageLayout, last: Progress | None,
-                 settings: SessionSettings) -> Progress:
-    """The sessions' state of tables that have none yet: empty for new tables; for tables of an earlier
-    statetables (state in RocksDB), built once from the tables. Recorded as batch -1 of an app id of its own, a
-    commit of customer_activity carrying the progress."""
-    last = last or Progress(watermark_ms=0, bronze_version=-1, state_versions={})
-    start_id = new_app_id(f"{sessions_stream().name}/sessions-state")
-    closed, watermark = spark.createDataFrame([], ACTIVITY_SCHEMA), last.watermark_ms
-    if last.bronze_version >= 0:
-        fold = _state_from_tables(spark, layout, last, settings)
-        closed, watermark = kept_on_disk(fold.closed), fold.watermark_ms
-        open_sessions, last_sessions = fold.open_sessions, fold.last_sessions
-    else:
-        open_sessions = spark.createDataFrame([], OPEN_SESSIONS_SCHEMA)
-        last_sessions = spark.createDataFrame([], LAST_SESSIONS_SCHEMA)
-    # A txn id of its own: Delta commits an empty append only when it carries one.
-    versions = {OPEN_SESSIONS: write_state(open_sessions, layout.table(OPEN_SESSIONS), start_id, 0),
-                LAST_SESSIONS: write_state(last_sessions, layout.table(LAST_SESSIONS), start_id, 0)}
-    progress = {"app_id": start_id, "batch_id": -1, "watermark_ms": watermark, "bronze_version": last.bronze_version,
-                "state_versions": versions, "sessions_closed": closed.count(), "late_events": 0,
-                "started_because": "an earlier statetables kept the sessions in RocksDB" if last.bronze_version >= 0
-                else "new tables"}
-    append_batch(closed, layout.table(ACTIVITY), start_id, 0, progress)
-    return Progress(watermark, last.bronze_version, versions, start_id, -1)
-
-
-def ensure_session_tables(spark: SparkSession, layout: StorageLayout) -> None:
-    for name, schema in ((ACTIVITY, ACTIVITY_SCHEMA), (LATE, LATE_SCHEMA), (OPEN_SESSIONS, OPEN_SESSIONS_SCHEMA),
-                         (LAST_SESSIONS, LAST_SESSIONS_SCHEMA)):
-        create_table_if_missing(spark, layout.table(name), schema)
-
-
-def sessions_stage(spark: SparkSession, layout: StorageLayout, settings: SessionSettings = SessionSettings()
+def sessions_stage(spark: SparkSession, layout: StorageLayout, spec: StreamSpec, table: EventTimeTableSpec
                    ) -> SessionsStage:
-    """The sessions step as the last closing commit left it, for a run of the payments stream (which holds the
-    stream's writer lock). The late_events rows of a batch that died before its closing commit are deleted
-    first: the stream folds that batch's bronze rows again."""
-    ensure_session_tables(spark, layout)
-    require_settings(spark, layout.table(ACTIVITY), f"watermark-delay-{settings.watermark_delay.total_seconds():g}s."
-                     f"gap-{settings.gap.total_seconds():g}s", "sessions")
-    undone = undo_late_rows(spark, layout, sessions_stream().name, "activity_version",
-                            table_version(spark, layout.table(ACTIVITY)) or 0)
-    return resumed_stage(lambda last: SessionsStage(layout, last, settings), last_progress(spark, layout),
-                         lambda last: _first_state(spark, layout, last, settings), undone,
-                         kept=f"the open sessions ({OPEN_SESSIONS}, {LAST_SESSIONS})", events="payments")
-
-
-def state_figures(spark: SparkSession, layout: StorageLayout) -> dict:
-    """Rows and bytes of the sessions' state, per table and in all."""
-    tables = {name: event_time.state_table_figures(spark, layout.table(name)) for name in (OPEN_SESSIONS, LAST_SESSIONS)}
-    return {"rows": sum(t["rows"] for t in tables.values()), "bytes": sum(t["bytes"] for t in tables.values()),
-            **tables}
+    """The table's step as its last closing commit left it, for a run of its stream (which holds the stream's
+    writer lock). The late_events rows of a batch that died before its closing commit are deleted first: the
+    stream folds that batch's bronze rows again."""
+    ensure_tables(spark, layout, spec, table, state_schema(table))
+    stage = SessionsStage(layout, spec, table, Progress(0, -1, None))
+    undone = undo_late_rows(spark, layout, table.name, stage.marker,
+                            table_version(spark, layout.table(table.name)) or 0)
+    stage.last = resumed(spark, layout, spec, table, undone)
+    if undone:
+        stage.recovered = {"problem": f"a micro-batch died before its {table.name} commit",
+                           "action": "; ".join(undone) + "; its events folded again"}
+    return stage

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
-from pyspark.sql import Column, DataFrame, Row, SparkSession
+from pyspark.sql import DataFrame, Row, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.types import BooleanType, IntegerType, LongType, StringType, StructField, StructType, TimestampType
 
@@ -258,8 +258,4 @@ def split_lines(units: DataFrame) -> DataFrame:
         F.encode("_latin1", "ISO-8859-1").alias("raw_bytes"),
     )
 
-
-def arrival_order() -> list[Column]:
-    """The order lines arrived in: the ledger's unit order (scan order: modification time, then path), then line."""
-    return [F.col("unit"), F.col("line_number")]
 

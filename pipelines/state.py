@@ -17,7 +17,7 @@ from pathlib import Path
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.types import (
-    DataType, DecimalType, DoubleType, LongType, StructField, StructType, TimestampType,
+    ArrayType, DataType, DecimalType, DoubleType, LongType, StructField, StructType, TimestampType,
 )
 
 from pipelines import delta_sql
@@ -57,6 +57,90 @@ def _summed_type(kind: str) -> DataType:
     return TOTAL_TYPE if kind == "decimal" else LongType()
 
 
+def partial_fields(a: Aggregate, field: dict) -> list[StructField]:
+    """The columns that hold an aggregate's partial value, from which batches combine (`combined_columns`) and the
+    declared value follows (`final_column`): the value itself for COUNT, SUM, MIN and MAX; an exact sum and count
+    for AVG; the (ordering, value) pair for MIN_BY/MAX_BY, or the `n` most extreme pairs for their list form."""
+    kind = field[a.column].kind if a.column else None
+    if a.function == "count":
+        return [StructField(a.name, LongType(), nullable=False)]
+    if a.function == "sum":
+        return [StructField(a.name, _summed_type(kind), nullable=not field[a.column].required)]
+    if a.function in ("min", "max"):
+        return [StructField(a.name, FIELD_TYPES[kind])]
+    if a.function == "avg":
+        return [StructField(_avg_sum(a), _summed_type(kind)), StructField(_avg_count(a), LongType())]
+    pair = StructType([StructField("by", FIELD_TYPES[field[a.by].kind]), StructField("value", FIELD_TYPES[kind])])
+    return [StructField(_by(a), ArrayType(pair) if a.n else pair)]
+
+
+def final_type(a: Aggregate, field: dict) -> DataType:
+    """The declared column's type: what Spark's aggregate yields."""
+    kind = field[a.column].kind if a.column else None
+    if a.function == "avg":
+        return AVERAGE_TYPE if kind == "decimal" else DoubleType()
+    if a.function in ("min_by", "max_by"):
+        return ArrayType(FIELD_TYPES[kind]) if a.n else FIELD_TYPES[kind]
+    return partial_fields(a, field)[0].dataType
+
+
+def _pair(a: Aggregate) -> Column:
+    # NULL when the ordering is: Spark's MIN_BY/MAX_BY skip such rows, as collect_list and MIN/MAX of NULL do.
+    return F.when(F.col(a.by).isNotNull(), F.struct(F.col(a.by).alias("by"), F.col(a.column).alias("value")))
+
+
+def _extreme(pairs: Column, a: Aggregate) -> Column:
+    """The `n` pairs of the greatest (MAX_BY) or least (MIN_BY) ordering, that one first; ties to the greater value,
+    so the list does not depend on row order."""
+    ordered = F.sort_array(pairs, asc=a.function == "min_by")
+    return F.slice(ordered, 1, a.n)
+
+
+def partial_columns(a: Aggregate, kinds: dict[str, str]) -> list[Column]:
+    """An aggregate's partial columns over rows of its stream (`groupBy(...).agg`)."""
+    kind = kinds.get(a.column)
+    if a.function == "count":
+        return [F.count(a.column or F.lit(1)).alias(a.name)]
+    if a.function == "sum":
+        return [F.sum(a.column).cast(_summed_type(kind)).alias(a.name)]
+    if a.function in ("min", "max"):
+        return [getattr(F, a.function)(a.column).alias(a.name)]
+    if a.function == "avg":
+        return [F.sum(a.column).cast(_summed_type(kind)).alias(_avg_sum(a)), F.count(a.column).alias(_avg_count(a))]
+    if a.n:
+        return [_extreme(F.collect_list(_pair(a)), a).alias(_by(a))]
+    # The newest value by `by`, ties to the greater value, so it does not depend on row order.
+    return [(F.max(_pair(a)) if a.function == "max_by" else F.min(_pair(a))).alias(_by(a))]
+
+
+def combined_columns(a: Aggregate, kinds: dict[str, str]) -> list[Column]:
+    """An aggregate's partial columns over rows of partial columns (`groupBy(...).agg`): several batches' partials
+    of one key as one."""
+    kind = kinds.get(a.column)
+    if a.function == "count":
+        return [F.sum(a.name).cast(LongType()).alias(a.name)]
+    if a.function == "sum":
+        return [F.sum(a.name).cast(_summed_type(kind)).alias(a.name)]
+    if a.function in ("min", "max"):
+        return [getattr(F, a.function)(a.name).alias(a.name)]
+    if a.function == "avg":
+        return [F.sum(_avg_sum(a)).cast(_summed_type(kind)).alias(_avg_sum(a)),
+                F.sum(_avg_count(a)).cast(LongType()).alias(_avg_count(a))]
+    if a.n:
+        return [_extreme(F.flatten(F.collect_list(_by(a))), a).alias(_by(a))]
+    return [(F.max(_by(a)) if a.function == "max_by" else F.min(_by(a))).alias(_by(a))]
+
+
+def final_column(a: Aggregate, kinds: dict[str, str]) -> Column:
+    """The declared value of an aggregate, from its partial columns."""
+    if a.function == "avg":
+        return _average(a, F.col(_avg_sum(a)), F.col(_avg_count(a)), kinds[a.column] == "decimal").alias(a.name)
+    if a.function in ("min_by", "max_by"):
+        value = F.transform(_by(a), lambda p: p["value"]) if a.n else F.col(_by(a)).getField("value")
+        return value.alias(a.name)
+    return F.col(a.name)
+
+
 def state_schema(table: StateTableSpec) -> StructType:
     """The declared columns with the types the declared query yields in Spark, `updated_at`, then what the MERGE
     needs to combine an AVG (its exact sum and count) or a MIN_BY/MAX_BY (the ordering value beside the value);
@@ -66,20 +150,12 @@ def state_schema(table: StateTableSpec) -> StructType:
     for key in table.keys:
         visible.append(StructField(key, FIELD_TYPES[field[key].kind], nullable=not field[key].required))
     for a in table.aggregates:
-        kind = field[a.column].kind if a.column else None
-        if a.function == "count":
-            visible.append(StructField(a.name, LongType(), nullable=False))
-        elif a.function == "sum":
-            visible.append(StructField(a.name, _summed_type(kind), nullable=not field[a.column].required))
-        elif a.function in ("min", "max"):
-            visible.append(StructField(a.name, FIELD_TYPES[kind]))
-        elif a.function == "avg":
-            visible.append(StructField(a.name, AVERAGE_TYPE if kind == "decimal" else DoubleType()))
-            hidden += [StructField(_avg_sum(a), _summed_type(kind)), StructField(_avg_count(a), LongType())]
+        parts = partial_fields(a, field)
+        if a.function in ("count", "sum", "min", "max"):
+            visible += parts
         else:
-            visible.append(StructField(a.name, FIELD_TYPES[kind]))
-            hidden.append(StructField(_by(a), StructType([
-                StructField("by", FIELD_TYPES[field[a.by].kind]), StructField("value", FIELD_TYPES[kind])])))
+            visible.append(StructField(a.name, final_type(a, field)))
+            hidden += parts
     return StructType([*visible, StructField("updated_at", TimestampType()), *hidden])
 
 
@@ -93,10 +169,11 @@ DEFINITION_PROPERTY = "statetables.definition"  # a fingerprint of the keys and 
 
 
 def definition_of(table: StateTableSpec) -> str:
-    """What decides the table's rows: its keys and aggregates (not its name, its SQL's spelling, or its TTL,
+    """What decides the table's rows: its keys, aggregates and WHERE (not its name, its SQL's spelling, or its TTL,
     which has its own record, pipelines/expiry.py)."""
     text = json.dumps({"stream": table.stream, "keys": table.keys,
-                       "aggregates": [[a.name, a.function, a.column, a.by] for a in table.aggregates]})
+                       "aggregates": [[a.name, a.function, a.column, a.by] for a in table.aggregates],
+                       **({"where": table.where} if table.where else {})})
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -156,28 +233,10 @@ def aggregate(events: DataFrame, table: StateTableSpec) -> DataFrame:
     """The declared query over `events`: one row per key with every column of the state table except
     `updated_at` (the hidden ones too)."""
     kinds = {f.name: f.kind for f in table.fields}
-    parts = []
-    for a in table.aggregates:
-        kind = kinds.get(a.column)
-        if a.function == "count":
-            parts.append(F.count(a.column or F.lit(1)).alias(a.name))
-        elif a.function == "sum":
-            parts.append(F.sum(a.column).cast(_summed_type(kind)).alias(a.name))
-        elif a.function in ("min", "max"):
-            parts.append(getattr(F, a.function)(a.column).alias(a.name))
-        elif a.function == "avg":
-            parts += [F.sum(a.column).cast(_summed_type(kind)).alias(_avg_sum(a)), F.count(a.column).alias(_avg_count(a))]
-        else:
-            # The newest value by `by`, ties to the greater value, so it does not depend on row order.
-            pair = F.when(F.col(a.by).isNotNull(), F.struct(F.col(a.by).alias("by"), F.col(a.column).alias("value")))
-            parts.append((F.max(pair) if a.function == "max_by" else F.min(pair)).alias(_by(a)))
-    grouped = events.groupBy(*table.keys).agg(*parts)
-    finals = []
-    for a in table.aggregates:
-        if a.function == "avg":
-            finals.append(_average(a, F.col(_avg_sum(a)), F.col(_avg_count(a)), kinds[a.column] == "decimal").alias(a.name))
-        elif a.function in ("min_by", "max_by"):
-            finals.append(F.col(_by(a)).getField("value").alias(a.name))
+    if table.where:
+        events = events.where(F.expr(table.where))
+    grouped = events.groupBy(*table.keys).agg(*[c for a in table.aggregates for c in partial_columns(a, kinds)])
+    finals = [final_column(a, kinds) for a in table.aggregates if a.function in ("avg", "min_by", "max_by")]
     schema = state_schema(table)
     return grouped.select("*", *finals).select(
         *[F.col(f.name).cast(f.dataType) if f.name != "updated_at" else F.current_timestamp().alias("updated_at")

@@ -25,10 +25,10 @@ from typing import Callable
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
-from pipelines import sessions, windows
+from pipelines import event_time
 from pipelines.changelog import COVERS, changelog_name, coverage_record
 from pipelines.checkpoints import read_through
-from pipelines.errors import ConfigurationError
+from pipelines.errors import ConfigurationError, DefinitionChangedError
 from pipelines.event_time import LATE
 from pipelines.kafka_source import end_offsets, recorded_offsets
 from pipelines.layout import StorageLayout
@@ -38,7 +38,8 @@ from pipelines.state import folded_through
 from pipelines.stream_query import StreamSettings, stream_tables
 from pipelines.locks import lock_state
 from pipelines.streaming import history_rows, table_version
-from pipelines.streams import StreamSpec, streams
+from pipelines.streams import StreamSpec
+from pipelines.project import streams
 
 PENDING_SHOWN = 20  # pending landing files named (all are counted)
 LAST_BATCH_SEARCHED = 20  # newest bronze commits searched for the last micro-batch's
@@ -104,32 +105,23 @@ def last_batch(spark: SparkSession, layout: StorageLayout, spec: StreamSpec) -> 
     return None
 
 
-def _event_time_step(spec: StreamSpec):
-    """The stream's event-time step (its module) and the table whose commits record its progress, if any."""
-    if spec.windows is not None:
-        return windows, windows.HOURLY
-    if spec.sessions is not None:
-        return sessions, sessions.ACTIVITY
-    return None
-
-
-def _event_time(spark: SparkSession | None, layout: StorageLayout, spec: StreamSpec) -> dict | None:
-    """The event-time step's progress: the bronze version and watermark its newest closing commit recorded."""
-    found_step = _event_time_step(spec)
-    if found_step is None:
-        return None
-    step, table = found_step
-    found = {"table": table, "bronze_version": None, "watermark": None, "problem": None}
-    if spark is None:
-        return found
-    try:
-        progress = step.last_progress(spark, layout)
-    except RuntimeError as error:  # a batch that ended inside a bronze version: the message names the fix
-        return {**found, "problem": str(error)}
-    if progress is not None:
-        # A watermark of 0 is the first state's: no event seen yet.
-        found.update(bronze_version=progress.bronze_version if progress.bronze_version >= 0 else None,
-                     watermark=_iso(progress.watermark_ms) if progress.watermark_ms > 0 else None)
+def _event_time(spark: SparkSession | None, layout: StorageLayout, spec: StreamSpec) -> dict[str, dict]:
+    """Each windowed and session table's progress: the bronze version and watermark its newest closing commit
+    recorded."""
+    found = {}
+    for table in spec.event_time_tables:
+        entry = found[table.name] = {"bronze_version": None, "watermark": None, "problem": None}
+        if spark is None or table_version(spark, layout.table(table.name)) is None:
+            continue
+        try:
+            progress = event_time.last_progress(spark, table, layout)
+        except DefinitionChangedError as error:  # written by an earlier statetables: the message names the fix
+            entry["problem"] = str(error)
+            continue
+        if progress is not None:
+            # A watermark of 0: no event seen yet.
+            entry.update(bronze_version=progress.bronze_version if progress.bronze_version >= 0 else None,
+                         watermark=_iso(progress.watermark_ms) if progress.watermark_ms > 0 else None)
     return found
 
 
@@ -277,11 +269,9 @@ def _table_lines(report: dict, bronze_table: str) -> list[str]:
     for table, found in folded["state_tables"].items():
         notes[table] = folded_note(found["bronze_version"]) + (
             f" (restored to v{found['restored_to']})" if found["restored_to"] is not None else "")
-    event_time = folded["event_time"]
-    if event_time:
-        notes[event_time["table"]] = (f"PROBLEM: {event_time['problem']}" if event_time["problem"] else
-                                      folded_note(event_time["bronze_version"])
-                                      + f", watermark {event_time['watermark'] or 'none yet'}")
+    for table, found in folded["event_time"].items():
+        notes[table] = (f"PROBLEM: {found['problem']}" if found["problem"] else folded_note(found["bronze_version"])
+                        + f", watermark {found['watermark'] or 'none yet'}")
     for changelog, found in folded["changelogs"].items():
         state = tables.get(found["state_table"])
         covers = found["state_version"]

@@ -5,8 +5,7 @@ query). Its foreachBatch, `StreamBatch`, reads top to bottom in data-flow order:
 
 1. validate, dedup, quarantine and bronze appends (pipelines/bronze.py, `ingest_batch`);
 2. the all-time state MERGE (pipelines/state.py);
-3. the event-time state: windows for sales (pipelines/windows.py), sessions for payments (pipelines/sessions.py),
-   with late events;
+3. the windowed and session tables (pipelines/windows.py, pipelines/sessions.py), with late events;
 4. the changelog, from the state-table versions this batch wrote (pipelines/changelog.py).
 
 Exactly once. Every write carries the stream's transaction id (app id, batch id), so a replay of a batch is a
@@ -51,7 +50,7 @@ from pipelines.faults import STREAM_BATCH_END, fault_point
 from pipelines.errors import ConfigurationError
 from pipelines.layout import StorageLayout
 from pipelines.session import require_kafka_jars
-from pipelines.sessions import ACTIVITY, LAST_SESSIONS, OPEN_SESSIONS, SessionSettings, sessions_stage
+from pipelines.sessions import sessions_stage
 from pipelines.kafka_source import recorded_offsets, source_id, starting_offsets, topic_partitions, topic_records
 from pipelines.source import LedgerView, ScanResult, landing_listing, record_units, scan_landing
 from pipelines.state import StateTableStage, state_table_stage
@@ -60,8 +59,9 @@ from pipelines.streaming import (
     INTERPRETED, SMALL_BATCH_BYTES, Appended, BronzeRows, Continuous, StreamRunResult, TableVersions, batch_bytes,
     commits_since, require_writable, run_query, session_confs_during, storage_errors, table_id, table_version,
 )
-from pipelines.streams import StreamSpec, streams
-from pipelines.windows import HOURLY, OPEN_HOURS, TOP, windows_stage
+from pipelines.project import streams
+from pipelines.streams import StreamSpec
+from pipelines.windows import windows_stage
 
 
 @dataclass(frozen=True)
@@ -71,14 +71,14 @@ class StreamSettings:
 
     max_files_per_trigger: int = DEFAULT_MAX_FILES_PER_TRIGGER  # landing units per micro-batch
     lock_timeout_s: float = 60.0
-    event_time: bool = True  # keep the stream's windows or sessions; False: they cost nothing
+    event_time: bool = True  # keep the stream's windowed and session tables; False: they cost nothing
 
 
 EVENT_TIME_ENV = "STATETABLES_EVENT_TIME"
 
 
 def event_time_streams(value: str | None = None) -> frozenset[str]:
-    """The streams that keep their event-time outputs (windows for sales, sessions for payments), from
+    """The streams that keep their windowed and session tables, from
     $STATETABLES_EVENT_TIME: `all` (the default), `none`, or stream names separated by commas. The code location
     reads it once: a stream left out has no event-time assets, and its runs pay nothing for them."""
     raw = (os.environ.get(EVENT_TIME_ENV, "all") if value is None else value).strip()
@@ -95,12 +95,10 @@ def event_time_streams(value: str | None = None) -> frozenset[str]:
 
 
 def event_time_tables(spec: StreamSpec) -> tuple[str, ...]:
-    """The tables a stream's event-time step writes (late_events is shared by the windows and the sessions)."""
-    if spec.windows is not None:
-        return HOURLY, TOP, OPEN_HOURS, LATE
-    if spec.sessions is not None:
-        return ACTIVITY, OPEN_SESSIONS, LAST_SESSIONS, LATE
-    return ()
+    """The tables a stream's windowed and session steps write (late_events is shared by every stream)."""
+    names = tuple(name for t in spec.event_time_tables for name in (t.name, *(top.name for top in t.tops),
+                                                                    t.state_table))
+    return (*names, LATE) if names else ()
 
 
 def stream_tables(spec: StreamSpec, settings: StreamSettings) -> tuple[str, ...]:
@@ -163,7 +161,7 @@ class StreamBatch:
     """The foreachBatch body of a stream's query: one micro-batch of landing units through every table."""
 
     def __init__(self, layout: StorageLayout, spec: StreamSpec, ingest: IngestSettings,
-                 states: list[StateTableStage], event_time: EventTimeStage | None, changelogs: list[ChangelogStage],
+                 states: list[StateTableStage], event_time: list[EventTimeStage], changelogs: list[ChangelogStage],
                  fence: Fence | None = None, topics: dict[str, ChangelogTopicStage] | None = None):
         self.layout, self.spec, self.ingest = layout, spec, ingest
         self.states, self.event_time, self.changelogs = states, event_time, changelogs
@@ -198,9 +196,10 @@ class StreamBatch:
         with timed(steps_s, "state"):
             for state in self.states:
                 state.advance(spark, rows, app_id, batch_id)
-        if self.event_time is not None:
+        if self.event_time:
             with timed(steps_s, "event_time"):
-                self.event_time.advance(spark, rows, app_id, batch_id)
+                for step in self.event_time:
+                    step.advance(spark, rows, app_id, batch_id)
         with timed(steps_s, "changelog"):
             for changelog in self.changelogs:
                 changelog.advance(spark, app_id, batch_id)
@@ -213,7 +212,7 @@ class StreamBatch:
         through = table_version(spark, self.layout.table(self.spec.bronze_table))
         # Bronze's version 0 is its creation: no rows.
         behind = through > 0 and (any(state.through < through for state in self.states)
-                  or (self.event_time is not None and self.event_time.last.bronze_version < through)
+                  or any(step.last.bronze_version < through for step in self.event_time)
                   or any(c.covers < (table_version(spark, self.layout.table(c.table.name)) or 0)
                          for c in self.changelogs)
                   or any(t.published < c.covers for c in self.changelogs
@@ -225,17 +224,12 @@ class StreamBatch:
         return behind
 
 
-def _event_time_stage(spark: SparkSession, layout: StorageLayout, spec: StreamSpec,
-                      settings: StreamSettings) -> EventTimeStage | None:
+def _event_time_stages(spark: SparkSession, layout: StorageLayout, spec: StreamSpec,
+                       settings: StreamSettings) -> list[EventTimeStage]:
     if not settings.event_time:
-        return None
-    if spec.windows is not None:
-        return windows_stage(spark, layout, spec.windows.watermark_delay)
-    if spec.sessions is not None:
-        options = spec.sessions
-        return sessions_stage(spark, layout, SessionSettings(watermark_delay=options.watermark_delay,
-                                                             state_ttl=options.state_ttl, gap=options.gap))
-    return None
+        return []
+    return [(windows_stage if table.kind == "window" else sessions_stage)(spark, layout, spec, table)
+            for table in spec.event_time_tables]
 
 
 def _scan_continuously(spark: SparkSession, layout: StorageLayout, spec: StreamSpec, per_commit: int,
@@ -286,7 +280,7 @@ def advance_stream(spark: SparkSession, layout: StorageLayout, spec: StreamSpec,
         # The changelogs first: one refuses to follow a state table created again before that table is rebuilt.
         changelogs = [changelog_stage(spark, layout, table) for table in spec.state_tables]
         states = [state_table_stage(spark, layout, spec, table) for table in spec.state_tables]
-        event_time = _event_time_stage(spark, layout, spec, settings)
+        event_time = _event_time_stages(spark, layout, spec, settings)
         if spec.topic is None:
             scan = scan_landing(spark, layout.landing(spec.name), ledger_path, staging_dir)
             record_units(spark, ledger_path, scan.units, settings.max_files_per_trigger)
@@ -356,15 +350,16 @@ def advance_stream(spark: SparkSession, layout: StorageLayout, spec: StreamSpec,
                 continuous.stop.set()
                 scanner.join()
             close_producers()
-        # One recovery is shown: the checkpoint's first, then the event-time step's, then the state table's.
-        if recovery is None and event_time is not None and event_time.recovered:
-            recovery = {**event_time.recovered, "set_aside": None}
+        # One recovery is shown: the checkpoint's first, then an event-time step's, then a state table's.
+        recovered = next((step.recovered for step in event_time if step.recovered), None)
+        if recovery is None and recovered:
+            recovery = {**recovered, "set_aside": None}
         note = next((state.note for state in states if state.note), None)
         if recovery is None and note:
             recovery = {"problem": note.split(":")[0], "set_aside": None, "action": note}
         commits = {name: commits_since(spark, layout.table(name), before[name])
                    for name in (spec.bronze_table, *(t.name for t in spec.state_tables),
-                                *((event_time.closing_table,) if event_time is not None else ()))}
+                                *(step.table.name for step in event_time))}
         return StreamRunResult(
             query_name=spec.name,
             micro_batches=batches + int(caught_up),

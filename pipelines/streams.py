@@ -1,4 +1,4 @@
-"""What a stream is: its fields and their rules, its state tables, its event-time options (all data).
+"""What a stream is: its fields and their rules, its state tables, its windowed and session tables (all data).
 
 The project file (`statetables.yaml`, read by pipelines/project.py) declares them; validation, bronze, the
 MERGE and the checks are written once for every stream.
@@ -13,6 +13,7 @@ from typing import Literal
 
 FieldKind = Literal["string", "decimal", "timestamp", "integer", "boolean"]
 AggregateFunction = Literal["count", "sum", "min", "max", "avg", "min_by", "max_by"]
+EventTimeKind = Literal["window", "session"]
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ class FieldRule:
     max_inclusive: bool = True
 
 
+LATE_EVENTS = "late_events"  # the events behind a windowed or session table's watermark, of every stream
 KAFKA_BOOTSTRAP_ENV = "STATETABLES_KAFKA_BOOTSTRAP_SERVERS"
 
 
@@ -57,12 +59,14 @@ class KafkaTopic:
 @dataclass(frozen=True)
 class Aggregate:
     """One aggregate column of a state table: `function(column)` (`column` None: COUNT(*)); MIN_BY/MAX_BY order
-    by `by`."""
+    by `by`; with `n` (windowed and session tables only), MIN_BY/MAX_BY keep the `n` values of the least or
+    greatest `by`, as a list ordered from the extreme one."""
 
     name: str
     function: AggregateFunction
     column: str | None = None
     by: str | None = None
+    n: int | None = None
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,7 @@ class StateTableSpec:
     summed_field: str | None = None
     last_ts_column: str | None = None
     changelog_topic: KafkaTopic | None = None  # its changes also go to this compacted topic (changelog_topic.py)
+    where: str | None = None  # the declared WHERE over the stream's fields, as Spark SQL: the rows it counts
 
     def field(self, name: str) -> FieldRule:
         return next(f for f in self.fields if f.name == name)
@@ -99,19 +104,66 @@ class StateTableSpec:
 
 
 @dataclass(frozen=True)
-class WindowOptions:
-    """Hourly event-time windows with a top 10 (pipelines/windows.py)."""
+class OutputColumn:
+    """One column of a windowed or session table, in the declared order: a GROUP BY key (`key`), an aggregate
+    (`aggregate`, `of` its name), the window's or session's bounds (`start`, `end`: `window.start`,
+    `session_window.end`), the previous session's value of an aggregate (`previous`: LAG(agg) OVER (PARTITION BY
+    keys ORDER BY the session's start)) or an aggregate's running sum over the key's sessions ending on the same
+    UTC day (`day_total`: SUM(agg) OVER (PARTITION BY keys, DATE(MAX(event time)) ORDER BY the start))."""
 
-    watermark_delay: timedelta = timedelta(minutes=10)
+    name: str
+    role: Literal["key", "aggregate", "start", "end", "previous", "day_total"]
+    of: str | None = None
 
 
 @dataclass(frozen=True)
-class SessionOptions:
-    """Event-time sessions per key (pipelines/sessions.py)."""
+class TopSpec:
+    """The top N rows of every window of a windowed table (`source`), as declared: `SELECT columns FROM (SELECT
+    ..., ROW_NUMBER() OVER (PARTITION BY <window start> ORDER BY order) AS rank FROM source) WHERE rank <= n`."""
 
-    watermark_delay: timedelta = timedelta(minutes=10)
-    gap: timedelta = timedelta(minutes=30)
-    state_ttl: timedelta = timedelta(days=30)
+    name: str
+    source: str
+    n: int
+    order: tuple[tuple[str, bool, bool], ...]  # (column, descending, nulls first); total, the loader checks
+    rank_column: str
+    columns: tuple[str, ...]  # in the declared order, the rank among them or not
+    sql: str = ""
+    line: int = 0
+
+
+@dataclass(frozen=True)
+class EventTimeTableSpec:
+    """A windowed table (`GROUP BY keys, window(event_time, size)`) or a session table (`GROUP BY keys,
+    session_window(event_time, gap)`) of a stream, as declared: its rows are written once the stream's watermark
+    passes a window's end or a session's gap after its last event, and are final then (pipelines/windows.py,
+    pipelines/sessions.py)."""
+
+    name: str
+    stream: str
+    kind: EventTimeKind
+    keys: tuple[str, ...]
+    aggregates: tuple[Aggregate, ...]
+    size: timedelta  # the window's size, or the session's gap
+    columns: tuple[OutputColumn, ...]
+    event_time_field: str
+    fields: tuple[FieldRule, ...] = ()
+    sql: str = ""
+    line: int = 0
+    ttl: timedelta | None = None  # sessions: a key idle this long forgets its previous session and day totals
+    tops: tuple[TopSpec, ...] = ()  # windows: the top-N tables ranking its windows
+    where: str | None = None  # the declared WHERE over the stream's fields, as Spark SQL: the events it keeps
+
+    def field(self, name: str) -> FieldRule:
+        return next(f for f in self.fields if f.name == name)
+
+    def column(self, role: str) -> str | None:
+        """The name of the first column of this role (`start`, `end`), if declared."""
+        return next((c.name for c in self.columns if c.role == role), None)
+
+    @property
+    def state_table(self) -> str:
+        """Its operator state: the open windows or sessions (and a session table's per-key values)."""
+        return f"{self.name}_state"
 
 
 @dataclass(frozen=True)
@@ -123,8 +175,8 @@ class StreamSpec:
     state_tables: tuple[StateTableSpec, ...] = ()
     dedup_horizon: timedelta = timedelta(days=7)
     max_ahead: timedelta = timedelta(days=1)  # how far after its ingestion an event's time may lie
-    windows: WindowOptions | None = None
-    sessions: SessionOptions | None = None
+    watermark_delay: timedelta = timedelta(minutes=10)  # the windowed and session tables' watermark lag
+    event_time_tables: tuple[EventTimeTableSpec, ...] = ()
     line: int = 0  # where the project file declares it
     topic: KafkaTopic | None = None  # read from this topic (pipelines/kafka_source.py); None: the landing folder
 
@@ -153,25 +205,3 @@ class StreamSpec:
         """The decimal field whose running total bronze commits carry for the per-run checks: the first required
         decimal field a state table sums (None: bronze carries the event count only)."""
         return next((t.summed_field for t in self.state_tables if t.summed_field), None)
-
-
-def stream_spec(name: str) -> StreamSpec:
-    """The declared stream by name (the project file); an unknown name fails with the list of known ones."""
-    from pipelines.project import project
-    return project().stream(name)
-
-
-def streams() -> dict[str, StreamSpec]:
-    """Every declared stream, in the project file's order."""
-    from pipelines.project import project
-    return project().streams
-
-
-def windows_stream() -> StreamSpec:
-    """The stream whose `windows:` the project file declares (the loader allows one)."""
-    return next(s for s in streams().values() if s.windows is not None)
-
-
-def sessions_stream() -> StreamSpec:
-    """The stream whose `sessions:` the project file declares (the loader allows one)."""
-    return next(s for s in streams().values() if s.sessions is not None)

@@ -16,14 +16,15 @@ from decimal import Decimal
 from pyspark.sql import DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 
+from pipelines import event_time
 from pipelines.bronze import accepted_totals
+from pipelines.declared_sql import query_over
+from pipelines.event_time import output_schema
 from pipelines.expiry import EXPIRED_VALUE, expired_rows, expired_totals, since_last_expiry
 from pipelines.layout import StorageLayout
-from pipelines.state import TOTAL_TYPE, aggregate, folded_through
+from pipelines.state import aggregate, final_column, folded_through, partial_columns
 from pipelines.streaming import table_version
-from pipelines.sessions import ACTIVITY, last_progress as sessions_progress
-from pipelines.streams import StateTableSpec, StreamSpec, sessions_stream, windows_stream
-from pipelines.windows import HOURLY, LATE, TOP, last_progress, top_titles
+from pipelines.streams import EventTimeTableSpec, StateTableSpec, StreamSpec, TopSpec
 
 
 def _state(spark: SparkSession, layout: StorageLayout, table: StateTableSpec) -> DataFrame:
@@ -57,7 +58,7 @@ def totals_match_bronze(spark: SparkSession, layout: StorageLayout, spec: Stream
     state_version, version = (found.version, found.through) if found else (None, None)
     state = state_totals(spark, layout, table, state_version)
     state.pop("latest_event_time")
-    if version is None or table.count_column is None:
+    if version is None or table.count_column is None or table.where:  # bronze's totals count every event
         return {"covered_bronze_version": -1 if version is None else version, **state, "passed": None}
     events, total = accepted_totals(spark, str(layout.table(spec.bronze_table)), spec.value_field, version)
     # Rows a TTL expired hold events too: their running totals are in the table's newest commits.
@@ -103,6 +104,8 @@ def mismatches_with_bronze(spark: SparkSession, layout: StorageLayout, spec: Str
     carry, and with the table's they must add up to bronze's."""
     table_path = layout.table(table.name)
     bronze = spark.read.format("delta").load(str(layout.table(spec.bronze_table)))
+    if table.where:  # the events the table counts
+        bronze = bronze.where(F.expr(table.where))
     state = _state(spark, layout, table)
     expiries = expired_rows(spark, table_path, table)
     expected = aggregate(since_last_expiry(bronze, expiries, table.keys), table)
@@ -155,116 +158,112 @@ def _late_figures(late: DataFrame) -> tuple[int, int]:
     return row[0], row[1]
 
 
-def windows_mismatches(spark: SparkSession, layout: StorageLayout,
-                       since_version: int | None = None) -> tuple[DataFrame, dict]:
-    """The hours that closed after `tickets_per_title_hourly` version `since_version` (every hour when
-    None), against bronze at the version the windows query has read.
-
-    One watermark closes an hour for every title at once, so each sale of a closed hour is either in
-    `late_events` or counted in its (title, hour) window: the window's tickets and value equal the
-    hour's sales minus the late ones, and the hour's sales are those two added up. Per run the cost is
-    the hours that run closed: bronze is read through its event-time file statistics, not whole.
-    """
-    spec = windows_stream()
-    progress = last_progress(spark, layout)
-    hourly = spark.read.format("delta").load(str(layout.table(HOURLY)))
-    closed = hourly
-    if since_version is not None and since_version >= (table_version(spark, layout.table(HOURLY)) or 0):
-        closed = hourly.limit(0)  # nothing committed since: Delta refuses a change feed that starts later
-    elif since_version is not None:
-        closed = (spark.read.format("delta").option("readChangeFeed", "true")
-                  .option("startingVersion", since_version + 1).load(str(layout.table(HOURLY)))
-                  .where(F.col("_change_type") == "insert"))
-    hours = sorted(r[0] for r in closed.select("window_start").distinct().collect())
-    figures = {"hours_checked": len(hours), "sales": 0, "late_events": 0, "in_closed_windows": 0,
-               "late_not_in_bronze": 0, "late_not_behind_watermark": 0,
-               "bronze_version": progress.bronze_version if progress else -1}
-    empty = spark.createDataFrame([], "title string, window_start timestamp, expected_tickets long, tickets_sold long")
-    if not hours or progress is None:
-        return empty, figures
-    hour = F.date_trunc("hour", F.col(spec.event_time_field))
-    span = (F.col(spec.event_time_field) >= F.lit(hours[0])) & (
-        F.col(spec.event_time_field) < F.lit(hours[-1] + dt.timedelta(hours=1)))
-    sales = (spark.read.format("delta").option("versionAsOf", progress.bronze_version)
-             .load(str(layout.table(spec.bronze_table))).where(span & hour.isin(hours)))
-    late = (spark.read.format("delta").load(str(layout.table(LATE)))
-            .where((F.col("stream") == spec.name) & (F.col("event_time") >= F.lit(hours[0]))
-                   & F.date_trunc("hour", "event_time").isin(hours)))
-    on_time = sales.join(late.select(F.col("event_id").alias(spec.id_field)), spec.id_field, "left_anti")
-    expected = on_time.groupBy("title", hour.alias("window_start")).agg(
-        F.count("*").alias("expected_tickets"), F.sum(spec.value_field).cast(TOTAL_TYPE).alias("expected_value"))
-    actual = hourly.where(F.col("window_start").isin(hours))
-    mismatched = (expected.join(actual.select("title", "window_start", "tickets_sold", "total_ticket_value"),
-                                ["title", "window_start"], "full_outer")
-                  .where(~F.col("expected_tickets").eqNullSafe(F.col("tickets_sold"))
-                         | ~F.col("expected_value").eqNullSafe(F.col("total_ticket_value"))))
-    late_in_bronze = late.join(sales.select(F.col(spec.id_field).alias("event_id")), "event_id", "left_semi").count()
-    late_count, not_behind = _late_figures(late)
-    figures.update({"sales": sales.count(), "late_events": late_in_bronze,
-                    "in_closed_windows": actual.agg(F.sum("tickets_sold")).first()[0] or 0,
-                    "late_not_in_bronze": late_count - late_in_bronze, "late_not_behind_watermark": not_behind})
-    return mismatched, figures
+def _inserted_since(spark: SparkSession, path, since_version: int | None) -> DataFrame | None:
+    """The rows committed to a table after `since_version` (None: every row), from its change feed."""
+    if since_version is None:
+        return None
+    if since_version >= (table_version(spark, path) or 0):
+        return spark.read.format("delta").load(str(path)).limit(0)  # Delta refuses a change feed that starts later
+    return (spark.read.format("delta").option("readChangeFeed", "true").option("startingVersion", since_version + 1)
+            .load(str(path)).where(F.col("_change_type") == "insert"))
 
 
-def top_titles_mismatches(spark: SparkSession, layout: StorageLayout) -> DataFrame:
-    """Rows of `top_titles_hourly` that differ from the ranking recomputed from `tickets_per_title_hourly`
-    (either side), with `side` saying which table holds the row."""
-    stored = spark.read.format("delta").load(str(layout.table(TOP)))
-    recomputed = top_titles(spark.read.format("delta").load(str(layout.table(HOURLY))))
-    return (stored.exceptAll(recomputed).withColumn("side", F.lit("only in top_titles_hourly"))
-            .unionByName(recomputed.exceptAll(stored).withColumn("side", F.lit("missing from top_titles_hourly"))))
-
-
-def recomputed_sessions(payments: DataFrame, gap: dt.timedelta) -> DataFrame:
-    """The contract's sessions of `payments`, recomputed with window functions: per customer, in event-time
-    order, a payment *less than* `gap` after the previous one joins its session; `gap` or more starts a new
-    one. Not Spark's `session_window`: that merges a session with the next when the next starts exactly at
-    its last payment + gap, so at an exact 30-minute gap it disagreed with the contract (issue 26).
-    Ties in event time are ordered by id, which changes no session: equal times are 0 apart."""
-    spec = sessions_stream()
-    at = F.unix_micros(spec.event_time_field)
-    in_order = Window.partitionBy("customer_id").orderBy(spec.event_time_field, spec.id_field)
+def recomputed_sessions(table: EventTimeTableSpec, events: DataFrame) -> DataFrame:
+    """The contract's sessions of `events`, recomputed with window functions: per key, in event-time order, an
+    event *less than* the gap after the previous one joins its session; the gap or more starts a new one. A second
+    implementation of the rule with the same edges (the operator cuts pieces, open sessions and events, not events),
+    with `_first` and `_last` and the declared key, bound and aggregate columns. Ties in event time change no
+    session: equal times are 0 apart."""
+    kinds = {f.name: f.kind for f in table.fields}
+    at = F.unix_micros(table.event_time_field)
+    in_order = Window.partitionBy(*table.keys).orderBy(table.event_time_field)
     starts = F.when(F.lag(at).over(in_order).isNull()
-                    | (at - F.lag(at).over(in_order) >= gap // dt.timedelta(microseconds=1)), 1).otherwise(0)
-    numbered = (payments.withColumn("_starts", starts)
+                    | (at - F.lag(at).over(in_order) >= table.size // dt.timedelta(microseconds=1)), 1).otherwise(0)
+    numbered = (events.withColumn("_starts", starts)
                 .withColumn("_session", F.sum("_starts").over(in_order.rowsBetween(Window.unboundedPreceding, 0))))
-    return numbered.groupBy("customer_id", "_session").agg(
-        F.min(spec.event_time_field).alias("session_start"), F.max(spec.event_time_field).alias("expected_end"),
-        F.count("*").alias("expected_payments"),
-        F.sum(spec.value_field).cast(TOTAL_TYPE).alias("expected_amount")).drop("_session")
+    grouped = numbered.groupBy(*table.keys, "_session").agg(
+        *[c for a in table.aggregates for c in partial_columns(a, kinds)],
+        F.min(table.event_time_field).alias("_first"), F.max(table.event_time_field).alias("_last"))
+    typed = {f.name: f.dataType for f in output_schema(table)}
+    gap_us = table.size // dt.timedelta(microseconds=1)
+    columns = []
+    for c in table.columns:
+        if c.role == "key":
+            columns.append(F.col(c.name))
+        elif c.role == "start":
+            columns.append(F.col("_first").alias(c.name))
+        elif c.role == "end":
+            columns.append(F.timestamp_micros(F.unix_micros("_last") + F.lit(gap_us)).alias(c.name))
+        elif c.role == "aggregate":
+            a = next(a for a in table.aggregates if a.name == c.of)
+            columns.append(final_column(a, kinds).cast(typed[c.name]).alias(c.name))
+    return grouped.select(*columns, "_first", "_last")
 
 
-def sessions_mismatches(spark: SparkSession, layout: StorageLayout) -> tuple[DataFrame, dict]:
-    """customer_activity against the sessions recomputed from bronze (`recomputed_sessions`), at the
-    bronze version and watermark the sessions query has reached: the payments that are not in
-    late_events, cut by the contract's gap rule; each session the watermark has closed (a gap past its
-    last payment, the operator's rule) must be a row with the same end, count and amount, and each row
-    such a session. A second implementation of the rule with the same edges, so a fault in the operator
-    (or a corrupted row) shows. Previous session and day totals depend on the TTL and are not
-    recomputed. One pass over bronze."""
-    spec = sessions_stream()
-    gap = spec.sessions.gap
-    progress = sessions_progress(spark, layout)
-    activity = spark.read.format("delta").load(str(layout.table(ACTIVITY))).select(
-        "customer_id", "session_start", "session_end", "payment_count", "total_amount")
-    late = spark.read.format("delta").load(str(layout.table(LATE))).where(F.col("stream") == spec.name)
+def event_time_mismatches(spark: SparkSession, layout: StorageLayout, spec: StreamSpec, table: EventTimeTableSpec,
+                          since_version: int | None = None) -> tuple[DataFrame, dict]:
+    """A windowed or session table against its declared query recomputed over bronze, at the bronze version and
+    watermark its step has reached, minus the events late_events says were late for it.
+
+    Windows: the declared SQL run by Spark itself (`window()`), every window whose end the watermark has reached;
+    per run (`since_version`), only the windows the run closed, bronze read through its event-time statistics. A
+    column Spark's own aggregates cannot compute (a list MAX_BY) is left out. Sessions: cut again by
+    `recomputed_sessions` (all of bronze), every session the watermark is a gap past; the columns a key carries
+    from session to session (LAG, day totals) depend on the order sessions closed in and are not recomputed. Rows
+    on either side only are the mismatches (`side` says which)."""
+    progress = event_time.last_progress(spark, table, layout)
+    path = layout.table(table.name)
+    actual = spark.read.format("delta").load(str(path))
+    figures = {"rows_checked": 0, "events": 0, "late_events": 0, "late_not_in_bronze": 0,
+               "late_not_behind_watermark": 0, "bronze_version": progress.bronze_version if progress else -1}
     if progress is None or progress.bronze_version < 0:
-        payments = spark.createDataFrame([], "customer_id string, payment_id string, paid_at timestamp, amount decimal(18,2)")
+        return actual.limit(0).withColumn("side", F.lit("")), figures
+    late = (spark.read.format("delta").load(str(layout.table(event_time.LATE)))
+            .where(F.col("table_name") == table.name))
+    bronze = (spark.read.format("delta").option("versionAsOf", progress.bronze_version)
+              .load(str(layout.table(spec.bronze_table))))
+    at = F.col(table.event_time_field)
+    size_us = table.size // dt.timedelta(microseconds=1)
+    watermark_us = progress.watermark_ms * 1000
+    if table.kind == "window":
+        start = table.column("start")
+        inserted = _inserted_since(spark, path, since_version)
+        if inserted is not None:
+            starts = sorted(r[0] for r in inserted.select(start).distinct().collect())
+            actual = actual.where(F.col(start).isin(starts)) if starts else actual.limit(0)
+            window_of = F.timestamp_micros(F.unix_micros(at) - F.pmod(F.unix_micros(at), F.lit(size_us)))
+            bronze = bronze.where((at >= F.lit(starts[0] if starts else dt.datetime(1970, 1, 1)))
+                                  & window_of.isin(starts)) if starts else bronze.limit(0)
+        dropped = {a.name for a in table.aggregates if a.n}
+        on_time = bronze.join(late.select(F.col("event_id").alias(spec.id_field)), spec.id_field, "left_anti")
+        expected = spark.sql(query_over(table.sql, dropped), source=on_time)
+        expected = expected.where(F.unix_micros(start) + F.lit(size_us) <= F.lit(watermark_us))
+        compared = [c.name for c in table.columns if c.name not in dropped]
     else:
-        payments = (spark.read.format("delta").option("versionAsOf", progress.bronze_version)
-                    .load(str(layout.table(spec.bronze_table))))
-    on_time = payments.join(late.select(F.col("event_id").alias(spec.id_field)), spec.id_field, "left_anti")
-    recomputed = recomputed_sessions(on_time, gap).where(
-        F.unix_micros("expected_end") + gap // dt.timedelta(microseconds=1)
-        <= (progress.watermark_ms if progress else 0) * 1000)
-    mismatched = (recomputed.join(activity, ["customer_id", "session_start"], "full_outer")
-                  .where(~F.col("expected_end").eqNullSafe(F.col("session_end"))
-                         | ~F.col("expected_payments").eqNullSafe(F.col("payment_count"))
-                         | ~F.col("expected_amount").eqNullSafe(F.col("total_amount"))))
-    totals = activity.agg(F.count("*"), F.sum("payment_count")).first()
-    late_in_bronze = late.join(payments.select(F.col(spec.id_field).alias("event_id")), "event_id", "left_semi").count()
+        on_time = event_time.kept_events(table, bronze).join(
+            late.select(F.col("event_id").alias(spec.id_field)), spec.id_field, "left_anti")
+        expected = recomputed_sessions(table, on_time).where(
+            F.unix_micros("_last") + F.lit(size_us) <= F.lit(watermark_us))
+        compared = [c.name for c in table.columns if c.role in ("key", "start", "end", "aggregate")]
+    typed = {f.name: f.dataType for f in output_schema(table)}
+    expected = expected.select(*(F.col(c).cast(typed[c]) for c in compared))
+    stored = actual.select(*compared)
+    mismatched = (stored.exceptAll(expected).withColumn("side", F.lit(f"only in {table.name}"))
+                  .unionByName(expected.exceptAll(stored).withColumn("side", F.lit(f"missing from {table.name}"))))
+    late_in_bronze = late.join(bronze.select(F.col(spec.id_field).alias("event_id")), "event_id", "left_semi").count()
     late_count, not_behind = _late_figures(late)
-    figures = {"sessions_checked": totals[0], "payments_in_sessions": totals[1] or 0, "late_events": late_in_bronze,
-               "late_not_in_bronze": late_count - late_in_bronze, "late_not_behind_watermark": not_behind,
-               "bronze_version": progress.bronze_version if progress else -1}
+    figures.update({"rows_checked": stored.count(), "events": bronze.count(), "late_events": late_in_bronze,
+                    "late_not_in_bronze": late_count - late_in_bronze if table.kind == "session" or
+                    since_version is None else 0,
+                    "late_not_behind_watermark": not_behind})
     return mismatched, figures
+
+
+def top_mismatches(spark: SparkSession, layout: StorageLayout, top: TopSpec) -> DataFrame:
+    """Rows of a top N table that differ from its declared query run by Spark over its windowed table (either
+    side), with `side` saying which table holds the row."""
+    stored = spark.read.format("delta").load(str(layout.table(top.name)))
+    recomputed = spark.sql(query_over(top.sql), source=spark.read.format("delta").load(str(layout.table(top.source))))
+    recomputed = recomputed.select(*(F.col(f.name).cast(f.dataType) for f in stored.schema))
+    return (stored.exceptAll(recomputed).withColumn("side", F.lit(f"only in {top.name}"))
+            .unionByName(recomputed.exceptAll(stored).withColumn("side", F.lit(f"missing from {top.name}"))))

@@ -33,7 +33,7 @@ def record_one_pass(home: Path, archive: Path) -> None:
     from pipelines.layout import StorageLayout
     from pipelines.session import SparkSettings, build_spark_session
     from pipelines.stream_query import advance_stream
-    from pipelines.streams import streams
+    from pipelines.project import streams
 
     layout = StorageLayout.under(home)
     spark = build_spark_session(SparkSettings(conf={

@@ -10,7 +10,7 @@ print the state tables, refresh one, show where each stream stands, prepare the 
     statetables savepoint create|list|restore [NAME]
     statetables restore-changelog --table movie_tickets_sold --version 12 [--into NAME]
     statetables restore-topic --table payments_per_customer --into NEW   # rebuild a table from its changelog topic
-    statetables refresh TABLE       # rebuild a state table from bronze after its declaration changed
+    statetables refresh TABLE       # rebuild a table from bronze after its declaration changed
     statetables status [--json]     # per stream: files waiting, the last batch, versions, what each step folded, ...
     statetables --project FILE ...  # another project file than ./statetables.yaml
     statetables dev [--port 3000] [--engine-port 15002 | --embedded]   # Dagster UI + daemon + a warm Spark Connect engine
@@ -28,7 +28,7 @@ from pathlib import Path
 from pipelines.errors import ConfigurationError, SavepointError, StorageError, StreamBusyError
 from pipelines.layout import StorageLayout
 from pipelines.project import PROJECT_ENV
-from pipelines.streams import stream_spec, streams
+from pipelines.project import stream_spec, streams
 from statetables.servers import prepare_instance
 
 def _generate(args: argparse.Namespace) -> int:
@@ -54,8 +54,6 @@ def _print_state_tables(layout: StorageLayout, engine: dict) -> None:
     from pyspark.sql import functions as F
 
     from pipelines.session import SparkSettings, build_spark_session, default_remote
-    from pipelines.sessions import ACTIVITY
-    from pipelines.windows import TOP, TOP_N
 
     # The run's session, still alive in this process (getOrCreate), on the run's engine.
     spark = build_spark_session(SparkSettings(remote=engine.get("remote", default_remote()),
@@ -66,20 +64,22 @@ def _print_state_tables(layout: StorageLayout, engine: dict) -> None:
         order = [F.desc(table.count_column)] if table.count_column else []
         frame.orderBy(*order, *table.keys).select(*table.keys, *(a.name for a in table.aggregates)).show(
             10, truncate=False)
-    if not any(s.windows for s in streams().values()):
-        return
-    # The seeds' dashboard: the top 10 titles of the newest hour the watermark has closed.
-    top = spark.read.format("delta").load(str(layout.table(TOP)))
-    newest = top.agg(F.max("window_start")).first()[0]
-    print(f"\n== {TOP}: top {TOP_N} of the latest closed hour "
-          f"({newest:%Y-%m-%d %H:%M} UTC)" if newest else f"\n== {TOP}: no hour closed yet")
-    if newest:
-        top.where(F.col("window_start") == newest).orderBy("rank").show(TOP_N, truncate=False)
-    if not any(s.sessions for s in streams().values()):
-        return
-    activity = spark.read.format("delta").load(str(layout.table(ACTIVITY)))
-    print(f"\n== {ACTIVITY}: {activity.count()} closed sessions; the newest")
-    activity.orderBy(F.desc("session_end"), "customer_id").show(5, truncate=False)
+    for table in [t for spec in streams().values() for t in spec.event_time_tables]:
+        rows = spark.read.format("delta").load(str(layout.table(table.name)))
+        start = table.column("start")
+        for top in table.tops:
+            # The seeds' dashboard: the top N of the newest window the watermark has closed.
+            ranked = spark.read.format("delta").load(str(layout.table(top.name)))
+            newest = ranked.agg(F.max(start)).first()[0] if start in top.columns else None
+            print(f"\n== {top.name}: top {top.n} of the latest closed window ({newest:%Y-%m-%d %H:%M} UTC)"
+                  if newest else f"\n== {top.name}: no window closed yet")
+            if newest:
+                ranked.where(F.col(start) == newest).orderBy(top.rank_column).show(top.n, truncate=False)
+        if not table.tops:
+            order = start or next((a.name for a in table.aggregates if a.function == "max"
+                                   and a.column == table.event_time_field), table.aggregates[0].name)
+            print(f"\n== {table.name}: {rows.count()} rows; the newest")
+            rows.orderBy(F.desc(order), *table.keys).show(5, truncate=False)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -179,13 +179,15 @@ def _restore_topic(args: argparse.Namespace) -> int:
 
 def _refresh(args: argparse.Namespace) -> int:
     from pipelines.project import project
-    from pipelines.refresh import refresh_state_table
+    from pipelines.refresh import refresh_event_time_table, refresh_state_table
     from pipelines.session import build_spark_session
+    from pipelines.streams import StateTableSpec
 
-    spec, table = project().state_table(args.table)
-    figures = refresh_state_table(build_spark_session(), StorageLayout.under(), spec, table)
+    spec, table = project().table(args.table)
+    refresh = refresh_state_table if isinstance(table, StateTableSpec) else refresh_event_time_table
+    figures = refresh(build_spark_session(), StorageLayout.under(), spec, table)
     print(f"{table.name} rebuilt from {spec.bronze_table} version {figures['bronze_version']} under its current "
-          f"definition: {figures['keys']} keys, table version {figures['table_version']} (one commit)")
+          f"definition: {figures['keys']} rows, table version {figures['table_version']} (one commit)")
     return 0
 
 
@@ -348,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
 
     run = commands.add_parser("run", help="one headless Dagster pass over the landing folders")
     run.add_argument("--job", default="advance_all")
-    run.add_argument("--show", action="store_true", help="print the state tables, the top 10 of the latest closed hour and the newest sessions afterwards")
+    run.add_argument("--show", action="store_true", help="print the state tables, each top N's latest closed window and the newest rows of the other windowed and session tables afterwards")
     run.add_argument("--log-level", default="INFO", help="Dagster console log level (DEBUG shows every event)")
     run.add_argument("--warn-only-check", action="append", metavar="ASSET:CHECK",
                      help="for this run, a failure of this blocking check warns instead of stopping the run "
@@ -398,8 +400,8 @@ def main(argv: list[str] | None = None) -> int:
     from_topic.add_argument("--into", required=True, help="table name under tables/ to write")
     from_topic.set_defaults(func=_restore_topic)
 
-    refresh = commands.add_parser("refresh", help="rebuild a state table from bronze under the project file's "
-                                                  "definition, replacing its content in one commit")
+    refresh = commands.add_parser("refresh", help="rebuild a state, windowed or session table from bronze under the "
+                                                  "project file's definition, replacing its content in one commit")
     refresh.add_argument("table")
     refresh.set_defaults(func=_refresh)
 

@@ -12,7 +12,7 @@ from assets.streams import build_stream_assets, require_current_definitions
 from pipelines.layout import StorageLayout
 from pipelines.session import default_remote
 from pipelines.stream_query import event_time_streams
-from pipelines.streams import streams
+from pipelines.project import streams
 from resources import CheckPolicyResource, SparkSessionResource, StorageResource
 
 require_current_definitions(StorageLayout.under())  # a changed declaration fails the load, naming the fix

@@ -46,16 +46,18 @@ from pipelines.generate import generate
 from pipelines.layout import StorageLayout
 from pipelines.storage import S3Path
 from pipelines.event_time import LATE
-from pipelines.sessions import ACTIVITY, DEFAULT_STATE_TTL, SESSION_GAP
 from pipelines.changelog import changelog_name
 from pipelines.expiry import EXPIRED
-from tests.streams import MOVIE_TICKET_SALES, STREAMS, project_with_ttl, redeliver, with_kafka
-from pipelines.windows import HOURLY, TOP, TOP_N
+from tests.streams import MOVIE_TICKET_SALES, PAYMENTS, STREAMS, project_with_ttl, redeliver, with_kafka
 from tests.contract_oracle import (
     expected_from_topic, expected_sessions, expected_state, expected_windows, independent_table, landing_files,
 )
 
 CHAOS_TTL_DAYS = {"payments_per_customer": 0.05}
+# The shipped project's windowed and session tables.
+(_HOURLY,), (_ACTIVITY,) = MOVIE_TICKET_SALES.event_time_tables, PAYMENTS.event_time_tables
+HOURLY, TOP, TOP_N, ACTIVITY = _HOURLY.name, _HOURLY.tops[0].name, _HOURLY.tops[0].n, _ACTIVITY.name
+SESSION_GAP, SESSION_TTL = _ACTIVITY.size, _ACTIVITY.ttl
 
 # Named kills, in the order the issue lists them, then the rest; `delay` lands inside the work after the point.
 NAMED_KILLS = [
@@ -66,11 +68,10 @@ NAMED_KILLS = [
     (faults.INGEST_AFTER_QUARANTINE_COMMIT, {}),  # between the two appends of an ingest batch
     (faults.WINDOWS_AFTER_LATE_COMMIT, {}),  # late_events written, nothing else of the windows batch
     (faults.WINDOWS_AFTER_TOP_COMMIT, {}),  # late_events and top_titles_hourly written
-    (faults.WINDOWS_AFTER_OPEN_HOURS_COMMIT, {}),  # ... and the open hours; the closing commit not
+    (faults.WINDOWS_AFTER_STATE_COMMIT, {}),  # ... and the open windows; the closing commit not
     (faults.WINDOWS_BEFORE_CLOSING_COMMIT, {"delay": 0.3}),  # inside the closing commit
     (faults.SESSIONS_AFTER_LATE_COMMIT, {}),  # late payments written, nothing else of the sessions batch
-    (faults.SESSIONS_AFTER_OPEN_SESSIONS_COMMIT, {}),  # ... and the open sessions
-    (faults.SESSIONS_AFTER_LAST_SESSIONS_COMMIT, {}),  # ... and the last sessions; customer_activity not
+    (faults.SESSIONS_AFTER_STATE_COMMIT, {}),  # ... and the sessions' state; customer_activity not
     (faults.SESSIONS_BEFORE_CLOSING_COMMIT, {"delay": 0.3}),  # inside the closing commit
     (faults.STREAM_BATCH_END, {"delay": 0.05}),  # the changelog written; while Spark writes the commit file
 ]
@@ -330,7 +331,7 @@ def compare_event_time(layout: StorageLayout, report: ChaosReport, spec_name: st
         newest = max((e["paid_at"] for e in on_time), default=None)
         # One batch holding every on-time payment, its watermark the one the query recorded.
         delay = newest - watermark if newest is not None and watermark is not None else timedelta(days=36500)
-        expected = expected_sessions([on_time], delay, SESSION_GAP, DEFAULT_STATE_TTL).sessions
+        expected = expected_sessions([on_time], delay, SESSION_GAP, SESSION_TTL).sessions
         rows = independent_table(layout.table(ACTIVITY)).to_pyarrow_table().to_pylist()
         actual = {(r["customer_id"], _utc(r["session_start"])): (
             _utc(r["session_end"]), r["payment_count"], r["total_amount"], r["last_payment_ids"],

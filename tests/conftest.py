@@ -36,6 +36,8 @@ EXPECTED_SECONDS = {
     "tests/pipelines/test_recovery.py": 30,
     "tests/pipelines/test_changelog_savepoints.py": 30,
     "tests/pipelines/test_declared_streams.py::test_declared": 28,
+    "tests/pipelines/test_declared_event_time.py::test_a_new": 25,
+    "tests/pipelines/test_windows.py::test_a_changed": 25,
     "tests/pipelines/test_hostile_input.py": 25,
     "tests/pipelines/test_check_boundaries.py": 20,
     "tests/test_contract_promises.py": 20,

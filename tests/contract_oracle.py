@@ -19,9 +19,10 @@ The validation rules it reads, in the order they are applied to a line:
 - the event time: missing_field; wrong_type (not a string); invalid_timestamp (not
   `YYYY-MM-DDTHH:MM[:SS[.ffffff]](Z|±HH[:]MM)`, not a real date-time, offset beyond ±18:00);
   out_of_range (in UTC, before 1970-01-01T00:00:00Z or after ingestion time + 1 day).
-Re-deliveries: same id and same normalised content (every contract field as kept) counts once;
-same id, other content → conflicting_duplicate. First arrival wins; arrival order is file
-modification time, then full path, then line number.
+Re-deliveries: an event is compared with the accepted events of its id whose event time lies within the
+dedup horizon (default 7 days) of its own: same normalised content (every contract field as kept) counts
+once; other content → conflicting_duplicate; none there → a new event (the id reused). First arrival wins;
+arrival order is file modification time, then full path, then line number.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from typing import Iterable, NamedTuple
 MAX = Decimal("9999999999999999.99")
 CENT = Decimal("0.01")
 DEFAULT_MAX_AHEAD = timedelta(days=1)
+DEFAULT_HORIZON = timedelta(days=7)
 EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 JSON_WHITESPACE = " \t\n\r"
 TITLE_MAX = 500
@@ -300,8 +302,10 @@ class Expected:
     quarantined: int = 0
     duplicates: int = 0
     reasons: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    # id → accepted event; (source, line number, reason) of every quarantined line
+    # id → accepted event (an id reused beyond the horizon: its newest); every accepted event's id, in arrival
+    # order; (source, line number, reason) of every quarantined line
     events: dict[str, dict] = field(default_factory=dict)
+    accepted_ids: list[str] = field(default_factory=list)
     quarantine: list[tuple[str, int, str]] = field(default_factory=list)
     lines: int = 0
 
@@ -314,10 +318,10 @@ class Oracle:
     >>> oracle.expected.counts
     """
 
-    def __init__(self, stream: str, *, max_ahead: timedelta = DEFAULT_MAX_AHEAD):
-        self.stream, self.max_ahead = stream, max_ahead
+    def __init__(self, stream: str, *, max_ahead: timedelta = DEFAULT_MAX_AHEAD, horizon: timedelta = DEFAULT_HORIZON):
+        self.stream, self.max_ahead, self.horizon = stream, max_ahead, horizon
         self.expected = Expected()
-        self._seen: dict[str, tuple] = {}
+        self._seen: dict[str, list[tuple[datetime, tuple]]] = defaultdict(list)  # id → (event time, content) accepted
 
     def deliver(self, source: str, lines: Iterable[bytes], *, first_line_number: int = 1,
                 ingested_at: datetime | None = None) -> None:
@@ -328,15 +332,17 @@ class Oracle:
             reason = verdict.reason
             if reason is None:
                 event = verdict.event
-                identity, previous = content(self.stream, event), self._seen.get(event[rules.id])
-                if previous is None:
-                    self._seen[event[rules.id]] = identity
+                identity, at = content(self.stream, event), event[rules.ts]
+                near = {c for t, c in self._seen[event[rules.id]] if abs(t - at) <= self.horizon}
+                if not near:
+                    self._seen[event[rules.id]].append((at, identity))
                     out.accepted += 1
-                    out.events[event[rules.id]] = event
+                    out.events[event[rules.id]] = event  # an id reused beyond the horizon: its newest event
+                    out.accepted_ids.append(event[rules.id])
                     out.counts[event[rules.key]] += 1
                     out.sums[event[rules.key]] += event[rules.value]
                     continue
-                if previous == identity:
+                if identity in near:
                     out.duplicates += 1
                     continue
                 reason = "conflicting_duplicate"

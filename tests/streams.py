@@ -9,17 +9,19 @@ from pipelines.layout import StorageLayout
 from pipelines.project import SHIPPED, project
 from pipelines.stream_query import StreamSettings, advance_stream
 from pipelines.streaming import StreamRunResult
-from pipelines.streams import SessionOptions, StreamSpec, WindowOptions
+from pipelines.streams import StreamSpec
 
 # The two streams of the shipped project file (statetables.yaml), as the contract describes them.
 _SHIPPED = project(SHIPPED).streams
 MOVIE_TICKET_SALES, PAYMENTS = _SHIPPED["movie_ticket_sales"], _SHIPPED["payments"]
 STREAMS = {MOVIE_TICKET_SALES.name: MOVIE_TICKET_SALES, PAYMENTS.name: PAYMENTS}
+STATE_TABLES = {t.name for spec in STREAMS.values() for t in spec.state_tables}
 
 
 def declared(spec: StreamSpec, *, dedup_horizon=None, max_ahead=None, ttl=None, watermark_delay=None,
-             sessions=None) -> StreamSpec:
-    """`spec` as a project file with these settings would declare it (None: as declared)."""
+             session_ttl=None) -> StreamSpec:
+    """`spec` as a project file with these settings would declare it (None: as declared): `ttl` on its state
+    tables, `session_ttl` on its session tables."""
     changes: dict = {}
     if dedup_horizon is not None:
         changes["dedup_horizon"] = dedup_horizon
@@ -27,22 +29,20 @@ def declared(spec: StreamSpec, *, dedup_horizon=None, max_ahead=None, ttl=None, 
         changes["max_ahead"] = max_ahead
     if ttl is not None:
         changes["state_tables"] = tuple(replace(t, ttl=ttl) for t in spec.state_tables)
-    if watermark_delay is not None and spec.windows is not None:
-        changes["windows"] = WindowOptions(watermark_delay=watermark_delay)
-    if sessions is not None and spec.sessions is not None:
-        changes["sessions"] = SessionOptions(watermark_delay=sessions.watermark_delay, gap=sessions.gap,
-                                             state_ttl=sessions.state_ttl)
-    elif watermark_delay is not None and spec.sessions is not None:
-        changes["sessions"] = replace(spec.sessions, watermark_delay=watermark_delay)
+    if watermark_delay is not None:
+        changes["watermark_delay"] = watermark_delay
+    if session_ttl is not None:
+        changes["event_time_tables"] = tuple(replace(t, ttl=session_ttl) if t.kind == "session" else t
+                                             for t in spec.event_time_tables)
     return replace(spec, **changes)
 
 
 def advance(spark, layout: StorageLayout, spec: StreamSpec, *, dedup_horizon=None, max_ahead=None, ttl=None,
-            watermark_delay=None, sessions=None, **settings) -> StreamRunResult:
-    """One run of the stream's query (`event_time=False` leaves out the windows or sessions, which tests of
-    other steps do not need); declaration settings (TTL, horizons, watermarks) apply to this run's spec."""
+            watermark_delay=None, session_ttl=None, **settings) -> StreamRunResult:
+    """One run of the stream's query (`event_time=False` leaves out the windowed and session tables, which tests
+    of other steps do not need); declaration settings (TTL, horizons, watermarks) apply to this run's spec."""
     spec = declared(spec, dedup_horizon=dedup_horizon, max_ahead=max_ahead, ttl=ttl,
-                    watermark_delay=watermark_delay, sessions=sessions)
+                    watermark_delay=watermark_delay, session_ttl=session_ttl)
     return advance_stream(spark, layout, spec, StreamSettings(**settings))
 
 
@@ -52,7 +52,7 @@ def project_with_ttl(ttl_days: dict[str, float], path) -> Path:
     for line in SHIPPED.read_text().splitlines():
         if line.startswith("  - CREATE TABLE "):
             name = line.split()[3]
-            current = name if name in ttl_days else None
+            current = name if name in ttl_days and name in STATE_TABLES else None
             if current:
                 out += [f"  - ttl_days: {ttl_days[name]}", "    sql: " + line[4:]]
                 continue
@@ -71,9 +71,10 @@ def with_kafka(path: Path, bootstrap: str, *, max_records_per_batch: int = 400) 
         if line in ("  movie_ticket_sales:", "  payments:"):
             out += [line, f"    source: {{topic: {line.strip(' :')}-events, max_records_per_batch: "
                           f"{max_records_per_batch}}}"]
-        elif line.startswith("  - CREATE TABLE "):  # a plain table: becomes a mapping with its topic
+        elif line.startswith("  - CREATE TABLE ") and line.split()[3] in STATE_TABLES:
+            # A plain state table: becomes a mapping with its topic.
             out += [f"  - changelog_topic: {line.split()[3]}-changes", "    sql: " + line[4:]]
-        elif line.startswith("    sql: CREATE TABLE "):  # already a mapping (a TTL)
+        elif line.startswith("    sql: CREATE TABLE ") and line.split()[3] in STATE_TABLES:  # already a mapping
             out += [f"    changelog_topic: {line.split()[3]}-changes", line]
         else:
             out.append(line)

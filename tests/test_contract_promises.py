@@ -204,7 +204,7 @@ import json, sys
 from pipelines.layout import StorageLayout
 from pipelines.session import build_spark_session
 from pipelines.stream_query import StreamSettings, advance_stream
-from pipelines.streams import stream_spec
+from pipelines.project import stream_spec
 home, stream, timeout = sys.argv[1], sys.argv[2], float(sys.argv[3])
 spark = build_spark_session()
 try:

@@ -47,8 +47,9 @@ from statetables.servers import free_port, spark_connect_server, spark_standalon
 STATETABLES = str(Path(sys.executable).parent / "statetables")
 # Columns that record when or in which run something was written, not what: they differ by nature.
 # The event-time tables of one stream's job (late_events is shared, per `stream` column).
-STREAM_ONLY_TABLES = {"movie_ticket_sales": {"tickets_per_title_hourly", "top_titles_hourly", "tickets_per_title_open_hours"},
-                      "payments": {"customer_activity", "customer_open_sessions", "customer_last_sessions"}}
+STREAM_ONLY_TABLES = {"movie_ticket_sales": {"tickets_per_title_hourly", "top_titles_hourly",
+                                             "tickets_per_title_hourly_state"},
+                      "payments": {"customer_activity", "customer_activity_state"}}
 WHEN_WRITTEN = {"updated_at", "ingested_at", "_commit_timestamp", "scanned_at", "ingest_batch_id"}
 
 

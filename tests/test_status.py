@@ -120,7 +120,8 @@ def test_status_names_what_is_pending_and_what_each_step_folded(spark, ran):
     assert folded["state_tables"] == {"movie_tickets_sold": {"bronze_version": bronze, "restored_to": None}}
     assert folded["changelogs"] == {"movie_tickets_sold_changelog": {
         "state_table": "movie_tickets_sold", "state_version": tables["movie_tickets_sold"]}}
-    assert folded["event_time"]["bronze_version"] is None and stream["late_events"] is None
+    assert folded["event_time"]["tickets_per_title_hourly"]["bronze_version"] is None
+    assert stream["late_events"] is None
     lock = stream["writer_lock"]
     assert (lock["held"], lock["pid"], lock["host"]) == (False, os.getpid(), socket.gethostname())
     json.dumps(report)  # one JSON document
@@ -149,9 +150,8 @@ def test_status_gives_the_event_time_step_its_watermark_and_late_events(spark, l
     assert stream["late_events"] == 1
     tables = stream["tables"]
     assert all(version > 0 for version in tables.values()), tables
-    assert stream["folded"]["event_time"] == {"table": "tickets_per_title_hourly", "problem": None,
-                                              "bronze_version": batch["bronze_version"],
-                                              "watermark": "2026-11-01T13:20:00Z"}
+    assert stream["folded"]["event_time"] == {"tickets_per_title_hourly": {
+        "problem": None, "bronze_version": batch["bronze_version"], "watermark": "2026-11-01T13:20:00Z"}}
     assert "watermark 2026-11-01T13:20:00Z" in render(report) and "BEHIND" not in render(report)
 
 

@@ -26,9 +26,10 @@ from assets.automation import (
 )
 from assets.streams import build_stream_assets
 from assets import automation
+from resources.check_policy import blocking_check_names
 from assets.keys import (
     CONTINUOUS_JOB, MAX_RECOVERY_ATTEMPTS, RECOVERY_ATTEMPT_TAG, RECOVERY_CHAIN_TAG, RECOVERY_OF_TAG, RECOVERY_REASON_TAG,
-    STREAM_TAG, blocking_check_names,
+    STREAM_TAG,
 )
 from pipelines.event_time import LATE
 from pipelines.errors import ConfigurationError, EngineUnavailableError
@@ -38,7 +39,7 @@ from pipelines.session import delta_jars, engine_address, require_java, wait_for
 from pipelines.stream_query import EVENT_TIME_ENV, event_time_streams, event_time_tables
 from pipelines.streaming import Continuous
 from tests.streams import advance, project_with_ttl, PAYMENTS
-from pipelines.streams import stream_spec
+from pipelines.project import stream_spec
 from pipelines.project import PROJECT_ENV
 from resources import CheckPolicyResource, SparkSessionResource, StorageResource
 from resources.spark import ENGINE_TAG
@@ -198,7 +199,7 @@ def test_check_policy_knows_every_blocking_check():
     assert blocking_check_names() == sorted(f"{key.asset_key.to_user_string()}:{key.name}"
                                             for key in graph.asset_check_keys if graph.get_check_spec(key).blocking)
     with pytest.raises(ConfigurationError, match="warn_only names no blocking check: activity:sessions.*Fix: use "
-                                                 "ASSET:CHECK, one of customer_activity:sessions_reconcile_with_bronze"):
+                                                 "ASSET:CHECK, one of customer_activity:reconcile_with_bronze"):
         CheckPolicyResource(warn_only=["activity:sessions"]).severity("customer_activity", "unique_keys")
 
 

@@ -76,5 +76,5 @@ def test_maintenance_compacts_keeps_savepoints_readable_and_refresh_rebuilds(spa
         assert not failed.success
         error = failed.get_step_failure_events()[0].event_specific_data.error
         text = error.message + "".join(c.message for c in [error.cause] if c)
-        assert "No state table 'nope'" in text and "payments_per_customer" in text
+        assert "No table 'nope'" in text and "payments_per_customer" in text and "customer_activity" in text
     assert table_version(spark, layout.table(TABLE.name)) is not None

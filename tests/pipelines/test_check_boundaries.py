@@ -17,7 +17,6 @@ from decimal import Decimal
 from deltalake import DeltaTable as IndependentDeltaTable
 
 from pipelines import table_checks
-from pipelines.sessions import SessionSettings
 from tests.streams import MOVIE_TICKET_SALES, PAYMENTS
 from tests.contract_oracle import expected_with_ttl
 from tests.pipelines import test_sessions, test_windows
@@ -40,7 +39,7 @@ def _sale(event_id: str, title: str, at: str) -> str:
 
 def test_sessions_check_agrees_with_the_operator_at_exactly_the_gap(spark, layout, landing):
     # A 2-hour watermark delay, so that the bridging payments of the second delivery are on time.
-    runs = test_sessions.Deliveries(spark, layout, SessionSettings(watermark_delay=timedelta(hours=2)))
+    runs = test_sessions.Deliveries(spark, layout, test_sessions.Rules(watermark_delay=timedelta(hours=2)))
     landing.write(PAYMENTS.name, "1.jsonl", [
         _payment("e1", "exact", "10:00:00.000"), _payment("e2", "exact", "10:30:00.000"),
         _payment("l1", "less", "10:00:00.000"), _payment("l2", "less", "10:29:59.999"),
@@ -64,9 +63,9 @@ def test_sessions_check_agrees_with_the_operator_at_exactly_the_gap(spark, layou
         ("bridge_exact", _at("10:30:00")): (_at("10:30:00"), 1),
         ("bridge_exact", _at("11:00:00")): (_at("11:00:00"), 1),
         ("bridge_less", _at("10:00:00")): (_at("10:59:59.998"), 3)}
-    mismatched, figures = table_checks.sessions_mismatches(spark, layout)
+    mismatched, figures = table_checks.event_time_mismatches(spark, layout, PAYMENTS, test_sessions.TABLE)
     assert mismatched.count() == 0, mismatched.collect()
-    assert (figures["sessions_checked"], figures["payments_in_sessions"]) == (7, 10)
+    assert (figures["rows_checked"], figures["events"]) == (7, 11)
 
 
 def test_windows_check_agrees_with_the_operator_at_the_hour_and_the_watermark(spark, layout, landing):
@@ -89,10 +88,11 @@ def test_windows_check_agrees_with_the_operator_at_the_hour_and_the_watermark(sp
     assert late == {"at_watermark": (_at("11:50:00"), _at("11:50:00"))}
     late_rows = IndependentDeltaTable(str(layout.table("late_events"))).to_pyarrow_table().to_pylist()
     assert [r["late_by_ms"] for r in late_rows] == [0]
-    mismatched, figures = table_checks.windows_mismatches(spark, layout)
+    # The check runs the declared query with Spark's own window(): the same edges as the operator's.
+    mismatched, figures = table_checks.event_time_mismatches(spark, layout, spec, test_windows.TABLE)
     assert mismatched.count() == 0, mismatched.collect()
-    assert figures["sales"] == figures["late_events"] + figures["in_closed_windows"] == 5
-    assert figures["late_not_behind_watermark"] == 0
+    assert (figures["rows_checked"], figures["events"], figures["late_events"]) == (3, 6, 1)
+    assert figures["late_not_behind_watermark"] == figures["late_not_in_bronze"] == 0
 
 
 def test_state_ttl_checks_agree_at_exactly_the_ttl(spark, layout, landing):

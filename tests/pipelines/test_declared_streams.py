@@ -251,7 +251,24 @@ def test_the_shipped_project_declares_the_contract_streams_as_before():
     payments = shipped.stream("payments")
     amount = payments.field("amount")
     assert (amount.min_value, amount.min_inclusive) == ("0", False)
-    assert payments.sessions.gap == timedelta(minutes=30) and payments.value_field == "amount"
+    assert payments.value_field == "amount"
+    # The event-time tables, declared by SQL, with the columns they have always had.
+    from pipelines.event_time import output_schema, top_schema
+    (hourly,), (activity,) = shipped.stream("movie_ticket_sales").event_time_tables, payments.event_time_tables
+    columns = lambda schema: [(f.name, f.dataType.simpleString()) for f in schema]  # noqa: E731
+    assert columns(output_schema(hourly)) == [
+        ("title", "string"), ("window_start", "timestamp"), ("window_end", "timestamp"), ("tickets_sold", "bigint"),
+        ("total_ticket_value", "decimal(28,2)")]
+    assert columns(top_schema(hourly.tops[0], hourly)) == [
+        ("window_start", "timestamp"), ("window_end", "timestamp"), ("rank", "bigint"), ("title", "string"),
+        ("tickets_sold", "bigint")]
+    assert columns(output_schema(activity)) == [
+        ("customer_id", "string"), ("session_start", "timestamp"), ("session_end", "timestamp"),
+        ("payment_count", "bigint"), ("total_amount", "decimal(28,2)"), ("last_payment_ids", "array<string>"),
+        ("previous_session_end", "timestamp"), ("day_amount", "decimal(28,2)")]
+    assert (hourly.size, hourly.tops[0].n, activity.size, activity.ttl) == (
+        timedelta(hours=1), 10, timedelta(minutes=30), timedelta(days=30))
+    assert payments.watermark_delay == shipped.stream("movie_ticket_sales").watermark_delay == timedelta(minutes=10)
 
 
 KAFKA_STREAM = SMALL_STREAM + "      v: {type: decimal}\n"

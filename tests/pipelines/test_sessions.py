@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from decimal import Decimal
 
@@ -21,19 +22,28 @@ from deltalake import DeltaTable as IndependentDeltaTable
 from pyspark.sql import functions as F
 
 from pipelines import faults, table_checks
-from pipelines.event_time import LATE
+from pipelines.errors import DefinitionChangedError
+from pipelines.event_time import LATE, output_schema
 from pipelines.generate import generate
-from pipelines.sessions import (
-    ACTIVITY, ACTIVITY_SCHEMA, LAST_SESSIONS, OPEN_SESSIONS, SessionSettings,
-)
+from pipelines.refresh import refresh_event_time_table
 from pipelines.streaming import commits_since
-from tests.streams import PAYMENTS
 from tests.contract_oracle import Oracle, expected_sessions, expected_state, file_lines, landing_files
-from tests.streams import advance
+from tests.streams import PAYMENTS, advance, declared
 
 SPEC = PAYMENTS
+(TABLE,) = SPEC.event_time_tables
+ACTIVITY, STATE = TABLE.name, TABLE.state_table
 UTC = timezone.utc
 DELAY = timedelta(minutes=10)
+
+
+@dataclass(frozen=True)
+class Rules:
+    """The declaration's settings a test runs under: the stream's watermark delay, the session table's TTL."""
+
+    watermark_delay: timedelta = SPEC.watermark_delay
+    state_ttl: timedelta = TABLE.ttl
+    gap: timedelta = TABLE.size
 
 
 def _rows(layout, name: str) -> list[dict]:
@@ -61,7 +71,7 @@ class Deliveries:
     the oracle, not by the pipeline) for the recomputation. A batch whose run failed after bronze is folded on
     its own by the next run, before that run's new files: as it would have been had it not failed."""
 
-    def __init__(self, spark, layout, settings: SessionSettings = SessionSettings()):
+    def __init__(self, spark, layout, settings: Rules = Rules()):
         self.spark, self.layout, self.settings = spark, layout, settings
         self.oracle, self.batches, self.seen = Oracle(SPEC.name), [], set()
         self.unfinished: list[dict] = []  # payments of a batch that failed: the next run folds them first
@@ -79,12 +89,14 @@ class Deliveries:
         if fail_at:
             faults.arm(self.layout.home / "faults", fail_at, "raise")
             with pytest.raises(Exception, match="fault injected"):
-                advance(self.spark, self.layout, SPEC, sessions=self.settings)
+                advance(self.spark, self.layout, SPEC, watermark_delay=self.settings.watermark_delay,
+                        session_ttl=self.settings.state_ttl)
             self.unfinished = batch
             return None
         self.batches += [b for b in (self.unfinished, batch) if b]
         self.unfinished = []
-        return advance(self.spark, self.layout, SPEC, sessions=self.settings)
+        return advance(self.spark, self.layout, SPEC, watermark_delay=self.settings.watermark_delay,
+                       session_ttl=self.settings.state_ttl)
 
     def expected(self):
         return expected_sessions(self.batches, self.settings.watermark_delay, self.settings.gap,
@@ -98,7 +110,7 @@ def _payment(payment_id: str, customer: str, at: str, amount: str = "10.00", day
 
 def test_sessions_late_payments_and_ttl_equal_the_recomputation(spark, layout, landing):
     # A state TTL of 40 minutes of event time: a customer idle that long is forgotten.
-    runs = Deliveries(spark, layout, SessionSettings(watermark_delay=DELAY, state_ttl=timedelta(minutes=40)))
+    runs = Deliveries(spark, layout, Rules(watermark_delay=DELAY, state_ttl=timedelta(minutes=40)))
     landing.write(SPEC.name, "1.jsonl", [
         _payment("a1", "ann", "10:00"), _payment("a2", "ann", "10:20", "5.50"), _payment("a3", "ann", "10:55"),
         _payment("b1", "bob", "10:05"), _payment("b2", "bob", "10:50", "3.00")])
@@ -126,7 +138,7 @@ def test_sessions_late_payments_and_ttl_equal_the_recomputation(spark, layout, l
     assert len(sessions) == 7
     assert ("zed", at("16:00")) not in sessions  # the timer has not fired: 16:00 + 30 min > 15:50
     assert set(late) == {"b5"} and late["b5"][1] == at("12:40")
-    assert result.versions[OPEN_SESSIONS].after > result.versions[OPEN_SESSIONS].before  # the state moved
+    assert result.versions[STATE].after > result.versions[STATE].before  # the state moved
     # The TTL: ann's, bob's and cy's keyed state is dropped once the watermark is 40 minutes past their
     # last session; zed's session (16:00) closes at 17:50 and his state stays, since his 18:00 is still open.
     # Read from the operator's state tables.
@@ -134,15 +146,16 @@ def test_sessions_late_payments_and_ttl_equal_the_recomputation(spark, layout, l
     runs.run()
     sessions, late = _outputs(layout)
     assert sessions == runs.expected().sessions and ("zed", at("16:00")) in sessions
-    assert sorted(r["customer_id"] for r in _rows(layout, LAST_SESSIONS)) == ["zed"]
-    assert sorted(r["customer_id"] for r in _rows(layout, OPEN_SESSIONS)) == ["zed"]  # his 18:00, still open
+    state = _rows(layout, STATE)
+    assert sorted(r["customer_id"] for r in state if not r["_open"]) == ["zed"]
+    assert sorted(r["customer_id"] for r in state if r["_open"]) == ["zed"]  # his 18:00, still open
     # The Dagster check's query sees the tables agree with bronze, then sees a corrupted session.
-    mismatched, figures = table_checks.sessions_mismatches(spark, layout)
+    mismatched, figures = table_checks.event_time_mismatches(spark, layout, SPEC, TABLE)
     assert mismatched.count() == 0, mismatched.collect()
-    assert (figures["sessions_checked"], figures["payments_in_sessions"], figures["late_events"]) == (8, 12, 1)
+    assert (figures["rows_checked"], figures["late_events"], figures["late_not_in_bronze"]) == (8, 1, 0)
     DeltaTable.forPath(spark, str(layout.table(ACTIVITY))).update(
         F.col("customer_id") == "cy", {"payment_count": F.lit(3)})
-    assert table_checks.sessions_mismatches(spark, layout)[0].count() == 1
+    assert table_checks.event_time_mismatches(spark, layout, SPEC, TABLE)[0].count() == 2  # its row, either side
     # Late payments still count in the all-time table.
     all_time = {r["customer_id"]: r["payment_count"] for r in _rows(layout, SPEC.state_tables[0].name)}
     assert all_time == dict(expected_state(SPEC.name, landing_files(layout.landing(SPEC.name))).counts)
@@ -151,14 +164,14 @@ def test_sessions_late_payments_and_ttl_equal_the_recomputation(spark, layout, l
 
 @pytest.mark.long
 def test_a_batch_replayed_after_a_crash_between_any_two_commits_writes_what_it_would_have(spark, layout, monkeypatch):
-    """A sessions batch commits late_events, the open sessions, the last sessions, then customer_activity. Each
+    """A sessions batch commits late_events, its state, then customer_activity. Each
     delivery's run dies at the next of those points; the run after it replays the batch from the state versions
     the previous batch recorded. The outputs, previous sessions and day totals included, must equal the
     recomputation of runs that never failed."""
     monkeypatch.setenv(faults.FAULTS_ENV, str(layout.home / "faults"))
-    runs = Deliveries(spark, layout, SessionSettings(watermark_delay=DELAY, state_ttl=timedelta(hours=2)))
-    points = [faults.SESSIONS_AFTER_LATE_COMMIT, faults.SESSIONS_AFTER_OPEN_SESSIONS_COMMIT,
-              faults.SESSIONS_AFTER_LAST_SESSIONS_COMMIT, faults.SESSIONS_BEFORE_CLOSING_COMMIT]
+    runs = Deliveries(spark, layout, Rules(watermark_delay=DELAY, state_ttl=timedelta(hours=2)))
+    points = [faults.SESSIONS_AFTER_LATE_COMMIT, faults.SESSIONS_AFTER_STATE_COMMIT,
+              faults.SESSIONS_BEFORE_CLOSING_COMMIT]
     start = datetime(2026, 10, 20, 22, tzinfo=UTC)  # crosses midnight: day totals start again
     for n, point in enumerate([*points, None]):
         generate(SPEC, layout.landing(SPEC.name), events=200, malformed=0.02, duplicates=0.03, late=0.1,
@@ -172,7 +185,7 @@ def test_a_batch_replayed_after_a_crash_between_any_two_commits_writes_what_it_w
     assert len(expected.sessions) > 30 and len(expected.late) > 5  # the scenario exercises both
     assert sum(1 for s in expected.sessions.values() if s[4] is not None) > 10  # previous sessions, TTL or not
     assert sessions == expected.sessions and late == expected.late
-    assert table_checks.sessions_mismatches(spark, layout)[0].count() == 0
+    assert table_checks.event_time_mismatches(spark, layout, SPEC, TABLE)[0].count() == 0
 
 
 @pytest.mark.long
@@ -198,33 +211,36 @@ def test_lost_checkpoint_after_a_failed_batch_gives_the_sessions_of_runs_that_ne
     assert sum(1 for s in expected.sessions.values() if s[4] is not None) > 20
     assert sessions == expected.sessions
     assert late == expected.late
-    assert table_checks.sessions_mismatches(spark, layout)[0].count() == 0
+    assert table_checks.event_time_mismatches(spark, layout, SPEC, TABLE)[0].count() == 0
 
 
 @pytest.mark.long
-def test_tables_of_an_earlier_statetables_get_their_state_from_bronze(spark, layout, landing):
-    """An earlier statetables kept the sessions' state in its checkpoint's RocksDB state and recorded no state
-    versions. Such tables (the newest closing commit without `state_versions`, the state tables gone) are taken
-    over: the open sessions are built once from bronze and the last sessions from
-    customer_activity, and later deliveries give the outputs of runs that never changed version."""
-    runs = Deliveries(spark, layout, SessionSettings(watermark_delay=DELAY, state_ttl=timedelta(hours=3)))
+def test_a_table_of_an_earlier_statetables_is_refused_until_a_refresh_rebuilds_it(spark, layout, landing):
+    """An earlier statetables kept the sessions' state elsewhere and recorded no version of this one's state. Its
+    customer_activity (a closing commit whose progress names no customer_activity_state version) is refused,
+    naming the refresh; the refresh rebuilds it from bronze in one commit, and later deliveries give the outputs
+    of runs that never changed version."""
+    rules = Rules(watermark_delay=DELAY, state_ttl=timedelta(hours=3))
+    runs = Deliveries(spark, layout, rules)
     landing.write(SPEC.name, "1.jsonl", [_payment("a1", "ann", "10:00"), _payment("a2", "ann", "10:20"),
                                          _payment("b1", "bob", "10:05"), _payment("b2", "bob", "11:10")])
     runs.run()  # watermark 11:00: ann's 10:00-10:20 closes; bob's 10:05 closes at 10:35; his 11:10 is open
     last = commits_since(spark, layout.table(ACTIVITY), None)[-1]["user"]
     legacy = {k: v for k, v in last.items() if k != "state_versions"}
-    spark.createDataFrame([], ACTIVITY_SCHEMA).write.format("delta").mode("append").option(
+    spark.createDataFrame([], output_schema(TABLE)).write.format("delta").mode("append").option(
         "userMetadata", json.dumps(legacy)).option("txnAppId", "legacy").option("txnVersion", 0).save(
         str(layout.table(ACTIVITY)))
-    for name in (OPEN_SESSIONS, LAST_SESSIONS):
-        shutil.rmtree(layout.table(name))
     landing.write(SPEC.name, "2.jsonl", [_payment("b3", "bob", "11:30"), _payment("a3", "ann", "12:40"),
                                          _payment("z1", "zed", "14:00")])
+    with pytest.raises(DefinitionChangedError, match=f"statetables refresh {ACTIVITY}"):
+        runs.run()
+    spec = declared(SPEC, watermark_delay=rules.watermark_delay, session_ttl=rules.state_ttl)
+    refresh_event_time_table(spark, layout, spec, spec.event_time_tables[0])
     result = runs.run()
-    assert result.recovery and "RocksDB" in result.recovery["problem"], result.recovery
+    assert result.recovery is None
     sessions, late = _outputs(layout)
     assert sessions == runs.expected().sessions and not late
     at = lambda hh_mm: datetime.fromisoformat(f"2026-11-01T{hh_mm}:00+00:00")  # noqa: E731
-    # bob's open 11:10 came back from bronze and took 11:30; his previous session and day total from customer_activity
+    # bob's open 11:10 came back from bronze and took 11:30; his previous session and day total with it
     assert sessions[("bob", at("11:10"))][:2] == (at("11:30"), 2)
     assert sessions[("bob", at("11:10"))][4:] == (at("10:05"), Decimal("30.00"))

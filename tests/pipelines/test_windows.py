@@ -9,7 +9,6 @@ of runs that never failed. Every delivery is one micro-batch; a batch that faile
 
 from __future__ import annotations
 
-import json
 import shutil
 from datetime import datetime, timedelta, timezone
 from decimal import Decimal
@@ -20,16 +19,18 @@ from deltalake import DeltaTable as IndependentDeltaTable
 from pyspark.sql import functions as F
 
 from pipelines import faults, table_checks
+from pipelines.errors import DefinitionChangedError
+from pipelines.event_time import LATE
 from pipelines.generate import generate
-from tests.streams import MOVIE_TICKET_SALES
-from pipelines.streaming import commits_since
-from pipelines.windows import (
-    DEFAULT_WATERMARK_DELAY, HOURLY, HOURLY_SCHEMA, LATE, OPEN_HOURS, TOP,
-)
+from pipelines.project import SHIPPED, load_project
+from pipelines.refresh import refresh_event_time_table
+from pipelines.streaming import table_version
 from tests.contract_oracle import Oracle, expected_state, expected_windows, file_lines, landing_files
-from tests.streams import advance
+from tests.streams import MOVIE_TICKET_SALES, advance
 
 SPEC = MOVIE_TICKET_SALES
+(TABLE,) = SPEC.event_time_tables
+HOURLY, TOP = TABLE.name, TABLE.tops[0].name
 UTC = timezone.utc
 
 
@@ -84,7 +85,7 @@ class Deliveries:
         return advance(self.spark, self.layout, SPEC)
 
     def expected(self):
-        return expected_windows(self.batches, DEFAULT_WATERMARK_DELAY, watermark_after_last=True)
+        return expected_windows(self.batches, SPEC.watermark_delay, watermark_after_last=True)
 
 
 def _sale(event_id: str, title: str, at: str, value: str = "10.00") -> str:
@@ -120,17 +121,18 @@ def test_out_of_order_late_and_closed_windows_equal_the_recomputation(spark, lay
     assert ("Heat", datetime(2026, 11, 1, 15, tzinfo=UTC)) not in windows  # its hour is still open
     assert result.micro_batches >= 1
     # The Dagster checks' queries see the tables agree, and see a corrupted window and ranking.
-    mismatched, figures = table_checks.windows_mismatches(spark, layout)
-    assert mismatched.count() == 0 and table_checks.top_titles_mismatches(spark, layout).count() == 0
-    # hours 10, 11, 12: sales a b e g | c f h | d i; g and h late
-    assert (figures["hours_checked"], figures["sales"], figures["late_events"]) == (3, 9, 2)
-    assert figures["in_closed_windows"] == 7 and figures["late_not_in_bronze"] == 0
+    mismatched, figures = table_checks.event_time_mismatches(spark, layout, SPEC, TABLE)
+    top_spec = TABLE.tops[0]
+    assert mismatched.count() == 0 and table_checks.top_mismatches(spark, layout, top_spec).count() == 0
+    # windows Dune 10, Heat 11, Dune 12, Alien 12 closed; g and h late; 10 sales in bronze
+    assert (figures["rows_checked"], figures["events"], figures["late_events"]) == (4, 10, 2)
+    assert figures["late_not_in_bronze"] == figures["late_not_behind_watermark"] == 0
     hourly_version = result.versions[HOURLY].after
-    assert table_checks.windows_mismatches(spark, layout, hourly_version)[1]["hours_checked"] == 0
+    assert table_checks.event_time_mismatches(spark, layout, SPEC, TABLE, hourly_version)[1]["rows_checked"] == 0
     DeltaTable.forPath(spark, str(layout.table(HOURLY))).update(
         (F.col("title") == "Alien"), {"tickets_sold": F.col("tickets_sold") + 2})
-    assert table_checks.windows_mismatches(spark, layout)[0].count() == 1
-    assert table_checks.top_titles_mismatches(spark, layout).count() == 4  # Alien and Dune swap ranks
+    assert table_checks.event_time_mismatches(spark, layout, SPEC, TABLE)[0].count() == 2  # its row, either side
+    assert table_checks.top_mismatches(spark, layout, top_spec).count() == 4  # Alien and Dune swap ranks
     # Late sales still count in the all-time table.
     all_time = {r["title"]: r["tickets_sold"] for r in _rows(layout, SPEC.state_tables[0].name)}
     assert all_time == dict(expected_state(SPEC.name, landing_files(layout.landing(SPEC.name))).counts)
@@ -139,13 +141,13 @@ def test_out_of_order_late_and_closed_windows_equal_the_recomputation(spark, lay
 
 @pytest.mark.long
 def test_a_batch_replayed_after_a_crash_between_any_two_commits_writes_what_it_would_have(spark, layout, monkeypatch):
-    """A windows batch commits late_events, top_titles_hourly, the open hours, then tickets_per_title_hourly.
+    """A windows batch commits late_events, top_titles_hourly, its state, then tickets_per_title_hourly.
     Each delivery's run dies at the next of those points; the run after it replays the batch from the state
     the previous batch left. The outputs must equal the recomputation of runs that never failed."""
     monkeypatch.setenv(faults.FAULTS_ENV, str(layout.home / "faults"))
     runs = Deliveries(spark, layout)
     points = [faults.WINDOWS_AFTER_LATE_COMMIT, faults.WINDOWS_AFTER_TOP_COMMIT,
-              faults.WINDOWS_AFTER_OPEN_HOURS_COMMIT, faults.WINDOWS_BEFORE_CLOSING_COMMIT]
+              faults.WINDOWS_AFTER_STATE_COMMIT, faults.WINDOWS_BEFORE_CLOSING_COMMIT]
     start = datetime(2026, 10, 20, tzinfo=UTC)
     for n, point in enumerate([*points, None]):
         generate(SPEC, layout.landing(SPEC.name), events=150, malformed=0.02, duplicates=0.03, late=0.15,
@@ -157,7 +159,7 @@ def test_a_batch_replayed_after_a_crash_between_any_two_commits_writes_what_it_w
     expected = runs.expected()
     assert len(expected.windows) > 20 and len(expected.late) > 5  # the scenario exercises both
     assert (windows, late, top) == (expected.windows, expected.late, expected.top)
-    assert table_checks.windows_mismatches(spark, layout)[0].count() == 0
+    assert table_checks.event_time_mismatches(spark, layout, SPEC, TABLE)[0].count() == 0
 
 
 @pytest.mark.long
@@ -183,26 +185,29 @@ def test_lost_checkpoint_after_a_failed_batch_gives_the_outputs_of_runs_that_nev
     assert top == expected.top
 
 
-@pytest.mark.long
-def test_tables_of_an_earlier_statetables_get_their_open_hours_from_bronze(spark, layout, landing):
-    """An earlier statetables kept the open hours in its checkpoint's RocksDB state and recorded no state
-    version. Such a table (its newest closing commit without `state_versions`, the open-hours table gone) is
-    taken over: the open hours are built once from bronze, and later deliveries give the outputs of runs that
-    never changed version."""
-    runs = Deliveries(spark, layout)
+def test_a_changed_window_is_refused_until_a_refresh_rebuilds_the_table_from_bronze(spark, layout, landing):
+    """The table's rows were cut into hours; the project file now says 30 minutes. A run refuses to fold into it,
+    naming the refresh; the refresh rebuilds the table (and its top N) from bronze in one commit each, as one
+    batch would from nothing (no sale late), and the next run goes on from there."""
     landing.write(SPEC.name, "1.jsonl", [_sale("a", "Dune", "10:05"), _sale("b", "Heat", "10:50"),
-                                         _sale("c", "Dune", "11:20")])
-    runs.run()
-    last = commits_since(spark, layout.table(HOURLY), None)[-1]["user"]
-    legacy = {k: v for k, v in last.items() if k != "state_versions"}
-    spark.createDataFrame([], HOURLY_SCHEMA).write.format("delta").mode("append").option(
-        "userMetadata", json.dumps(legacy)).option("txnAppId", "legacy").option("txnVersion", 0).save(
-        str(layout.table(HOURLY)))
-    shutil.rmtree(layout.table(OPEN_HOURS))
-    landing.write(SPEC.name, "2.jsonl", [_sale("d", "Dune", "11:40"), _sale("e", "Heat", "13:30")])
-    result = runs.run()
-    assert result.recovery and "RocksDB" in result.recovery["problem"], result.recovery
-    windows, late, top = _outputs(layout)
-    expected = runs.expected()
-    assert (windows, late, top) == (expected.windows, expected.late, expected.top)
-    assert windows[("Dune", datetime(2026, 11, 1, 11, tzinfo=UTC))] == (2, Decimal("20.00"))
+                                         _sale("c", "Dune", "11:20"), _sale("d", "Dune", "12:40")])
+    advance(spark, layout, SPEC)
+    text = SHIPPED.read_text().replace("window(sale_ts, '1 hour')", "window(sale_ts, '30 minutes')")
+    halves = load_project(text, SHIPPED).streams[SPEC.name]
+    with pytest.raises(DefinitionChangedError, match=f"statetables refresh {HOURLY}"):
+        advance(spark, layout, halves)
+    before = table_version(spark, layout.table(HOURLY))
+    figures = refresh_event_time_table(spark, layout, halves, halves.event_time_tables[0])
+    assert figures["table_version"] == before + 1  # the rows in one commit
+    rows = {(r["title"], _utc(r["window_start"]), _utc(r["window_end"])) for r in _rows(layout, HOURLY)}
+    half = lambda h, m: datetime(2026, 11, 1, h, m, tzinfo=UTC)  # noqa: E731
+    # The watermark is 12:30 (12:40 minus 10 minutes): every half hour ending by then is closed.
+    assert rows == {("Dune", half(10, 0), half(10, 30)), ("Heat", half(10, 30), half(11, 0)),
+                    ("Dune", half(11, 0), half(11, 30))}
+    landing.write(SPEC.name, "2.jsonl", [_sale("e", "Heat", "12:45"), _sale("f", "Dune", "13:30")])
+    advance(spark, layout, halves)
+    (table,) = halves.event_time_tables
+    assert table_checks.event_time_mismatches(spark, layout, halves, table)[0].count() == 0
+    assert table_checks.top_mismatches(spark, layout, table.tops[0]).count() == 0
+    assert ("Dune", half(12, 30), half(13, 0)) in {
+        (r["title"], _utc(r["window_start"]), _utc(r["window_end"])) for r in _rows(layout, HOURLY)}

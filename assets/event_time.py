@@ -1,0 +1,152 @@
+"""A stream's windowed and session tables (pipelines/windows.py, pipelines/sessions.py) as Dagster assets with
+their checks: each table, its operator state, its top N tables, and late_events.
+
+They are written by the stream's one step (assets/streams.py, one streaming query), so their specs, checks and
+results are the parts of that step's multi-asset defined here. Not partitioned by window: a run closes whichever
+windows or sessions the watermark passes (none, or many after a backlog), so a partition would be a second,
+conflicting record of what the watermark already decides; the tables' metadata says what closed. late_events is
+written by every such stream; its asset belongs to the first of them in the project file (one asset, one producer
+in Dagster), and each table's metadata counts its own late events.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import dagster as dg
+from pyspark.sql import SparkSession
+from pyspark.sql import functions as F
+
+from assets.keys import KINDS, bronze_key
+from assets.metadata import RUNBOOK_LINE, RUNBOOK_METADATA, frame_table, within_watermark
+from pipelines import event_time, table_checks
+from pipelines.layout import StorageLayout
+from pipelines.streaming import StreamRunResult
+from pipelines.project import streams
+from pipelines.streams import EventTimeTableSpec, StreamSpec
+from resources.check_policy import RECONCILE, TOP_MATCHES
+
+LATE_KEY = dg.AssetKey(event_time.LATE)
+
+
+def late_events_owner(kept: frozenset[str]) -> str | None:
+    """The stream whose step holds the late_events asset: the first in the project file that keeps a windowed or
+    session table."""
+    return next((s.name for s in streams().values() if s.name in kept and s.event_time_tables), None)
+
+
+def _iso(ms: int | None) -> str:
+    return dt.datetime.fromtimestamp(ms / 1000, dt.timezone.utc).isoformat() if ms else "(none yet)"
+
+
+def _what(table: EventTimeTableSpec, spec: StreamSpec) -> str:
+    minutes = int(spec.watermark_delay.total_seconds() // 60)
+    if table.kind == "window":
+        return (f"One row per key ({', '.join(table.keys)}) and closed {table.size} window of "
+                f"`{table.event_time_field}`, written once the watermark (newest event minus {minutes} min) passes the window's end, and final "
+                f"then. The windows still counting are rows of {table.state_table}.")
+    return (f"One row per closed session of a key ({', '.join(table.keys)}): its events less than {table.size} apart, "
+            f"written once the watermark (newest event minus {minutes} min) is {table.size} past its last event, and "
+            f"final then. The open sessions are rows of {table.state_table}.")
+
+
+def specs(spec: StreamSpec, owns_late: bool) -> list:
+    """The asset specs of the stream's windowed and session tables, their state and top N tables (and
+    late_events, for its owner)."""
+    found = []
+    for table in spec.event_time_tables:
+        found += [
+            dg.AssetSpec(dg.AssetKey(table.name), deps=[bronze_key(spec)], kinds=KINDS, metadata=RUNBOOK_METADATA,
+                         description=f"{_what(table, spec)} Declared in the project file (line {table.line}): "
+                                     f"`{table.sql}`. Late events go to late_events and still count in the stream's "
+                                     f"state tables." + RUNBOOK_LINE),
+            dg.AssetSpec(dg.AssetKey(table.state_table), deps=[bronze_key(spec)], kinds=KINDS,
+                         metadata=RUNBOOK_METADATA, description=(
+                f"{table.name}'s operator state: one row per open {'window' if table.kind == 'window' else 'session'} "
+                f"with its aggregates' partial values" + (" and one per key with the values its next session starts "
+                "from" if table.kind == "session" else "") + ", replaced by every micro-batch from the version the "
+                "previous one left. Query it for what is still open." + RUNBOOK_LINE)),
+            *(dg.AssetSpec(dg.AssetKey(top.name), deps=[dg.AssetKey(table.name)], kinds=KINDS,
+                           metadata=RUNBOOK_METADATA, description=(
+                f"The top {top.n} rows of every closed window of {table.name}, ranked `{top.rank_column}` 1..{top.n} "
+                f"by {', '.join(c + (' DESC' if d else '') for c, d, _ in top.order)}. Written in the same micro-batch "
+                f"as the window's rows. Declared in the project file (line {top.line})." + RUNBOOK_LINE))
+              for top in table.tops)]
+    if owns_late:
+        found.append(dg.AssetSpec(LATE_KEY, deps=[bronze_key(spec)], kinds=KINDS, metadata=RUNBOOK_METADATA,
+                                  description=(
+            "Every event that arrived at or behind a windowed or session table's watermark: `stream`, `table_name`, "
+            "`event_id`, its event time, the watermark it missed, `late_by_ms`, source file and line. It is in no "
+            "window or session of that table, and still counted in the stream's state tables. Nothing is dropped "
+            "silently." + RUNBOOK_LINE)))
+    return found
+
+
+def check_specs(spec: StreamSpec) -> list:
+    found = []
+    for table in spec.event_time_tables:
+        found.append(dg.AssetCheckSpec(RECONCILE, asset=dg.AssetKey(table.name), blocking=True, description=(
+            "The table against its declared query recomputed over bronze (at the version the table has folded) "
+            "minus the events late for it: " + (
+                "the windows this run closed, by Spark's own window() over the sales of those windows"
+                if table.kind == "window" else
+                "every closed session, cut again by window functions with the contract's rule (less than the gap "
+                "apart is one session), reading all of the stream's bronze once") +
+            "; every late event is in bronze and at or behind the watermark it missed.")))
+        found += [dg.AssetCheckSpec(TOP_MATCHES, asset=dg.AssetKey(top.name), blocking=True, description=(
+            f"{top.name} equals its declared query run by Spark over {table.name}, row for row."))
+            for top in table.tops]
+    return found
+
+
+def results(session: SparkSession, layout: StorageLayout, spec: StreamSpec, result: StreamRunResult, check_policy,
+            owns_late: bool):
+    """The materializations and checks of the stream's windowed and session tables after a run."""
+    late_this_run = 0
+    for table in spec.event_time_tables:
+        batches = [c["user"] for c in result.commits[table.name] if "watermark_ms" in c["user"]]
+        progress = event_time.last_progress(session, table, layout)
+        state = event_time.state_table_figures(session, layout.table(table.state_table))
+        common = {"bronze_rows_read": event_time.rows_read(result.commits[table.name]),
+                  "watermark": _iso(progress.watermark_ms if progress else None),
+                  "bronze_version_read": progress.bronze_version if progress else -1}
+        closed_key = "windows_closed" if table.kind == "window" else "sessions_closed"
+        late = sum(b.get("late_events", 0) for b in batches)
+        late_this_run += late
+        newest = next((a.name for a in table.aggregates if a.function == "max"
+                       and a.column == table.event_time_field), None)
+        order = table.column("start") or newest or table.aggregates[0].name
+        recent = within_watermark(progress and progress.watermark_ms, order, table.size) \
+            if order in (table.column("start"), newest) else None
+        rows = session.read.format("delta").load(str(layout.table(table.name)))
+        yield dg.MaterializeResult(asset_key=dg.AssetKey(table.name), metadata={
+            **common, f"{closed_key}_this_run": sum(b.get(closed_key, 0) for b in batches),
+            "late_events_this_run": late, "operator_state_rows": state.get("rows", -1),
+            "operator_state_bytes": state.get("bytes", -1),
+            "newest_rows": frame_table(rows.orderBy(F.desc(order)), recent=recent),
+            "table_version": result.versions[table.name].after})
+        yield dg.MaterializeResult(asset_key=dg.AssetKey(table.state_table), metadata={
+            **common, "rows": state.get("rows", -1), "bytes": state.get("bytes", -1),
+            "table_version": result.versions[table.state_table].after})
+        for top in table.tops:
+            ranked = session.read.format("delta").load(str(layout.table(top.name)))
+            start = table.column("start") if table.column("start") in top.columns else top.rank_column
+            yield dg.MaterializeResult(asset_key=dg.AssetKey(top.name), metadata={
+                **common, "windows_ranked_this_run": sum(b.get("windows_closed", 0) > 0 for b in batches),
+                "newest_window": frame_table(ranked.orderBy(F.desc(start), top.rank_column), top.n),
+                "table_version": result.versions[top.name].after})
+        since = result.versions[table.name].before if table.kind == "window" else None
+        mismatched, figures = table_checks.event_time_mismatches(session, layout, spec, table, since)
+        bad = mismatched.count()
+        yield check_policy.result(
+            dg.AssetKey(table.name), RECONCILE,
+            passed=bad == 0 and figures["late_not_in_bronze"] == figures["late_not_behind_watermark"] == 0,
+            metadata={**figures, "rows_differing": bad, "sample": frame_table(mismatched, rows_known=bad)})
+        for top in table.tops:
+            wrong = table_checks.top_mismatches(session, layout, top)
+            wrong_rows = wrong.count()
+            yield check_policy.result(dg.AssetKey(top.name), TOP_MATCHES, passed=wrong_rows == 0, metadata={
+                "rows_differing": wrong_rows, "sample": frame_table(wrong, rows_known=wrong_rows)})
+    if owns_late:
+        yield dg.MaterializeResult(asset_key=LATE_KEY, metadata={
+            "late_events_this_run": late_this_run, "table_version": result.versions[event_time.LATE].after})
