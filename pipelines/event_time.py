@@ -23,6 +23,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
@@ -38,7 +39,7 @@ from pipelines.streaming import (
     BronzeRows, commits_since, create_table_if_missing, history_rows, kept_on_disk, retry_on_conflict,
     table_version,
 )
-from pipelines.streams import LATE_EVENTS, EventTimeTableSpec, StreamSpec, TopSpec
+from pipelines.streams import LATE_EVENTS, EventTimeTableSpec, OutputColumn, StreamSpec, TopSpec
 
 LATE = LATE_EVENTS
 LATE_SCHEMA = StructType([
@@ -80,6 +81,16 @@ def output_schema(table: EventTimeTableSpec) -> StructType:
                 a.function in ("sum", "min", "max") and field[a.column].required)
             columns.append(StructField(c.name, final_type(a, field), nullable=c.role == "previous" or not never_null))
     return StructType(columns)
+
+
+def declared_columns(table: EventTimeTableSpec, start: Column, end: Column,
+                     value_of: Callable[[OutputColumn], Column]) -> list[Column]:
+    """The table's columns in the declared order, typed as `output_schema`: keys as they are, the window's or
+    session's bounds as given, every other column by `value_of`."""
+    typed = {f.name: f.dataType for f in output_schema(table)}
+    bounds = {"start": start, "end": end}
+    return [(F.col(c.name) if c.role == "key" else bounds[c.role] if c.role in bounds else value_of(c))
+            .cast(typed[c.name]).alias(c.name) for c in table.columns]
 
 
 def partial_schema(table: EventTimeTableSpec) -> list[StructField]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 
-from pyspark.sql import SparkSession
+from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from pipelines import delta_sql
@@ -29,17 +29,23 @@ from pipelines.locks import writer_lock
 from pipelines.streams import EventTimeTableSpec, StateTableSpec, StreamSpec
 
 
+def _bronze(spark: SparkSession, layout: StorageLayout, spec: StreamSpec, table: str) -> tuple[int, DataFrame]:
+    """Bronze's newest version and its rows, pinned to it: what a refresh rebuilds `table` from."""
+    bronze_path = layout.table(spec.bronze_table)
+    version = table_version(spark, bronze_path)
+    if version is None:
+        raise ConfigurationError(f"{spec.bronze_table} does not exist yet, so there is nothing to rebuild {table} "
+                                 f"from. Fix: run the stream (`statetables run`): it builds the table under the "
+                                 f"project file's definition.")
+    return version, spark.read.format("delta").option("versionAsOf", version).load(str(bronze_path))
+
+
 def refresh_state_table(spark: SparkSession, layout: StorageLayout, spec: StreamSpec, table: StateTableSpec, *,
                         lock_timeout_s: float = 60.0) -> dict:
     """Rebuild `table` from all of its stream's bronze, replacing its content in one commit; returns figures."""
-    path, bronze_path = layout.table(table.name), layout.table(spec.bronze_table)
+    path = layout.table(table.name)
     with writer_lock(layout.locks, spec.name, lock_timeout_s):
-        bronze_version = table_version(spark, bronze_path)
-        if bronze_version is None:
-            raise ConfigurationError(f"{spec.bronze_table} does not exist yet, so there is nothing to rebuild "
-                                     f"{table.name} from. Fix: run the stream (`statetables run`): it builds the "
-                                     f"table under the project file's definition.")
-        events = spark.read.format("delta").option("versionAsOf", bronze_version).load(str(bronze_path))
+        bronze_version, events = _bronze(spark, layout, spec, table.name)
         content = aggregate(events, table)
         app_id = new_app_id(f"{spec.name}/refresh")
         # An expiry before the refresh is not in the new content: marking the commit as a restore to version -1
@@ -86,14 +92,9 @@ def refresh_event_time_table(spark: SparkSession, layout: StorageLayout, spec: S
         ensure_tables, output_schema, top_schema,
     )
     operator = windows if table.kind == "window" else sessions
-    path, bronze_path = layout.table(table.name), layout.table(spec.bronze_table)
+    path = layout.table(table.name)
     with writer_lock(layout.locks, spec.name, lock_timeout_s):
-        bronze_version = table_version(spark, bronze_path)
-        if bronze_version is None:
-            raise ConfigurationError(f"{spec.bronze_table} does not exist yet, so there is nothing to rebuild "
-                                     f"{table.name} from. Fix: run the stream (`statetables run`): it builds the "
-                                     f"table under the project file's definition.")
-        events = spark.read.format("delta").option("versionAsOf", bronze_version).load(str(bronze_path))
+        bronze_version, events = _bronze(spark, layout, spec, table.name)
         empty = spark.createDataFrame([], operator.state_schema(table))
         if table.kind == "window":
             fold = windows.fold_windows(table, spec, empty, events, NO_PROGRESS.watermark_ms)

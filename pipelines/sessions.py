@@ -37,7 +37,8 @@ from pyspark.sql.types import BooleanType, LongType, StructField, StructType, Ti
 
 from pipelines.bronze import FIELD_TYPES
 from pipelines.event_time import (
-    EventTimeStage, FoldedBatch, Progress, append_late, behind_watermark, ensure_tables, kept_events, late_rows,
+    EventTimeStage, FoldedBatch, Progress, append_late, behind_watermark, declared_columns, ensure_tables,
+    kept_events, late_rows,
     newest_of_stream, next_watermark, output_schema, partial_schema, read_state, resumed, undo_late_rows,
     write_state,
 )
@@ -47,7 +48,7 @@ from pipelines.faults import (
 from pipelines.layout import StorageLayout
 from pipelines.state import combined_columns, final_column, partial_columns
 from pipelines.streaming import kept_on_disk, table_version
-from pipelines.streams import EventTimeTableSpec, StreamSpec
+from pipelines.streams import EventTimeTableSpec, OutputColumn, StreamSpec
 
 OPEN, FIRST, LAST = "_open", "_first", "_last"
 _DAY_US = 86_400_000_000
@@ -161,7 +162,6 @@ def _closed_rows(table: EventTimeTableSpec, closing: DataFrame, carried: DataFra
     previous session's values (the carried ones for the first), unless it is forgotten (null, and the day totals
     start again); the day totals so far, the carried ones included while nothing has been forgotten in between."""
     keys, kinds = list(table.keys), {f.name: f.kind for f in table.fields}
-    typed = {f.name: f.dataType for f in output_schema(table)}
     gap_us = table.size // _US
     stored = carried.select(*(F.col(k).alias(f"_k_{k}") for k in keys), F.col(LAST).alias("_stored_last"),
                             *(F.col(_carried(c.name)).alias(f"_stored_{c.name}") for c in _keyed(table)))
@@ -175,25 +175,18 @@ def _closed_rows(table: EventTimeTableSpec, closing: DataFrame, carried: DataFra
                 .withColumn("_day", F.floor(F.unix_micros(LAST) / _DAY_US)))
     same_day = Window.partitionBy(*keys, "_epoch", "_day").orderBy(FIRST).rowsBetween(Window.unboundedPreceding, 0)
     stored_day = F.floor(F.unix_micros("_stored_last") / _DAY_US)
-    columns = []
-    for column in table.columns:
-        if column.role == "key":
-            value = F.col(column.name)
-        elif column.role == "start":
-            value = F.col(FIRST)
-        elif column.role == "end":
-            value = F.timestamp_micros(F.unix_micros(LAST) + F.lit(gap_us))
-        elif column.role == "aggregate":
-            value = F.col(column.of)
-        elif column.role == "previous":
+    def value_of(column: OutputColumn) -> Column:
+        if column.role == "aggregate":
+            return F.col(column.of)
+        if column.role == "previous":
             previous = F.when(first_closed, F.col(f"_stored_{column.name}")).otherwise(F.lag(column.of).over(by_key))
-            value = F.when(F.col("_forgets") == 1, F.lit(None)).otherwise(previous)
-        else:
-            running = F.sum(column.of).over(same_day)
-            kept = F.when((F.col("_epoch") == 0) & (stored_day == F.col("_day")), F.col(f"_stored_{column.name}"))
-            value = F.coalesce(running + kept, running, kept)
-        columns.append(value.cast(typed[column.name]).alias(column.name))
-    return numbered.select(*columns, FIRST, LAST)
+            return F.when(F.col("_forgets") == 1, F.lit(None)).otherwise(previous)
+        running = F.sum(column.of).over(same_day)
+        kept = F.when((F.col("_epoch") == 0) & (stored_day == F.col("_day")), F.col(f"_stored_{column.name}"))
+        return F.coalesce(running + kept, running, kept)
+
+    bounds = (F.col(FIRST), F.timestamp_micros(F.unix_micros(LAST) + F.lit(gap_us)))
+    return numbered.select(*declared_columns(table, *bounds, value_of), FIRST, LAST)
 
 
 def _carried_after(table: EventTimeTableSpec, closed: DataFrame, carried: DataFrame, still_open: DataFrame,

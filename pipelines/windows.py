@@ -29,8 +29,8 @@ from pyspark.sql.types import LongType, StructField, StructType, TimestampType
 from pipelines import delta_sql
 from pipelines.bronze import FIELD_TYPES
 from pipelines.event_time import (
-    EventTimeStage, FoldedBatch, Progress, append_batch, append_late, behind_watermark, ensure_tables, kept_events,
-    late_rows, newest_of_stream, next_watermark, output_schema, partial_schema, read_state, resumed, undo_late_rows, write_state,
+    EventTimeStage, FoldedBatch, Progress, append_batch, append_late, behind_watermark, declared_columns,
+    ensure_tables, kept_events, late_rows, newest_of_stream, next_watermark, partial_schema, read_state, resumed, undo_late_rows, write_state,
 )
 from pipelines.faults import (
     WINDOWS_AFTER_LATE_COMMIT, WINDOWS_AFTER_STATE_COMMIT, WINDOWS_AFTER_TOP_COMMIT, WINDOWS_BEFORE_CLOSING_COMMIT,
@@ -95,18 +95,9 @@ def closed_rows(table: EventTimeTableSpec, windows: DataFrame) -> DataFrame:
     kinds = {f.name: f.kind for f in table.fields}
     aggregates = {a.name: a for a in table.aggregates}
     size_ms = table.size // dt.timedelta(milliseconds=1)
-    columns = []
-    for column, typed in zip(table.columns, output_schema(table)):
-        if column.role == "key":
-            value = F.col(column.name)
-        elif column.role == "start":
-            value = F.col(START)
-        elif column.role == "end":
-            value = F.timestamp_millis(F.unix_millis(START) + F.lit(size_ms))
-        else:
-            value = final_column(aggregates[column.of], kinds)
-        columns.append(value.cast(typed.dataType).alias(column.name))
-    return windows.select(*columns)
+    return windows.select(*declared_columns(
+        table, F.col(START), F.timestamp_millis(F.unix_millis(START) + F.lit(size_ms)),
+        lambda column: final_column(aggregates[column.of], kinds)))
 
 
 def top_rows(top: TopSpec, source: EventTimeTableSpec, closed: DataFrame) -> DataFrame:
