@@ -34,7 +34,7 @@ from pipelines.bronze import FIELD_TYPES
 from pipelines.errors import DefinitionChangedError
 from pipelines.faults import fault_point
 from pipelines.layout import StorageLayout
-from pipelines.state import final_type, partial_fields
+from pipelines.state import DEFINITION_PROPERTY, final_type, partial_fields
 from pipelines.streaming import (
     BronzeRows, commits_since, create_table_if_missing, history_rows, kept_on_disk, retry_on_conflict,
     table_version,
@@ -55,7 +55,6 @@ LATE_SCHEMA = StructType([
 # Commits searched for a step's unfinished late_events write: every step appends to the table.
 _UNDO_WINDOW = 50
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.timezone.utc)
-DEFINITION_PROPERTY = "statetables.definition"  # a fingerprint of what decides the table's rows
 
 
 def micros(ts: dt.datetime) -> int:
@@ -369,10 +368,19 @@ def ensure_tables(spark: SparkSession, layout: StorageLayout, spec: StreamSpec, 
                                 properties={DEFINITION_PROPERTY: definition_of(top, spec.watermark_delay)})
 
 
-def resumed(spark: SparkSession, layout: StorageLayout, spec: StreamSpec, table: EventTimeTableSpec,
-            undone: list[str]) -> Progress:
-    """The progress the table's last closing commit recorded (none yet: from the start), after the checks that
-    its rows were written under the declared definition."""
+def resume(spark: SparkSession, stage: EventTimeStage, undone: list[str]) -> EventTimeStage:
+    """`stage` at the progress its table's last closing commit recorded (none yet: from the start), after the
+    checks that its rows were written under the declared definition; `undone`: what the start undid of a batch
+    that died before its closing commit."""
+    stage.last = _resumed(spark, stage.layout, stage.spec, stage.table)
+    if undone:
+        stage.recovered = {"problem": f"a micro-batch died before its {stage.table.name} commit",
+                           "action": "; ".join(undone) + "; its events folded again"}
+    return stage
+
+
+def _resumed(spark: SparkSession, layout: StorageLayout, spec: StreamSpec, table: EventTimeTableSpec
+             ) -> Progress:
     require_definition(spark, layout.table(table.name), table, spec.watermark_delay)
     for top in table.tops:
         require_definition(spark, layout.table(top.name), top, spec.watermark_delay)

@@ -24,7 +24,7 @@ from pipelines.errors import ConfigurationError
 from pipelines.expiry import EXPIRED, ExpiredTotals, TTL_PROPERTY, expire_keys, newest_ingested_us
 from pipelines.layout import StorageLayout
 from pipelines.state import DEFINITION_PROPERTY, FOLDED_THROUGH, aggregate, definition_of
-from pipelines.streaming import USER_METADATA, commit_confs, table_id, table_version
+from pipelines.streaming import USER_METADATA, commit_confs, kept_on_disk, table_id, table_version
 from pipelines.locks import writer_lock
 from pipelines.streams import EventTimeTableSpec, StateTableSpec, StreamSpec
 
@@ -106,7 +106,8 @@ def refresh_event_time_table(spark: SparkSession, layout: StorageLayout, spec: S
         state_path = layout.table(table.state_table)
         (state.write.format("delta").mode("overwrite").option("overwriteSchema", "true")
          .save(str(state_path)))
-        closed = closed.select(*(F.col(f.name).cast(f.dataType) for f in output_schema(table))).localCheckpoint()
+        closed = closed.select(*(F.col(f.name).cast(f.dataType) for f in output_schema(table)))
+        closed = kept_on_disk(closed)  # ranked and written
         for top in table.tops:
             delta_sql.replace_table(spark, layout.table(top.name), windows.top_rows(top, table, closed).select(
                 *(F.col(f.name).cast(f.dataType) for f in top_schema(top, table))),

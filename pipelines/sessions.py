@@ -37,9 +37,9 @@ from pyspark.sql.types import BooleanType, LongType, StructField, StructType, Ti
 
 from pipelines.bronze import FIELD_TYPES
 from pipelines.event_time import (
-    EventTimeStage, FoldedBatch, Progress, append_late, behind_watermark, declared_columns, ensure_tables,
+    EventTimeStage, FoldedBatch, NO_PROGRESS, append_late, behind_watermark, declared_columns, ensure_tables,
     kept_events, late_rows,
-    newest_of_stream, next_watermark, output_schema, partial_schema, read_state, resumed, undo_late_rows,
+    newest_of_stream, next_watermark, output_schema, partial_schema, read_state, resume, undo_late_rows,
     write_state,
 )
 from pipelines.faults import (
@@ -239,11 +239,6 @@ def sessions_stage(spark: SparkSession, layout: StorageLayout, spec: StreamSpec,
     writer lock). The late_events rows of a batch that died before its closing commit are deleted first: the
     stream folds that batch's bronze rows again."""
     ensure_tables(spark, layout, spec, table, state_schema(table))
-    stage = SessionsStage(layout, spec, table, Progress(0, -1, None))
-    undone = undo_late_rows(spark, layout, table.name, stage.marker,
-                            table_version(spark, layout.table(table.name)) or 0)
-    stage.last = resumed(spark, layout, spec, table, undone)
-    if undone:
-        stage.recovered = {"problem": f"a micro-batch died before its {table.name} commit",
-                           "action": "; ".join(undone) + "; its events folded again"}
-    return stage
+    stage = SessionsStage(layout, spec, table, NO_PROGRESS)
+    return resume(spark, stage, undo_late_rows(spark, layout, table.name, stage.marker,
+                                               table_version(spark, layout.table(table.name)) or 0))

@@ -29,8 +29,8 @@ from pyspark.sql.types import LongType, StructField, StructType, TimestampType
 from pipelines import delta_sql
 from pipelines.bronze import FIELD_TYPES
 from pipelines.event_time import (
-    EventTimeStage, FoldedBatch, Progress, append_batch, append_late, behind_watermark, declared_columns,
-    ensure_tables, kept_events, late_rows, newest_of_stream, next_watermark, partial_schema, read_state, resumed, undo_late_rows, write_state,
+    EventTimeStage, FoldedBatch, NO_PROGRESS, append_batch, append_late, behind_watermark, declared_columns,
+    ensure_tables, kept_events, late_rows, newest_of_stream, next_watermark, partial_schema, read_state, resume, undo_late_rows, write_state,
 )
 from pipelines.faults import (
     WINDOWS_AFTER_LATE_COMMIT, WINDOWS_AFTER_STATE_COMMIT, WINDOWS_AFTER_TOP_COMMIT, WINDOWS_BEFORE_CLOSING_COMMIT,
@@ -164,10 +164,5 @@ def windows_stage(spark: SparkSession, layout: StorageLayout, spec: StreamSpec, 
     writer lock). The rows of a batch that died before its closing commit are undone first: the stream folds that
     batch's bronze rows again."""
     ensure_tables(spark, layout, spec, table, state_schema(table))
-    stage = WindowsStage(layout, spec, table, Progress(0, -1, None))
-    undone = undo_unfinished_batch(spark, layout, table, stage.marker)
-    stage.last = resumed(spark, layout, spec, table, undone)
-    if undone:
-        stage.recovered = {"problem": f"a micro-batch died before its {table.name} commit",
-                           "action": "; ".join(undone) + "; its events folded again"}
-    return stage
+    stage = WindowsStage(layout, spec, table, NO_PROGRESS)
+    return resume(spark, stage, undo_unfinished_batch(spark, layout, table, stage.marker))
