@@ -27,6 +27,7 @@ from typing import Callable
 import sqlglot
 from sqlglot import exp
 
+from pipelines.aggregates import KINDS
 from pipelines.errors import ConfigurationError
 from pipelines.streams import (
     Aggregate, EventTimeTableSpec, KafkaTopic, OutputColumn, StateTableSpec, StreamSpec, TopSpec,
@@ -37,9 +38,8 @@ SQL_HELP = ("write `CREATE TABLE name AS SELECT key, ..., COUNT(*) AS n, SUM(col
             "GROUP BY key, ...` with aggregates COUNT(*), COUNT(col), SUM, MIN, MAX, AVG, MIN_BY, MAX_BY over the "
             "stream's fields; add `window(event_time, '1 hour')` or `session_window(event_time, '30 minutes')` to "
             "the GROUP BY for a windowed or session table (README, 'Declare a stream')")
-# sqlglot's expression class → the aggregate it is, for those a MERGE can combine.
-_AGGREGATES = {exp.Count: "count", exp.Sum: "sum", exp.Min: "min", exp.Max: "max", exp.Avg: "avg",
-               exp.ArgMin: "min_by", exp.ArgMax: "max_by"}
+# sqlglot's expression class → the aggregate it is, for those a MERGE can combine (pipelines/aggregates.py).
+_AGGREGATES = {getattr(exp, kind.sqlglot_class): function for function, kind in KINDS.items()}
 NUMERIC = ("decimal", "integer")
 _UNITS = {"second": 1, "minute": 60, "hour": 3600, "day": 86400, "week": 604800}
 _DURATION = re.compile(r"^\s*(\d+)\s*(second|minute|hour|day|week)s?\s*$", re.IGNORECASE)
@@ -159,14 +159,15 @@ class _Parts:
         argument = node.this
         if isinstance(argument, exp.Distinct):
             raise self.where_of(f"`{node.sql('spark')}`: DISTINCT cannot be kept incrementally")
-        if function == "count" and isinstance(argument, exp.Star):
-            return Aggregate(name, "count")
+        takes = KINDS[function].argument
+        if takes == "row or column" and isinstance(argument, exp.Star):
+            return Aggregate(name, function)
         column = self.field_of(argument, f"the argument of {function.upper()}")
         kind = self.fields[column].kind
-        if function in ("sum", "avg") and kind not in NUMERIC:
-            raise self.where_of(f"{function.upper()}({column}): {column} is a {kind}; sum and average need a "
+        if takes == "number" and kind not in NUMERIC:
+            raise self.where_of(f"{function.upper()}({column}): {column} is a {kind}; {function.upper()} needs a "
                                 f"decimal or integer")
-        if function in ("min_by", "max_by"):
+        if takes == "value and ordering":
             by = node.args.get("expression")
             if by is None:
                 raise self.where_of(f"{function.upper()} takes (value, ordering)")

@@ -34,7 +34,8 @@ from pipelines.bronze import FIELD_TYPES
 from pipelines.errors import DefinitionChangedError
 from pipelines.faults import fault_point
 from pipelines.layout import StorageLayout
-from pipelines.state import DEFINITION_PROPERTY, final_type, partial_fields
+from pipelines.aggregates import kind_of, partial_fields
+from pipelines.state import DEFINITION_PROPERTY
 from pipelines.streaming import (
     BronzeRows, commits_since, create_table_if_missing, history_rows, kept_on_disk, retry_on_conflict,
     table_version,
@@ -76,9 +77,9 @@ def output_schema(table: EventTimeTableSpec) -> StructType:
             columns.append(StructField(c.name, TimestampType(), nullable=False))
         else:
             a = aggregates[c.of]
-            never_null = a.function == "count" or (a.n is not None) or (
-                a.function in ("sum", "min", "max") and field[a.column].required)
-            columns.append(StructField(c.name, final_type(a, field), nullable=c.role == "previous" or not never_null))
+            kind = kind_of(a)
+            columns.append(StructField(c.name, kind.final_type(a, field),
+                                       nullable=c.role == "previous" or not kind.never_null(a, field)))
     return StructType(columns)
 
 
@@ -95,7 +96,7 @@ def declared_columns(table: EventTimeTableSpec, start: Column, end: Column,
 def partial_schema(table: EventTimeTableSpec) -> list[StructField]:
     """The aggregates' partial columns as operator state holds them."""
     field = {f.name: f for f in table.fields}
-    return [StructField(f.name, f.dataType) for a in table.aggregates for f in partial_fields(a, field)]
+    return [StructField(f.name, f.dataType) for f in partial_fields(table.aggregates, field)]
 
 
 def top_schema(top: TopSpec, source: EventTimeTableSpec) -> StructType:

@@ -46,7 +46,7 @@ from pipelines.faults import (
     SESSIONS_AFTER_LATE_COMMIT, SESSIONS_AFTER_STATE_COMMIT, SESSIONS_BEFORE_CLOSING_COMMIT, fault_point,
 )
 from pipelines.layout import StorageLayout
-from pipelines.state import combined_columns, final_column, partial_columns
+from pipelines.aggregates import combined_columns, final_column, partial_columns
 from pipelines.streaming import kept_on_disk, table_version
 from pipelines.streams import EventTimeTableSpec, OutputColumn, StreamSpec
 
@@ -123,13 +123,13 @@ def fold_sessions(table: EventTimeTableSpec, spec: StreamSpec, state: DataFrame,
     cut = kept_on_disk(pieces.withColumn("_starts", starts).withColumn(
         "_session", F.sum("_starts").over(in_order.rowsBetween(Window.unboundedPreceding, 0))))
     from_events = (cut.where(~F.col("_held")).groupBy(*keys, "_session")
-                   .agg(*[c for a in table.aggregates for c in partial_columns(a, kinds)],
+                   .agg(*partial_columns(table.aggregates, kinds),
                         F.min(FIRST).alias(FIRST), F.max(LAST).alias(LAST)))
     from_state = cut.where(F.col("_held")).select(*keys, "_session", *(F.col(f"_s{p}").alias(p) for p in partials),
                                                    FIRST, LAST)
     sessions = kept_on_disk(
         from_events.unionByName(from_state).groupBy(*keys, "_session")
-        .agg(*[c for a in table.aggregates for c in combined_columns(a, kinds)],
+        .agg(*combined_columns(table.aggregates, kinds),
              F.min(FIRST).alias(FIRST), F.max(LAST).alias(LAST)).drop("_session"))
     newest = newest_of_stream(table, stream_events, watermark_ms, sessions.agg(F.max(F.unix_millis(LAST))).first()[0])
     after = next_watermark(watermark_ms, newest, spec.watermark_delay)

@@ -14,14 +14,13 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
-from pyspark.sql import Column, DataFrame, SparkSession
+from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
-from pyspark.sql.types import (
-    ArrayType, DataType, DecimalType, DoubleType, LongType, StructField, StructType, TimestampType,
-)
+from pyspark.sql.types import StructField, StructType, TimestampType
 
 from pipelines import delta_sql
 from pipelines.delta_sql import ident
+from pipelines.aggregates import kind_of, partial_columns
 from pipelines.bronze import FIELD_TYPES
 from pipelines.layout import StorageLayout
 from pipelines.checkpoints import new_app_id
@@ -35,111 +34,7 @@ from pipelines.streaming import (
     TXN_APP_ID, TXN_VERSION, USER_METADATA, commit_actions, commit_confs, commits_since, create_table_if_missing,
     BronzeRows, history_rows, retry_on_conflict, table_version,
 )
-from pipelines.streams import Aggregate, StateTableSpec, StreamSpec
-
-TOTAL_TYPE = DecimalType(28, 2)  # what Spark's SUM of DECIMAL(18,2) yields
-AVERAGE_TYPE = DecimalType(22, 6)  # ... and its AVG
-
-
-def _avg_sum(a: Aggregate) -> str:
-    return f"_avg_{a.name}_sum"
-
-
-def _avg_count(a: Aggregate) -> str:
-    return f"_avg_{a.name}_count"
-
-
-def _by(a: Aggregate) -> str:
-    return f"_by_{a.name}"
-
-
-def _summed_type(kind: str) -> DataType:
-    return TOTAL_TYPE if kind == "decimal" else LongType()
-
-
-def partial_fields(a: Aggregate, field: dict) -> list[StructField]:
-    """The columns that hold an aggregate's partial value, from which batches combine (`combined_columns`) and the
-    declared value follows (`final_column`): the value itself for COUNT, SUM, MIN and MAX; an exact sum and count
-    for AVG; the (ordering, value) pair for MIN_BY/MAX_BY, or the `n` most extreme pairs for their list form."""
-    kind = field[a.column].kind if a.column else None
-    if a.function == "count":
-        return [StructField(a.name, LongType(), nullable=False)]
-    if a.function == "sum":
-        return [StructField(a.name, _summed_type(kind), nullable=not field[a.column].required)]
-    if a.function in ("min", "max"):
-        return [StructField(a.name, FIELD_TYPES[kind])]
-    if a.function == "avg":
-        return [StructField(_avg_sum(a), _summed_type(kind)), StructField(_avg_count(a), LongType())]
-    pair = StructType([StructField("by", FIELD_TYPES[field[a.by].kind]), StructField("value", FIELD_TYPES[kind])])
-    return [StructField(_by(a), ArrayType(pair) if a.n else pair)]
-
-
-def final_type(a: Aggregate, field: dict) -> DataType:
-    """The declared column's type: what Spark's aggregate yields."""
-    kind = field[a.column].kind if a.column else None
-    if a.function == "avg":
-        return AVERAGE_TYPE if kind == "decimal" else DoubleType()
-    if a.function in ("min_by", "max_by"):
-        return ArrayType(FIELD_TYPES[kind]) if a.n else FIELD_TYPES[kind]
-    return partial_fields(a, field)[0].dataType
-
-
-def _pair(a: Aggregate) -> Column:
-    # NULL when the ordering is: Spark's MIN_BY/MAX_BY skip such rows, as collect_list and MIN/MAX of NULL do.
-    return F.when(F.col(a.by).isNotNull(), F.struct(F.col(a.by).alias("by"), F.col(a.column).alias("value")))
-
-
-def _extreme(pairs: Column, a: Aggregate) -> Column:
-    """The `n` pairs of the greatest (MAX_BY) or least (MIN_BY) ordering, that one first; ties to the greater value,
-    so the list does not depend on row order."""
-    ordered = F.sort_array(pairs, asc=a.function == "min_by")
-    return F.slice(ordered, 1, a.n)
-
-
-def partial_columns(a: Aggregate, kinds: dict[str, str]) -> list[Column]:
-    """An aggregate's partial columns over rows of its stream (`groupBy(...).agg`)."""
-    kind = kinds.get(a.column)
-    if a.function == "count":
-        return [F.count(a.column or F.lit(1)).alias(a.name)]
-    if a.function == "sum":
-        return [F.sum(a.column).cast(_summed_type(kind)).alias(a.name)]
-    if a.function in ("min", "max"):
-        return [getattr(F, a.function)(a.column).alias(a.name)]
-    if a.function == "avg":
-        return [F.sum(a.column).cast(_summed_type(kind)).alias(_avg_sum(a)), F.count(a.column).alias(_avg_count(a))]
-    if a.n:
-        return [_extreme(F.collect_list(_pair(a)), a).alias(_by(a))]
-    # The newest value by `by`, ties to the greater value, so it does not depend on row order.
-    return [(F.max(_pair(a)) if a.function == "max_by" else F.min(_pair(a))).alias(_by(a))]
-
-
-def combined_columns(a: Aggregate, kinds: dict[str, str]) -> list[Column]:
-    """An aggregate's partial columns over rows of partial columns (`groupBy(...).agg`): several batches' partials
-    of one key as one."""
-    kind = kinds.get(a.column)
-    if a.function == "count":
-        return [F.sum(a.name).cast(LongType()).alias(a.name)]
-    if a.function == "sum":
-        return [F.sum(a.name).cast(_summed_type(kind)).alias(a.name)]
-    if a.function in ("min", "max"):
-        return [getattr(F, a.function)(a.name).alias(a.name)]
-    if a.function == "avg":
-        return [F.sum(_avg_sum(a)).cast(_summed_type(kind)).alias(_avg_sum(a)),
-                F.sum(_avg_count(a)).cast(LongType()).alias(_avg_count(a))]
-    if a.n:
-        return [_extreme(F.flatten(F.collect_list(_by(a))), a).alias(_by(a))]
-    return [(F.max(_by(a)) if a.function == "max_by" else F.min(_by(a))).alias(_by(a))]
-
-
-def final_column(a: Aggregate, kinds: dict[str, str]) -> Column:
-    """The declared value of an aggregate, from its partial columns."""
-    if a.function == "avg":
-        return _average(a, F.col(_avg_sum(a)), F.col(_avg_count(a)), kinds[a.column] == "decimal").alias(a.name)
-    if a.function in ("min_by", "max_by"):
-        value = F.transform(_by(a), lambda p: p["value"]) if a.n else F.col(_by(a)).getField("value")
-        return value.alias(a.name)
-    return F.col(a.name)
-
+from pipelines.streams import StateTableSpec, StreamSpec
 
 def state_schema(table: StateTableSpec) -> StructType:
     """The declared columns with the types the declared query yields in Spark, `updated_at`, then what the MERGE
@@ -150,12 +45,12 @@ def state_schema(table: StateTableSpec) -> StructType:
     for key in table.keys:
         visible.append(StructField(key, FIELD_TYPES[field[key].kind], nullable=not field[key].required))
     for a in table.aggregates:
-        parts = partial_fields(a, field)
-        if a.function in ("count", "sum", "min", "max"):
-            visible += parts
+        kind = kind_of(a)
+        if kind.shown_as_kept():
+            visible += kind.fields(a, field)
         else:
-            visible.append(StructField(a.name, final_type(a, field)))
-            hidden += parts
+            visible.append(StructField(a.name, kind.final_type(a, field)))
+            hidden += kind.fields(a, field)
     return StructType([*visible, StructField("updated_at", TimestampType()), *hidden])
 
 
@@ -220,23 +115,14 @@ def changed_definitions(layout: StorageLayout, tables: list[StateTableSpec]) -> 
             if (found := recorded_definition(layout.table(t.name))) is not None and found != definition_of(t)]
 
 
-def _average(a: Aggregate, total: Column, count: Column, decimal: bool) -> Column:
-    """Spark's AVG from an exact sum and count: for decimals the division Average itself does."""
-    if decimal:
-        value = (total / count.cast(DecimalType(20, 0))).cast(AVERAGE_TYPE)
-    else:
-        value = total.cast(DoubleType()) / count.cast(DoubleType())
-    return F.when(count > 0, value)
-
-
 def aggregate(events: DataFrame, table: StateTableSpec) -> DataFrame:
     """The declared query over `events`: one row per key with every column of the state table except
     `updated_at` (the hidden ones too)."""
     kinds = {f.name: f.kind for f in table.fields}
     if table.where:
         events = events.where(F.expr(table.where))
-    grouped = events.groupBy(*table.keys).agg(*[c for a in table.aggregates for c in partial_columns(a, kinds)])
-    finals = [final_column(a, kinds) for a in table.aggregates if a.function in ("avg", "min_by", "max_by")]
+    grouped = events.groupBy(*table.keys).agg(*partial_columns(table.aggregates, kinds))
+    finals = [kind_of(a).final(a, kinds) for a in table.aggregates if not kind_of(a).shown_as_kept()]
     schema = state_schema(table)
     return grouped.select("*", *finals).select(
         *[F.col(f.name).cast(f.dataType) if f.name != "updated_at" else F.current_timestamp().alias("updated_at")
@@ -376,40 +262,12 @@ def _on_key(table: StateTableSpec) -> str:
     return " AND ".join(f"t.{ident(k)} {'=' if k in required else '<=>'} s.{ident(k)}" for k in table.keys)
 
 
-def _combined(t: str, s: str) -> str:
-    """The SUM of two partial sums, either of which is NULL when its rows held no value."""
-    return f"coalesce({t} + {s}, {t}, {s})"
-
-
 def _upsert_clauses(table: StateTableSpec) -> str:
     """Combine a key's row with the batch's partial aggregate column by column; new keys insert."""
-    kinds = {f.name: f.kind for f in table.fields}
-    required = {f.name: f.required for f in table.fields}
+    field = {f.name: f for f in table.fields}
     schema = state_schema(table)
     types = {f.name: f.dataType.simpleString() for f in schema}
-    sets = []
-    for a in table.aggregates:
-        c = ident(a.name)
-        if a.function == "count":
-            sets.append(f"t.{c} = t.{c} + s.{c}")
-        elif a.function == "sum":
-            # A required field's sums are never NULL: plain addition, as the MERGE always was for them.
-            total = f"t.{c} + s.{c}" if required[a.column] else _combined(f't.{c}', f's.{c}')
-            sets.append(f"t.{c} = CAST({total} AS {types[a.name]})")
-        elif a.function in ("min", "max"):
-            sets.append(f"t.{c} = {'least' if a.function == 'min' else 'greatest'}(t.{c}, s.{c})")
-        elif a.function == "avg":
-            total, count = ident(_avg_sum(a)), ident(_avg_count(a))
-            merged_total = f"CAST({_combined(f't.{total}', f's.{total}')} AS {types[_avg_sum(a)]})"
-            merged_count = f"t.{count} + s.{count}"
-            average = (f"CAST({merged_total} / CAST({merged_count} AS DECIMAL(20,0)) AS {types[a.name]})"
-                       if kinds[a.column] == "decimal" else f"CAST({merged_total} AS DOUBLE) / CAST({merged_count} AS DOUBLE)")
-            sets += [f"t.{c} = CASE WHEN {merged_count} > 0 THEN {average} END",
-                     f"t.{total} = {merged_total}", f"t.{count} = {merged_count}"]
-        else:
-            pair = ident(_by(a))
-            pick = f"{'greatest' if a.function == 'max_by' else 'least'}(t.{pair}, s.{pair})"
-            sets += [f"t.{c} = {pick}.value", f"t.{pair} = {pick}"]
+    sets = [clause for a in table.aggregates for clause in kind_of(a).merged(a, types, field)]
     columns = [ident(f.name) for f in schema]
     values = ["current_timestamp()" if f.name == "updated_at" else f"s.{ident(f.name)}" for f in schema]
     return (f"WHEN MATCHED THEN UPDATE SET {', '.join(sets)}, t.updated_at = current_timestamp() "

@@ -22,7 +22,8 @@ from pipelines.declared_sql import query_over
 from pipelines.event_time import output_schema
 from pipelines.expiry import EXPIRED_VALUE, expired_rows, expired_totals, since_last_expiry
 from pipelines.layout import StorageLayout
-from pipelines.state import aggregate, final_column, folded_through, partial_columns
+from pipelines.aggregates import final_column, partial_columns
+from pipelines.state import aggregate, folded_through
 from pipelines.streaming import table_version
 from pipelines.streams import EventTimeTableSpec, StateTableSpec, StreamSpec, TopSpec
 
@@ -182,7 +183,7 @@ def recomputed_sessions(table: EventTimeTableSpec, events: DataFrame) -> DataFra
     numbered = (events.withColumn("_starts", starts)
                 .withColumn("_session", F.sum("_starts").over(in_order.rowsBetween(Window.unboundedPreceding, 0))))
     grouped = numbered.groupBy(*table.keys, "_session").agg(
-        *[c for a in table.aggregates for c in partial_columns(a, kinds)],
+        *partial_columns(table.aggregates, kinds),
         F.min(table.event_time_field).alias("_first"), F.max(table.event_time_field).alias("_last"))
     typed = {f.name: f.dataType for f in output_schema(table)}
     gap_us = table.size // dt.timedelta(microseconds=1)

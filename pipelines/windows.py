@@ -37,7 +37,7 @@ from pipelines.faults import (
     fault_point,
 )
 from pipelines.layout import StorageLayout
-from pipelines.state import combined_columns, final_column, partial_columns
+from pipelines.aggregates import combined_columns, final_column, partial_columns
 from pipelines.streaming import commits_since, kept_on_disk, table_version
 from pipelines.streams import EventTimeTableSpec, StreamSpec, TopSpec
 
@@ -78,12 +78,12 @@ def fold_windows(table: EventTimeTableSpec, spec: StreamSpec, open_windows: Data
     ms = F.unix_millis(at)
     on_time = kept_on_disk(
         events.where(~behind).groupBy(*table.keys, F.timestamp_millis(ms - F.pmod(ms, F.lit(size_ms))).alias(START))
-        .agg(*[c for a in table.aggregates for c in partial_columns(a, kinds)], F.max(ms).alias("_newest")))
+        .agg(*partial_columns(table.aggregates, kinds), F.max(ms).alias("_newest")))
     newest = newest_of_stream(table, stream_events, watermark_ms, on_time.agg(F.max("_newest")).first()[0])
     after = next_watermark(watermark_ms, newest, spec.watermark_delay)
     state_columns = state_schema(table).fieldNames()
     counted = (open_windows.select(*state_columns).unionByName(on_time.drop("_newest"))
-               .groupBy(*table.keys, START).agg(*[c for a in table.aggregates for c in combined_columns(a, kinds)])
+               .groupBy(*table.keys, START).agg(*combined_columns(table.aggregates, kinds))
                .select(*state_columns))
     passed = F.unix_millis(START) + F.lit(size_ms) <= F.lit(after)
     return WindowsFold(open_windows=counted.where(~passed), closed=closed_rows(table, counted.where(passed)),
