@@ -92,7 +92,7 @@ $(JVM_JAR): $(JVM_SOURCES) $(JARS) $(INSTALLED)
 	jar --create --file $@ -C .jars/jvm-classes .
 
 # JVM class-data sharing: the classes a run loads, recorded once by a small pass of both streams;
-# every later driver JVM maps them (pipelines/session.py). Rebuilt when the jars or the install change.
+# every later driver JVM maps them (pipelines/runtime/spark.py). Rebuilt when the jars or the install change.
 class-archive: $(CLASS_ARCHIVE)
 $(CLASS_ARCHIVE): $(JARS) $(JVM_JAR) $(INSTALLED)
 	$(BIN)/python -m statetables.class_archive

@@ -6,8 +6,8 @@ setup(
     version="0.1.0",
     description="Fault-tolerant streaming state tables on Spark + Delta Lake, orchestrated by Dagster.",
     python_requires=">=3.11,<3.12",
-    packages=find_packages(include=["pipelines", "assets", "resources", "statetables", "benchmarks"]),
-    package_data={"pipelines": ["log4j2.properties"], "statetables": ["python-worker"]},
+    packages=find_packages(include=["pipelines", "pipelines.*", "assets", "resources", "statetables", "benchmarks"]),
+    package_data={"pipelines.runtime": ["log4j2.properties"], "statetables": ["python-worker"]},
     install_requires=[
         "pyspark[connect]==4.1.1",  # [connect]: the Spark Connect client (grpcio, grpcio-status)
         "delta-spark==4.3.1",

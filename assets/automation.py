@@ -25,13 +25,13 @@ from assets.keys import (
     RECOVERY_OF_TAG, RECOVERY_REASON_TAG, STREAM_TAG,
     deep_check_keys, stream_job_name, stream_of_step,
 )
+from pipelines.declare.project import streams
+from pipelines.declare.specs import StreamSpec
 from pipelines.errors import ConfigurationError, EngineUnavailableError
-from pipelines.kafka_source import end_offsets
-from pipelines.session import REMOTE_ENV, engine_answers
-from pipelines.source import landing_listing
-from pipelines.storage import AnyPath
-from pipelines.streams import StreamSpec
-from pipelines.project import streams
+from pipelines.ingest.kafka_source import end_offsets
+from pipelines.ingest.landing import landing_listing
+from pipelines.runtime.spark import REMOTE_ENV, engine_answers
+from pipelines.storage.files import AnyPath
 from resources import SparkSessionResource, StorageResource
 
 DEEP_CHECKS = dg.AssetSelection.checks(*deep_check_keys())

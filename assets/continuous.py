@@ -1,8 +1,8 @@
 """The always-on job `run_continuously`: every stream's query kept running in one warm engine (the run's embedded
 JVM, or the Connect server of `make serve`), reported to Dagster as it goes.
 
-Each stream runs its one streaming query (pipelines/stream_query.py) with a processing-time trigger
-(pipelines/continuous.py). Every `report_every_seconds` the op yields an
+Each stream runs its one streaming query (pipelines/runtime/micro_batch.py) with a processing-time trigger
+(pipelines/runtime/continuous.py). Every `report_every_seconds` the op yields an
 `AssetMaterialization` for each table that committed since the last report (rows, batches, versions, the
 watermark, the newest event time folded in) and the state tables' per-run check results, so the asset pages
 follow the tables while the run goes on. Its first report covers every table as found: a recovery run whose
@@ -31,14 +31,15 @@ from assets.keys import (
 )
 from assets.metadata import event_time_metadata
 from assets.streams import StreamConfig, current_declaration
-from pipelines import table_checks
-from pipelines.changelog import changelog_name
-from pipelines.continuous import ContinuousStep, create_tables, run_steps_continuously
-from pipelines.layout import StorageLayout
-from pipelines.stream_query import advance_stream, event_time_streams, event_time_tables
-from pipelines.streaming import Continuous, commits_since, table_version
-from pipelines.streams import StateTableSpec, StreamSpec
-from pipelines.project import streams
+from pipelines.declare.project import streams
+from pipelines.declare.specs import StateTableSpec, StreamSpec
+from pipelines.operate import table_checks
+from pipelines.runtime.continuous import ContinuousStep, create_tables, run_steps_continuously
+from pipelines.runtime.micro_batch import advance_stream, event_time_streams, event_time_tables
+from pipelines.runtime.query import Continuous
+from pipelines.state.changelog import changelog_name
+from pipelines.storage.delta_log import commits_since, table_version
+from pipelines.storage.layout import StorageLayout
 from resources import CheckPolicyResource, SparkSessionResource, StorageResource
 from resources.check_policy import WARN_ONLY_NOTE
 

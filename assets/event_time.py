@@ -1,4 +1,4 @@
-"""A stream's windowed and session tables (pipelines/windows.py, pipelines/sessions.py) as Dagster assets with
+"""A stream's windowed and session tables (pipelines/event_time/windows.py, pipelines/event_time/sessions.py) as Dagster assets with
 their checks: each table, its operator state, its top N tables, and late_events.
 
 They are written by the stream's one step (assets/streams.py, one streaming query), so their specs, checks and
@@ -19,14 +19,15 @@ from pyspark.sql import functions as F
 
 from assets.keys import KINDS, bronze_key
 from assets.metadata import RUNBOOK_LINE, RUNBOOK_METADATA, frame_table, within_watermark
-from pipelines import event_time, table_checks
-from pipelines.layout import StorageLayout
-from pipelines.streaming import StreamRunResult
-from pipelines.project import streams
-from pipelines.streams import EventTimeTableSpec, StreamSpec
+from pipelines.declare.project import streams
+from pipelines.declare.specs import EventTimeTableSpec, StreamSpec
+from pipelines.event_time import watermark
+from pipelines.operate import table_checks
+from pipelines.runtime.query import StreamRunResult
+from pipelines.storage.layout import StorageLayout
 from resources.check_policy import RECONCILE, TOP_MATCHES
 
-LATE_KEY = dg.AssetKey(event_time.LATE)
+LATE_KEY = dg.AssetKey(watermark.LATE)
 
 
 def late_events_owner(kept: frozenset[str]) -> str | None:
@@ -105,9 +106,9 @@ def results(session: SparkSession, layout: StorageLayout, spec: StreamSpec, resu
     late_this_run = 0
     for table in spec.event_time_tables:
         batches = [c["user"] for c in result.commits[table.name] if "watermark_ms" in c["user"]]
-        progress = event_time.last_progress(session, table, layout)
-        state = event_time.state_table_figures(session, layout.table(table.state_table))
-        common = {"bronze_rows_read": event_time.rows_read(result.commits[table.name]),
+        progress = watermark.last_progress(session, table, layout)
+        state = watermark.state_table_figures(session, layout.table(table.state_table))
+        common = {"bronze_rows_read": watermark.rows_read(result.commits[table.name]),
                   "watermark": _iso(progress.watermark_ms if progress else None),
                   "bronze_version_read": progress.bronze_version if progress else -1}
         closed_key = "windows_closed" if table.kind == "window" else "sessions_closed"
@@ -149,4 +150,4 @@ def results(session: SparkSession, layout: StorageLayout, spec: StreamSpec, resu
                 "rows_differing": wrong_rows, "sample": frame_table(wrong, rows_known=wrong_rows)})
     if owns_late:
         yield dg.MaterializeResult(asset_key=LATE_KEY, metadata={
-            "late_events_this_run": late_this_run, "table_version": result.versions[event_time.LATE].after})
+            "late_events_this_run": late_this_run, "table_version": result.versions[watermark.LATE].after})

@@ -6,9 +6,9 @@ from datetime import timedelta
 
 import dagster as dg
 
-from pipelines.changelog import changelog_name
-from pipelines.streams import StateTableSpec, StreamSpec
-from pipelines.project import streams
+from pipelines.declare.project import streams
+from pipelines.declare.specs import StateTableSpec, StreamSpec
+from pipelines.state.changelog import changelog_name
 # The blocking checks' names live with the policy that names them (resources/check_policy.py).
 from resources.check_policy import DEEP_CHECK
 

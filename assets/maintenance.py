@@ -8,11 +8,10 @@ from pydantic import Field
 
 from assets.keys import MAINTENANCE_JOB, REFRESH_JOB
 from assets.metadata import records_table
-from pipelines.maintenance import MIN_RETAIN, maintain_stream
-from pipelines.project import project
-from pipelines.refresh import refresh_event_time_table, refresh_state_table
-from pipelines.streams import StateTableSpec
-from pipelines.project import streams
+from pipelines.declare.project import project, streams
+from pipelines.declare.specs import StateTableSpec
+from pipelines.operate.maintenance import MIN_RETAIN, maintain_stream
+from pipelines.operate.refresh import refresh_event_time_table, refresh_state_table
 from resources import SparkSessionResource, StorageResource
 
 

@@ -12,7 +12,7 @@ from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
 from assets.keys import RECOVERY_ATTEMPT_TAG, RECOVERY_OF_TAG, RECOVERY_REASON_TAG
-from pipelines.streaming import StreamRunResult
+from pipelines.runtime.query import StreamRunResult
 
 TOP_ROWS = 10
 RUNBOOK = Path(__file__).resolve().parent.parent / "docs" / "recovery.md"

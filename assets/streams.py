@@ -22,18 +22,19 @@ from assets import event_time as event_time_assets
 from assets.keys import (
     DEEP_CHECK, KINDS, STATE_FRESHNESS, bronze_key, changelog_key, pool, quarantine_key, state_key, stream_op_name,
 )
-from pipelines.bronze import DEFAULT_MAX_FILES_PER_TRIGGER
-from pipelines.changelog import changelog_name
-from pipelines.expiry import EXPIRY
-from pipelines import table_checks
-from pipelines.state import changed_definitions, folded_through
-from pipelines.event_time import recorded_changes
-from pipelines.stream_query import StreamSettings, advance_stream, event_time_streams
-from pipelines.table_checks import quarantine_reasons, state_totals
-from pipelines.streaming import StreamRunResult, commits_since
+from pipelines.declare.project import stream_spec, streams
+from pipelines.declare.specs import StateTableSpec, StreamSpec
 from pipelines.errors import ConfigurationError, DefinitionChangedError
-from pipelines.streams import StateTableSpec, StreamSpec
-from pipelines.project import stream_spec, streams
+from pipelines.event_time.watermark import recorded_changes
+from pipelines.ingest.bronze import DEFAULT_MAX_FILES_PER_TRIGGER
+from pipelines.operate import table_checks
+from pipelines.operate.table_checks import quarantine_reasons, state_totals
+from pipelines.runtime.micro_batch import StreamSettings, advance_stream, event_time_streams
+from pipelines.runtime.query import StreamRunResult
+from pipelines.state.changelog import changelog_name
+from pipelines.state.expiry import EXPIRY
+from pipelines.state.tables import changed_definitions, folded_through
+from pipelines.storage.delta_log import commits_since
 from resources import CheckPolicyResource, SparkSessionResource, StorageResource
 
 class StreamConfig(dg.Config):
@@ -78,7 +79,7 @@ def require_current_definitions(layout) -> None:
 def build_stream_assets(spec: StreamSpec, keeps_event_time: bool = True) -> list:
     """The stream's one step (a multi-asset: every table its streaming query writes) and the state table's
     blocking checks. Without `keeps_event_time`, the stream has no windowed or session assets and its runs do not
-    write them (pipelines/stream_query.py, `event_time_streams`)."""
+    write them (pipelines/runtime/micro_batch.py, `event_time_streams`)."""
     bronze, quarantine = bronze_key(spec), quarantine_key(spec)
     event_time = keeps_event_time and bool(spec.event_time_tables)
     owns_late = event_time and event_time_assets.late_events_owner(event_time_streams() | {spec.name}) == spec.name
@@ -202,7 +203,7 @@ def _state_table_specs(spec: StreamSpec, table: StateTableSpec) -> list[dg.Asset
 def _state_result(session: SparkSession, layout, spec: StreamSpec, table: StateTableSpec, result: StreamRunResult,
                   counts: dict, common: dict) -> dg.MaterializeResult:
     commits = result.commits[table.name]
-    # Expiries are MERGE commits too (pipelines/expiry.py), told apart by their commit metadata.
+    # Expiries are MERGE commits too (pipelines/state/expiry.py), told apart by their commit metadata.
     expiries = [c for c in commits if EXPIRY in c["user"]]
     merges = [c for c in commits if c["operation"] == "MERGE" and EXPIRY not in c["user"]]
     metric = lambda name: sum(int(c["metrics"].get(name, 0)) for c in merges)  # noqa: E731

@@ -28,7 +28,7 @@ PAYMENT_SCHEMA = "payment_id string, customer_id string, amount decimal(18,2), p
 
 
 def _session():
-    from pipelines.session import build_spark_session
+    from pipelines.runtime.spark import build_spark_session
     return build_spark_session()
 
 
@@ -146,14 +146,14 @@ def paths(args) -> dict:
     MERGE and each windowed or session table's step, with its operator state's size."""
     import shutil
     from dataclasses import replace
-    from pipelines.event_time import state_table_figures
-    from pipelines.layout import StorageLayout
-    from pipelines.sessions import sessions_stage
-    from pipelines.state import StateTableStage, ensure_state_table
-    from pipelines.stream_query import StreamSettings, advance_stream
-    from pipelines.streaming import BronzeRows, table_version
-    from pipelines.project import streams
-    from pipelines.windows import windows_stage
+    from pipelines.event_time.watermark import state_table_figures
+    from pipelines.storage.layout import StorageLayout
+    from pipelines.event_time.sessions import sessions_stage
+    from pipelines.state.tables import StateTableStage, ensure_state_table
+    from pipelines.runtime.micro_batch import StreamSettings, advance_stream
+    from pipelines.storage.delta_log import BronzeRows, table_version
+    from pipelines.declare.project import streams
+    from pipelines.event_time.windows import windows_stage
     spark = _session()
     layout = StorageLayout.under(args.home)
     out = {}
@@ -193,8 +193,8 @@ def validation(args) -> dict:
     SQL one it replaced (tests/reference_validator.py), in turn, twice each; the second time of each counts."""
     from datetime import datetime, timezone
     from pyspark.sql import functions as F
-    from pipelines.project import stream_spec
-    from pipelines.validate import validate_lines
+    from pipelines.declare.project import stream_spec
+    from pipelines.ingest.validate import validate_lines
     from tests.reference_validator import validate_lines as sql_validate_lines
     spark = _session()
     lines = (spark.read.text(_landing_files(Path(args.landing)))

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from deltalake import DeltaTable
 
-from pipelines.layout import StorageLayout
+from pipelines.storage.layout import StorageLayout
 
 STATE = "payments_per_customer"
 # A rate is held when the lag grows by less than this many seconds per second of arrivals: a mode that

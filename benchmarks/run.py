@@ -26,7 +26,7 @@ from pathlib import Path
 
 import psutil
 
-from pipelines.session import JARS_ENV, delta_jars
+from pipelines.runtime.spark import JARS_ENV, delta_jars
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -134,8 +134,8 @@ class Data:
         self.root, self.file_lines = root, file_lines
 
     def history(self, events: int) -> Path:
-        from pipelines.generate import generate
-        from pipelines.project import stream_spec
+        from pipelines.ingest.generate import generate
+        from pipelines.declare.project import stream_spec
         folder = self.root / f"history-{events}"
         if not folder.is_dir():
             start = datetime.now(timezone.utc) - timedelta(seconds=15.5 * events, days=5)
@@ -160,8 +160,8 @@ class Data:
         return target
 
     def sales_history(self, events: int) -> Path:
-        from pipelines.generate import generate
-        from pipelines.project import stream_spec
+        from pipelines.ingest.generate import generate
+        from pipelines.declare.project import stream_spec
         folder = self.root / f"sales-history-{events}"
         if not folder.is_dir():
             start = datetime.now(timezone.utc) - timedelta(seconds=15.5 * events, days=5)
@@ -169,8 +169,8 @@ class Data:
         return folder
 
     def increment(self, events: int, seed: int, customers: int) -> Path:
-        from pipelines.generate import generate
-        from pipelines.project import stream_spec
+        from pipelines.ingest.generate import generate
+        from pipelines.declare.project import stream_spec
         folder = self.root / f"increment-{events}-{seed}"
         if not folder.is_dir():
             # recent events, about 1 s apart: an increment is the last day or so of traffic
@@ -563,7 +563,7 @@ def object_store_runs(repeat: int, work: Path, *, history: int, increment: int) 
     S3 server (s3proxy over this machine's disk, started here), side by side in each repetition: the bulk run over
     `history` events, then a run of `increment` new events on it. For the bucket, the S3 requests each run made (the
     server's metrics) in all and per micro-batch, by operation."""
-    from pipelines.storage import S3Path
+    from pipelines.storage.files import S3Path
     from statetables.servers import S3_DEV_ACCESS_KEY, S3_DEV_SECRET_KEY, _stop, free_port, s3_server
 
     data = Data(work / "data", INCREMENT_FILE_LINES)
@@ -631,8 +631,8 @@ def only_freshness(work: Path, *, keep: bool, quick: bool) -> None:
     """Freshness of payments_per_customer, continuous against orchestrated, under `dagster dev`
     (benchmarks/freshness.py), into docs/bench/freshness.json."""
     from benchmarks.freshness import run_mode
-    from pipelines.generate import generate
-    from pipelines.project import stream_spec
+    from pipelines.ingest.generate import generate
+    from pipelines.declare.project import stream_spec
 
     started = time.monotonic()
     files, every_s = (10, 2.0) if quick else (60, 2.0)
@@ -674,8 +674,8 @@ def only_freshness_kafka(work: Path, *, keep: bool, quick: bool) -> None:
     continuous job through a warm Connect server, as `continuous_connect` measures files; a broker of the
     project's own (statetables/servers.py). Into docs/bench/freshness.json, beside the file modes."""
     from benchmarks.freshness import TopicArrivals, run_mode
-    from pipelines.generate import generate
-    from pipelines.project import SHIPPED, load_project
+    from pipelines.ingest.generate import generate
+    from pipelines.declare.project import SHIPPED, load_project
     from statetables.servers import kafka_broker
 
     started = time.monotonic()

@@ -1,15 +1,13 @@
-"""Spark + Delta streaming code for statetables, in data-flow order.
+"""Spark + Delta streaming code for statetables, one folder a stage, in data-flow order.
 
-layout   → where every table, checkpoint and landing folder lives
-streams  → the two event streams: fields, rules, state-table shape
-session  → the one place a SparkSession is built
-source   → landing files → raw lines (file, line number, bytes)
-validate → raw lines → typed events or a quarantine reason
-bronze   → dedup + idempotent append to bronze / quarantine
-state    → idempotent MERGE of micro-batch aggregates into state tables
+declare/    → the project file, its SQL and the aggregate kinds, read into specs (no data touched)
+ingest/     → landing files or a topic → validated lines → bronze (once each) and quarantine (with a reason)
+state/      → bronze → all-time state tables by MERGE, TTL, the changelog table and topic
+event_time/ → bronze → windowed, top-N and session tables behind a watermark, late events
+storage/    → the storage root (local or S3), its layout, Delta SQL and the Delta log
+runtime/    → the SparkSession, a stream's query and micro-batch, checkpoints, locks, always-on mode
+operate/    → checks, status, refresh, savepoints, maintenance
 
-streaming (run a query to the end of its input, writer lock, txn app id), errors, and
-generate (sample landing files) serve the steps above.
-
-No Dagster import here: this package runs and tests on its own.
+errors.py and faults.py (named kill points) serve every stage. No Dagster import here: this package runs and tests
+on its own.
 """

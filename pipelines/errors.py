@@ -35,3 +35,14 @@ class EngineUnavailableError(RuntimeError):
 
 class DefinitionChangedError(ConfigurationError):
     """A state table's declaration changed in a way that changes rows already written; nothing was written."""
+
+
+STORAGE_FAULTS = ("No space left on device", "Read-only file system", "Permission denied",
+                  "Operation not permitted", "Disk quota exceeded")
+
+
+def storage_fault(exc: BaseException) -> str | None:
+    """The storage cause named in an error (read-only, full, permissions), if it is one."""
+    text = str(exc)
+    return next((fault for fault in STORAGE_FAULTS if fault in text), None)
+

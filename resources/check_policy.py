@@ -5,8 +5,8 @@ from __future__ import annotations
 import dagster as dg
 from pydantic import Field
 
+from pipelines.declare.project import streams
 from pipelines.errors import ConfigurationError
-from pipelines.project import streams
 
 DEEP_CHECK = "reconciles_with_bronze"  # a state table against all of bronze: nightly and on demand, not every run
 STATE_TABLE_CHECKS = ("totals_match_bronze", DEEP_CHECK, "unique_keys", "nothing_negative")

@@ -9,7 +9,7 @@ from dagster_pyspark import LazyPySparkResource
 from dagster_pyspark.resources import spark_session_from_config
 from pydantic import Field
 
-from pipelines.session import (
+from pipelines.runtime.spark import (
     REMOTE_ENV, SparkSettings, engine_address, jvm_start_noise_filtered, new_connect_session, session_confs,
     wait_for_engine,
 )
@@ -26,7 +26,7 @@ class SparkSessionResource(LazyPySparkResource):
     - otherwise an embedded JVM of the run's own (`master` local[2]), or a standalone cluster (`master`
       spark://host:7077).
 
-    dagster-pyspark builds the session from a flat dict of confs; pipelines/session.py (the one place that knows
+    dagster-pyspark builds the session from a flat dict of confs; pipelines/runtime/spark.py (the one place that knows
     them) supplies that dict after checking Java and the Delta jars, adds the class archive and Delta's extension,
     and turns `remote` into `spark.remote`, which pyspark's builder takes for a Connect session. Use
     `spark_session` only: the inherited `spark_context` does not exist over Spark Connect."""
@@ -39,7 +39,7 @@ class SparkSessionResource(LazyPySparkResource):
         "it fails, naming the fix."))
     jars_dir: str | None = Field(default=None, description="Folder with the Delta jars; default .jars/ from `make jars`.")
     spark_config: dict[str, Any] = Field(default_factory=dict, description=(
-        "Extra Spark confs, over the project's defaults (pipelines/session.py), e.g. spark.driver.memory."))
+        "Extra Spark confs, over the project's defaults (pipelines/runtime/spark.py), e.g. spark.driver.memory."))
 
     @classmethod
     def _is_dagster_maintained(cls) -> bool:
@@ -61,7 +61,7 @@ class SparkSessionResource(LazyPySparkResource):
         """A session for one of several streaming queries running side by side (the continuous job). In the embedded
         and standalone engines that is the run's session: each query's foreachBatch gets a session of its own.
         Over Connect, foreachBatch runs in the session that started the query, so queries sharing one would share
-        the per-batch transaction confs (pipelines/streaming.py): each gets a new Connect session, same confs."""
+        the per-batch transaction confs (pipelines/storage/delta_log.py): each gets a new Connect session, same confs."""
         if not self.remote:
             return self.spark_session
         return new_connect_session(SparkSettings(remote=self.remote,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dagster as dg
 from pydantic import Field
 
-from pipelines.layout import StorageLayout
+from pipelines.storage.layout import StorageLayout
 
 
 class StorageResource(dg.ConfigurableResource):

@@ -6,7 +6,7 @@ A JVM started with `-XX:ArchiveClassesAtExit` records every class it loaded when
 started with `-XX:SharedArchiveFile` maps them instead of reading, parsing and verifying them from the
 jars again (JDK 17 dynamic archives). The recording JVM runs one small pass of both streams (every table
 of each stream's query) over generated data in a temporary storage root, so the archive holds what a run
-loads. pipelines/session.py adds the archive to every driver JVM it starts, when the file exists.
+loads. pipelines/runtime/spark.py adds the archive to every driver JVM it starts, when the file exists.
 
 The JVM writes the archive as it exits, after the Python process that started it has gone, so the
 pass runs in a child process and this one waits for the JVM to finish writing.
@@ -22,18 +22,18 @@ import tempfile
 import time
 from pathlib import Path
 
-from pipelines.session import CLASS_ARCHIVE, DEFAULT_JARS_DIR, JARS_ENV, LOG4J_CONFIG, PARALLEL_GC
+from pipelines.runtime.spark import CLASS_ARCHIVE, DEFAULT_JARS_DIR, JARS_ENV, LOG4J_CONFIG, PARALLEL_GC
 
 WRITE_TIMEOUT_S = 300
 
 
 def record_one_pass(home: Path, archive: Path) -> None:
     """Child process: one pass of both streams in a JVM that records its classes into `archive`."""
-    from pipelines.generate import generate
-    from pipelines.layout import StorageLayout
-    from pipelines.session import SparkSettings, build_spark_session
-    from pipelines.stream_query import advance_stream
-    from pipelines.project import streams
+    from pipelines.ingest.generate import generate
+    from pipelines.storage.layout import StorageLayout
+    from pipelines.runtime.spark import SparkSettings, build_spark_session
+    from pipelines.runtime.micro_batch import advance_stream
+    from pipelines.declare.project import streams
 
     layout = StorageLayout.under(home)
     spark = build_spark_session(SparkSettings(conf={

@@ -25,14 +25,13 @@ import os
 import sys
 from pathlib import Path
 
+from pipelines.declare.project import PROJECT_ENV, stream_spec, streams
 from pipelines.errors import ConfigurationError, SavepointError, StorageError, StreamBusyError
-from pipelines.layout import StorageLayout
-from pipelines.project import PROJECT_ENV
-from pipelines.project import stream_spec, streams
+from pipelines.storage.layout import StorageLayout
 from statetables.servers import prepare_instance
 
 def _generate(args: argparse.Namespace) -> int:
-    from pipelines.generate import generate
+    from pipelines.ingest.generate import generate
 
     layout = StorageLayout.under()
     names = list(streams()) if args.stream == "all" else [args.stream]
@@ -53,7 +52,7 @@ def _generate(args: argparse.Namespace) -> int:
 def _print_state_tables(layout: StorageLayout, engine: dict) -> None:
     from pyspark.sql import functions as F
 
-    from pipelines.session import SparkSettings, build_spark_session, default_remote
+    from pipelines.runtime.spark import SparkSettings, build_spark_session, default_remote
 
     # The run's session, still alive in this process (getOrCreate), on the run's engine.
     spark = build_spark_session(SparkSettings(remote=engine.get("remote", default_remote()),
@@ -89,8 +88,8 @@ def _run(args: argparse.Namespace) -> int:
         raise ConfigurationError(f"Unknown job {args.job!r}. Fix: use one of {', '.join(job_names())}.")
     layout = StorageLayout.under()
     if layout.on_object_store:  # before a JVM starts: a missing bucket, key, server or connector names its fix
-        from pipelines.session import REMOTE_ENV, object_store_jars
-        from pipelines.storage import require_bucket
+        from pipelines.runtime.spark import REMOTE_ENV, object_store_jars
+        from pipelines.storage.files import require_bucket
 
         require_bucket(layout.home)
         if not (args.remote or os.environ.get(REMOTE_ENV)):
@@ -134,8 +133,8 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _savepoint(args: argparse.Namespace) -> int:
-    from pipelines.savepoints import create_savepoint, list_savepoints, restore_savepoint
-    from pipelines.session import build_spark_session
+    from pipelines.operate.savepoints import create_savepoint, list_savepoints, restore_savepoint
+    from pipelines.runtime.spark import build_spark_session
 
     layout = StorageLayout.under()
     if args.action == "list":
@@ -154,10 +153,10 @@ def _savepoint(args: argparse.Namespace) -> int:
 
 
 def _restore_changelog(args: argparse.Namespace) -> int:
-    from pipelines.changelog import restore_from_changelog
-    from pipelines.session import build_spark_session
+    from pipelines.state.changelog import restore_from_changelog
+    from pipelines.runtime.spark import build_spark_session
 
-    from pipelines.project import project
+    from pipelines.declare.project import project
 
     _, table = project().state_table(args.table)
     into = args.into or f"{args.table}_restored_v{args.version}"
@@ -167,9 +166,9 @@ def _restore_changelog(args: argparse.Namespace) -> int:
 
 
 def _restore_topic(args: argparse.Namespace) -> int:
-    from pipelines.changelog_topic import restore_from_topic
-    from pipelines.project import project
-    from pipelines.session import build_spark_session
+    from pipelines.state.changelog_topic import restore_from_topic
+    from pipelines.declare.project import project
+    from pipelines.runtime.spark import build_spark_session
 
     _, table = project().state_table(args.table)
     target, version = restore_from_topic(build_spark_session(), StorageLayout.under(), table, args.into)
@@ -178,10 +177,10 @@ def _restore_topic(args: argparse.Namespace) -> int:
 
 
 def _refresh(args: argparse.Namespace) -> int:
-    from pipelines.project import project
-    from pipelines.refresh import refresh_event_time_table, refresh_state_table
-    from pipelines.session import build_spark_session
-    from pipelines.streams import StateTableSpec
+    from pipelines.declare.project import project
+    from pipelines.operate.refresh import refresh_event_time_table, refresh_state_table
+    from pipelines.runtime.spark import build_spark_session
+    from pipelines.declare.specs import StateTableSpec
 
     spec, table = project().table(args.table)
     refresh = refresh_state_table if isinstance(table, StateTableSpec) else refresh_event_time_table
@@ -194,7 +193,7 @@ def _refresh(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     import json
 
-    from pipelines.status import render, storage_status
+    from pipelines.operate.status import render, storage_status
 
     report = storage_status(StorageLayout.under())
     print(json.dumps(report, indent=2) if args.json else render(report))
@@ -244,7 +243,7 @@ def _s3_server(args: argparse.Namespace) -> int:
 
 def _kafka_broker(args: argparse.Namespace) -> int:
     """A single-node Kafka broker on 127.0.0.1 over a local folder until Ctrl-C; prints its bootstrap address."""
-    from pipelines.streams import KAFKA_BOOTSTRAP_ENV
+    from pipelines.declare.specs import KAFKA_BOOTSTRAP_ENV
     from statetables.servers import kafka_broker
 
     _stop_on_signals()

@@ -9,10 +9,10 @@ from assets.automation import (
 from assets.continuous import run_continuously
 from assets.maintenance import maintain_all_tables, refresh_state_table_job, weekly_maintenance
 from assets.streams import build_stream_assets, require_current_definitions
-from pipelines.layout import StorageLayout
-from pipelines.session import default_remote
-from pipelines.stream_query import event_time_streams
-from pipelines.project import streams
+from pipelines.declare.project import streams
+from pipelines.runtime.micro_batch import event_time_streams
+from pipelines.runtime.spark import default_remote
+from pipelines.storage.layout import StorageLayout
 from resources import CheckPolicyResource, SparkSessionResource, StorageResource
 
 require_current_definitions(StorageLayout.under())  # a changed declaration fails the load, naming the fix

@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from pipelines.layout import HOME_ENV, StorageLayout
+from pipelines.storage.layout import HOME_ENV, StorageLayout
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -179,7 +179,7 @@ def dagster_dev(layout: StorageLayout, *, port: int, engine_port: int | None = N
         with _dagster_dev(layout, port=port, extra_env=extra_env, log=log, ready_timeout_s=ready_timeout_s) as url:
             yield url
         return
-    from pipelines.session import REMOTE_ENV
+    from pipelines.runtime.spark import REMOTE_ENV
 
     _require_free_port(port, "dagster dev")
     engine_log = (log.parent if log else layout.home / "logs") / "spark-connect.log"
@@ -297,8 +297,9 @@ def _engine_env() -> dict[str, str]:
 def connect_server_command(port: int, *, jars_dir: str | None = None, conf: dict[str, str] | None = None) -> list[str]:
     """`spark-submit` of Spark's SparkConnectServer carrying Delta's jars, SQL extension and catalog,
     bound to 127.0.0.1 (Spark binds every interface unless told)."""
-    from pipelines.session import (LOCAL_DEFAULTS, LOG4J_CONFIG, PARALLEL_GC, SESSION_CONFS, delta_jars, kafka_jars,
-                                   object_store_confs, object_store_jars, object_store_root, warehouse_dir)
+    from pipelines.runtime.spark import (
+        LOCAL_DEFAULTS, LOG4J_CONFIG, PARALLEL_GC, SESSION_CONFS, delta_jars, kafka_jars, object_store_confs, object_store_jars, object_store_root, warehouse_dir,
+    )
 
     jars = delta_jars(jars_dir)
     # An object-store root: the server reads and writes the bucket, with S3A and the environment's credentials.
@@ -623,7 +624,7 @@ class KafkaBroker:
     later starts, after stop() or kill(), find the topics and their records again.
 
         broker = KafkaBroker(tmp_path / "kafka"); broker.start()
-        ensure_topic(KafkaTopic("events", broker.bootstrap), partitions=2)   # pipelines/kafka_source.py
+        ensure_topic(KafkaTopic("events", broker.bootstrap), partitions=2)   # pipelines/ingest/kafka_source.py
         ...
         broker.stop()
 

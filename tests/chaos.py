@@ -42,12 +42,12 @@ from pathlib import Path
 
 
 from pipelines import faults
-from pipelines.generate import generate
-from pipelines.layout import StorageLayout
-from pipelines.storage import S3Path
-from pipelines.event_time import LATE
-from pipelines.changelog import changelog_name
-from pipelines.expiry import EXPIRED
+from pipelines.event_time.watermark import LATE
+from pipelines.ingest.generate import generate
+from pipelines.state.changelog import changelog_name
+from pipelines.state.expiry import EXPIRED
+from pipelines.storage.files import S3Path
+from pipelines.storage.layout import StorageLayout
 from tests.streams import MOVIE_TICKET_SALES, PAYMENTS, STREAMS, project_with_ttl, redeliver, with_kafka
 from tests.contract_oracle import (
     expected_from_topic, expected_sessions, expected_state, expected_windows, independent_table, landing_files,
@@ -104,7 +104,7 @@ class ChaosReport:
 
 def _env(layout: StorageLayout, fault_dir: Path) -> dict[str, str]:
     env = dict(os.environ)
-    # The Dagster instance is local whatever the root (pipelines/layout.py): beside the faults folder.
+    # The Dagster instance is local whatever the root (pipelines/storage/layout.py): beside the faults folder.
     env.update({"STATETABLES_HOME": str(layout.home), "DAGSTER_HOME": str(fault_dir.parent / "dagster"),
                 faults.FAULTS_ENV: str(fault_dir), "PYTHONUNBUFFERED": "1"})
     return env
@@ -129,7 +129,7 @@ def _specs(names: list[str]) -> list:
     """The streams as the runs declare them: with their topics under run_chaos(kafka=...)."""
     if _KAFKA["broker"] is None:
         return [STREAMS[name] for name in names]
-    from pipelines.project import load_project
+    from pipelines.declare.project import load_project
     path = _project_file(Path(tempfile.mkdtemp(prefix="chaos-project-")) / "statetables.yaml", {})
     declared = load_project(path.read_text(), path).streams
     return [declared[name] for name in names]

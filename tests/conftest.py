@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.layout import StorageLayout
-from pipelines.session import build_spark_session
+from pipelines.runtime.spark import build_spark_session
+from pipelines.storage.layout import StorageLayout
 
 
 # Seconds each of the longest tests took alone on 2 cores with 2 workers (a fast day; a slow day doubles them all),
@@ -24,22 +24,22 @@ EXPECTED_SECONDS = {
     "tests/assets/test_ui.py": 175,
     "tests/test_kafka.py::test_topics": 130,
     "tests/assets/test_maintenance.py": 100,
-    "tests/pipelines/test_state_ttl.py::test_keys": 85,
+    "tests/pipelines/state/test_state_ttl.py::test_keys": 85,
     "tests/assets/test_dagster.py::test_a_failing": 70,
-    "tests/pipelines/test_sessions.py": 60,
+    "tests/pipelines/event_time/test_sessions.py": 60,
     "tests/test_kafka.py": 60,
-    "tests/pipelines/test_windows.py": 50,
-    "tests/pipelines/test_state_tables.py::test_state_tables_equal": 45,
+    "tests/pipelines/event_time/test_windows.py": 50,
+    "tests/pipelines/state/test_state_tables.py::test_state_tables_equal": 45,
     "tests/test_object_store.py": 40,
     "tests/test_engines.py": 40,
-    "tests/pipelines/test_ingest.py::test_any_file": 35,
-    "tests/pipelines/test_recovery.py": 30,
-    "tests/pipelines/test_changelog_savepoints.py": 30,
-    "tests/pipelines/test_declared_streams.py::test_declared": 28,
-    "tests/pipelines/test_declared_event_time.py::test_a_new": 25,
-    "tests/pipelines/test_windows.py::test_a_changed": 25,
-    "tests/pipelines/test_hostile_input.py": 25,
-    "tests/pipelines/test_check_boundaries.py": 20,
+    "tests/pipelines/ingest/test_ingest.py::test_any_file": 35,
+    "tests/pipelines/runtime/test_recovery.py": 30,
+    "tests/pipelines/state/test_changelog_savepoints.py": 30,
+    "tests/pipelines/declare/test_declared_streams.py::test_declared": 28,
+    "tests/pipelines/event_time/test_declared_event_time.py::test_a_new": 25,
+    "tests/pipelines/event_time/test_windows.py::test_a_changed": 25,
+    "tests/pipelines/ingest/test_hostile_input.py": 25,
+    "tests/pipelines/operate/test_check_boundaries.py": 20,
     "tests/test_contract_promises.py": 20,
     "tests/test_status.py": 15,
 }

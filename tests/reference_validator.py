@@ -1,5 +1,5 @@
-"""The SQL line validator that the product used before the JVM one (pipelines/validate.py): kept as the reference
-the JVM validator is compared with (tests/pipelines/test_jvm_validator.py). Both must give every line the same
+"""The SQL line validator that the product used before the JVM one (pipelines/ingest/validate.py): kept as the reference
+the JVM validator is compared with (tests/pipelines/ingest/test_jvm_validator.py). Both must give every line the same
 outcome, except where the JVM one is exact and this one is not (docs/recovery.md, "Decimals"): a JSON number with
 an exponent or more than 38 digits is read here through a double. Integer fields (BIGINT, whole digits only) and
 boolean fields (JSON true/false) are judged here too; an integer's JSON number is only seen through VARIANT, which
@@ -24,8 +24,8 @@ from decimal import Decimal
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
-from pipelines.streams import FieldRule, StreamSpec
-from pipelines.validate import DEFAULT_MAX_AHEAD, EARLIEST_EVENT_TIME, TRIMMED, content_identity
+from pipelines.declare.specs import FieldRule, StreamSpec
+from pipelines.ingest.validate import DEFAULT_MAX_AHEAD, EARLIEST_EVENT_TIME, TRIMMED, content_identity
 
 VALUE_TYPE = "decimal(18,2)"
 NUMERIC_JSON_TYPES = ("BIGINT", "INT", "SMALLINT", "TINYINT", "DOUBLE", "FLOAT")
@@ -252,7 +252,7 @@ def _field_checks(col, rule: FieldRule, ingested_at: Column,
 
 def validate_lines(lines: DataFrame, spec: StreamSpec, *, ingested_at: datetime,
                    max_ahead: timedelta = DEFAULT_MAX_AHEAD) -> DataFrame:
-    """The columns of pipelines.validate.validate_lines, computed by SQL expressions over a VARIANT parse."""
+    """The columns of pipelines.ingest.validate.validate_lines, computed by SQL expressions over a VARIANT parse."""
     text = F.col("raw_bytes").cast("string")
     # parse_json stops after the first complete value and ignores what follows (`{...} trailing`).
     # Parsing `[<line>,"<sentinel>"]` instead makes trailing content either a syntax error or an

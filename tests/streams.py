@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from pipelines.layout import StorageLayout
-from pipelines.project import SHIPPED, project
-from pipelines.stream_query import StreamSettings, advance_stream
-from pipelines.streaming import StreamRunResult
-from pipelines.streams import StreamSpec
+from pipelines.declare.project import SHIPPED, project
+from pipelines.declare.specs import StreamSpec
+from pipelines.runtime.micro_batch import StreamSettings, advance_stream
+from pipelines.runtime.query import StreamRunResult
+from pipelines.storage.layout import StorageLayout
 
 # The two streams of the shipped project file (statetables.yaml), as the contract describes them.
 _SHIPPED = project(SHIPPED).streams

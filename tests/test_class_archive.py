@@ -7,7 +7,7 @@ import shlex
 import subprocess
 from pathlib import Path
 
-from pipelines.session import CLASS_ARCHIVE, class_archive_options
+from pipelines.runtime.spark import CLASS_ARCHIVE, class_archive_options
 
 
 def _descendants(pid: int) -> list[int]:

@@ -60,7 +60,7 @@ def test_a_storage_root_spark_cannot_address_is_refused(tmp_path, name):
     ("  - CREATE TABLE t AS SELECT customer_id, COUNT(*) AS n FROM refunds GROUP BY customer_id", "no such stream"),
 ])
 def test_a_bad_project_file_is_refused_before_anything_is_created(tmp_path, item, message):
-    from pipelines.project import SHIPPED
+    from pipelines.declare.project import SHIPPED
 
     project = tmp_path / "statetables.yaml"
     project.write_text(SHIPPED.read_text() + item + "\n")

@@ -10,7 +10,7 @@ from datetime import datetime, timedelta, timezone
 
 from deltalake import DeltaTable as IndependentDeltaTable
 
-from pipelines.generate import generate
+from pipelines.ingest.generate import generate
 from tests.streams import PAYMENTS
 from statetables import cli
 
@@ -25,7 +25,7 @@ def _payment(payment_id: str, customer: str, at: datetime) -> str:
 def test_run_passes_every_check_on_second_resolution_payments(spark, layout, landing, monkeypatch, capsys):
     monkeypatch.setenv("STATETABLES_HOME", str(layout.home))
     monkeypatch.setenv("DAGSTER_HOME", str(layout.home / "dagster"))
-    # 10k payments of 100 customers over ~21 hours, most at whole seconds (pipelines/generate.py).
+    # 10k payments of 100 customers over ~21 hours, most at whole seconds (pipelines/ingest/generate.py).
     generate(PAYMENTS, layout.landing(PAYMENTS.name), events=10_000, seed=26, customers=100, start=START)
     edge = START + timedelta(hours=2)
     landing.write(PAYMENTS.name, "edge.jsonl", [

@@ -4,7 +4,7 @@ and Dagster, each assertion one that fails when the promise breaks:
 - the dedup horizon: a re-delivery counts once, one inside the horizon and one whose original lies far behind the
   stream's event time; an id reused with other content inside the horizon is `conflicting_duplicate`;
 - the event-time range, both ends, with the default allowance and with `event_time_max_ahead_hours` set in the
-  project file, which the next Dagster run follows without a reload (tests/pipelines/test_ingest.py has the far past and the far future, default allowance);
+  project file, which the next Dagster run follows without a reload (tests/pipelines/ingest/test_ingest.py has the far past and the far future, default allowance);
 - one writer between two OS processes: a run is refused, naming the lock and its holder, while another process
   holds the stream's writer lock; two runs that wait for it at once then advance the stream one after the other,
   and nothing counts twice;
@@ -32,10 +32,10 @@ import dagster as dg
 import pytest
 from deltalake import DeltaTable as IndependentDeltaTable
 
+from pipelines.declare.project import PROJECT_ENV, SHIPPED
 from pipelines.errors import StreamBusyError
-from pipelines.generate import generate
-from pipelines.streaming import table_version
-from pipelines.project import PROJECT_ENV, SHIPPED
+from pipelines.ingest.generate import generate
+from pipelines.storage.delta_log import table_version
 from statetables import cli
 from statetables.definitions import defs
 from tests.contract_oracle import expected_state, landing_files
@@ -88,7 +88,7 @@ def test_redeliveries_count_once_inside_the_horizon_and_far_behind_it(spark, lay
     """Contract: a re-delivery (same id, same content) within the dedup horizon of event time counts once; an id
     reused with other content goes to quarantine as `conflicting_duplicate`.
 
-    How pipelines/bronze.py reads it (README, "Dedup horizon"): bronze is searched for earlier rows of the batch's
+    How pipelines/ingest/bronze.py reads it (README, "Dedup horizon"): bronze is searched for earlier rows of the batch's
     ids whose event time lies within the horizon of the batch's event times, i.e. between (oldest valid event time
     of the batch - horizon) and (newest + horizon). A re-delivery carries its original's event time, so its original
     always lies in that range: it counts once however far the stream's event time has moved on since (checked
@@ -183,11 +183,11 @@ def test_event_time_must_lie_between_the_epoch_and_the_configured_allowance_afte
 
 # --- 3. one writer between two processes ---------------------------------------------------------------------------
 
-# Another process holding the stream's writer lock as a run does (pipelines/streaming.py), until told to let go.
+# Another process holding the stream's writer lock as a run does (pipelines/runtime/locks.py), until told to let go.
 HOLD_LOCK = """
 import sys, time
 from pathlib import Path
-from pipelines.locks import writer_lock
+from pipelines.runtime.locks import writer_lock
 locks, stream, holding, release = sys.argv[1:5]
 with writer_lock(Path(locks), stream, 30):
     Path(holding).touch()
@@ -201,10 +201,10 @@ with writer_lock(Path(locks), stream, 30):
 # Another process advancing the stream: its own embedded Spark, the same pipeline call a run makes.
 ADVANCE = """
 import json, sys
-from pipelines.layout import StorageLayout
-from pipelines.session import build_spark_session
-from pipelines.stream_query import StreamSettings, advance_stream
-from pipelines.project import stream_spec
+from pipelines.storage.layout import StorageLayout
+from pipelines.runtime.spark import build_spark_session
+from pipelines.runtime.micro_batch import StreamSettings, advance_stream
+from pipelines.declare.project import stream_spec
 home, stream, timeout = sys.argv[1], sys.argv[2], float(sys.argv[3])
 spark = build_spark_session()
 try:
@@ -234,7 +234,7 @@ def _wait_for(condition, what: str, timeout_s: float = 180, alive: subprocess.Po
 
 def _has_open(pid: int, path: Path) -> bool:
     """Whether process `pid` holds `path` open: a run holds its lock file open from its first attempt to take the
-    lock until it lets go (pipelines/locks.py, writer_lock), so while another process holds the lock, this is
+    lock until it lets go (pipelines/runtime/locks.py, writer_lock), so while another process holds the lock, this is
     a run waiting for it."""
     for fd in Path(f"/proc/{pid}/fd").iterdir():
         try:
@@ -248,7 +248,7 @@ def _has_open(pid: int, path: Path) -> bool:
 def test_one_writer_between_two_processes(spark, layout, landing, tmp_path):
     """Contract: two runs that would advance the same stream at once cannot both do so; the second waits or is
     refused, and nothing is double counted. The runs here are OS processes, as a hand-started run beside an
-    orchestrated one would be: the lock is a kernel file lock per stream (pipelines/locks.py `writer_lock`).
+    orchestrated one would be: the lock is a kernel file lock per stream (pipelines/runtime/locks.py `writer_lock`).
 
     1. While another process holds the lock, a run with a 1 s lock timeout is refused with StreamBusyError naming
        the stream, the lock file and the holder's pid, and writes nothing.
@@ -342,7 +342,7 @@ def _redeliver(layout, spec, count: int) -> None:
 @pytest.mark.long
 def test_savepoint_and_restore_changelog_commands(spark, layout, monkeypatch, capsys):
     """Long tier (2-4 min: three runs of the pipeline and three commands that each start a JVM), as the savepoint
-    restore of tests/pipelines/test_changelog_savepoints.py is.
+    restore of tests/pipelines/state/test_changelog_savepoints.py is.
 
     README and docs/recovery.md: `statetables savepoint create NAME`, `savepoint list`, `savepoint restore NAME`,
     `statetables restore-changelog --table T --version V --into X`, each the real command in its own process.

@@ -32,10 +32,10 @@ import dagster as dg
 import pytest
 from filelock import FileLock
 
-from pipelines.session import JVM_START_NOISE
-from pipelines.generate import generate
-from pipelines.layout import HOME_ENV, StorageLayout
-from pipelines.storage import S3Path
+from pipelines.ingest.generate import generate
+from pipelines.runtime.spark import JVM_START_NOISE
+from pipelines.storage.files import S3Path
+from pipelines.storage.layout import HOME_ENV, StorageLayout
 from tests.contract_oracle import independent_table
 from tests.object_store import s3_store
 from tests.streams import STREAMS
@@ -89,7 +89,7 @@ def run_pipeline(landing: Path, home: Path, *engine: str) -> StorageLayout:
                           text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "SUCCESS" in done.stdout and "FAILED" not in done.stdout, done.stdout[-3000:]
-    # The product's output only: a driver JVM's start-up lines are filtered out (pipelines/session.py).
+    # The product's output only: a driver JVM's start-up lines are filtered out (pipelines/runtime/spark.py).
     noise = [line for line in done.stderr.splitlines() if line.encode().startswith(JVM_START_NOISE)]
     assert not noise, noise
     return StorageLayout.under(home)

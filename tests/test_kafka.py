@@ -26,12 +26,12 @@ import pytest
 from deltalake import DeltaTable as IndependentDeltaTable
 
 from pipelines import faults
-from pipelines.changelog_topic import COVERS_HEADER, VERSION_HEADER
-from pipelines.generate import generate
-from pipelines.project import SHIPPED, load_project
-from pipelines.status import stream_status
+from pipelines.declare.project import SHIPPED, load_project
+from pipelines.ingest.generate import generate
+from pipelines.operate.status import stream_status
+from pipelines.state.changelog_topic import COVERS_HEADER, VERSION_HEADER
 from statetables.servers import kafka_broker
-from pipelines.layout import StorageLayout
+from pipelines.storage.layout import StorageLayout
 from tests.chaos import run_chaos
 from tests.contract_oracle import expected_from_topic
 from tests.streams import advance, project_with_ttl, redeliver, with_kafka

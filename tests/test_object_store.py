@@ -26,9 +26,9 @@ import pytest
 
 from pipelines import faults
 from pipelines.errors import StreamBusyError
-from pipelines.layout import StorageLayout
-from pipelines.locks import Fence, LeaseLostError, lock_state, writer_lock
-from pipelines.storage import S3Path
+from pipelines.runtime.locks import Fence, LeaseLostError, lock_state, writer_lock
+from pipelines.storage.files import S3Path
+from pipelines.storage.layout import StorageLayout
 from tests.chaos import ChaosReport, compare, run_chaos
 from tests.object_store import s3_store
 
@@ -50,8 +50,8 @@ def _hold(root: str, ready: Path) -> subprocess.Popen:
         import json
         import time
         from pathlib import Path
-        from pipelines.layout import StorageLayout
-        from pipelines.locks import writer_lock
+        from pipelines.storage.layout import StorageLayout
+        from pipelines.runtime.locks import writer_lock
         with writer_lock(StorageLayout.under({root!r}).locks, "payments", 30) as fence:
             Path({str(ready)!r}).write_text(json.dumps([fence.lease, fence.token]))
             time.sleep(600)

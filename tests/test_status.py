@@ -1,4 +1,4 @@
-"""`statetables status` (pipelines/status.py) and the line each micro-batch logs (`statetables.progress`).
+"""`statetables status` (pipelines/operate/status.py) and the line each micro-batch logs (`statetables.progress`).
 
 Covers, on real Spark + Delta: a sales stream run once, then one more landing file; the status names that file as
 pending, gives the last batch's counts as written, the quarantine by reason, positive table versions, the state
@@ -22,10 +22,10 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.layout import StorageLayout
-from pipelines.status import render, storage_status
-from pipelines.locks import lock_state, writer_lock
-from pipelines.streaming import table_version
+from pipelines.operate.status import render, storage_status
+from pipelines.runtime.locks import lock_state, writer_lock
+from pipelines.storage.delta_log import table_version
+from pipelines.storage.layout import StorageLayout
 from tests.conftest import Landing
 from tests.streams import MOVIE_TICKET_SALES, advance
 

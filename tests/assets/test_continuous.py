@@ -23,7 +23,7 @@ from deltalake import DeltaTable as IndependentDeltaTable
 from deltalake.exceptions import TableNotFoundError
 
 from assets.keys import CONTINUOUS_JOB, RECOVERY_ATTEMPT_TAG, RECOVERY_CHAIN_TAG, RECOVERY_OF_TAG, RECOVERY_REASON_TAG
-from pipelines.generate import generate
+from pipelines.ingest.generate import generate
 from tests.streams import STREAMS
 from assets.automation import FAILURE_SENSOR_ENV
 from statetables.servers import dagster_dev, free_port, launch_run, list_runs, run_status, sensor_ticks, terminate_run
@@ -129,7 +129,7 @@ def test_continuous_job_follows_landing_survives_kill_9_and_cancels(layout, engi
         run_id = launch_run(url, CONTINUOUS_JOB, CONFIG_WITH_EVENT_TIME if engine == "connect" else CONFIG)
         _drop(layout, seed=11, sub="first")  # while the run starts: the files land during the run
         # Generous: on 2 oversubscribed cores a run took 100 s to start its queries, and a Python worker that misses
-        # its connect-back is tried again for minutes (pipelines/streaming.py). A passing run waits far less.
+        # its connect-back is tried again for minutes (pipelines/runtime/query.py). A passing run waits far less.
         _wait_until_equal(layout, url, run_id, timeout_s=420)
 
         with dg.DagsterInstance.from_config(str(dagster_home)) as instance:

@@ -31,16 +31,15 @@ from assets.keys import (
     CONTINUOUS_JOB, MAX_RECOVERY_ATTEMPTS, RECOVERY_ATTEMPT_TAG, RECOVERY_CHAIN_TAG, RECOVERY_OF_TAG, RECOVERY_REASON_TAG,
     STREAM_TAG,
 )
-from pipelines.event_time import LATE
 from pipelines.errors import ConfigurationError, EngineUnavailableError
-from pipelines.generate import generate
-from pipelines.layout import StorageLayout
-from pipelines.session import delta_jars, engine_address, require_java, wait_for_engine
-from pipelines.stream_query import EVENT_TIME_ENV, event_time_streams, event_time_tables
-from pipelines.streaming import Continuous
+from pipelines.event_time.watermark import LATE
+from pipelines.ingest.generate import generate
+from pipelines.runtime.micro_batch import EVENT_TIME_ENV, event_time_streams, event_time_tables
+from pipelines.runtime.query import Continuous
+from pipelines.runtime.spark import delta_jars, engine_address, require_java, wait_for_engine
+from pipelines.storage.layout import StorageLayout
 from tests.streams import advance, project_with_ttl, PAYMENTS
-from pipelines.project import stream_spec
-from pipelines.project import PROJECT_ENV
+from pipelines.declare.project import PROJECT_ENV, stream_spec
 from resources import CheckPolicyResource, SparkSessionResource, StorageResource
 from resources.spark import ENGINE_TAG
 from statetables.definitions import defs

@@ -10,10 +10,10 @@ import pytest
 from deltalake import DeltaTable as IndependentDeltaTable
 
 from pipelines.errors import ConfigurationError
-from pipelines.generate import generate
-from pipelines.maintenance import maintain_stream
-from pipelines.savepoints import create_savepoint, restore_savepoint
-from pipelines.streaming import history_rows, table_version
+from pipelines.ingest.generate import generate
+from pipelines.operate.maintenance import maintain_stream
+from pipelines.operate.savepoints import create_savepoint, restore_savepoint
+from pipelines.storage.delta_log import history_rows, table_version
 from statetables.definitions import defs
 from tests.contract_oracle import expected_state, landing_files
 from tests.streams import MOVIE_TICKET_SALES as SALES, PAYMENTS, advance

@@ -42,7 +42,7 @@ from playwright.sync_api import Page, expect, sync_playwright
 from assets.automation import FAILURE_SENSOR_ENV, LANDING_SENSOR_ENV
 from assets.keys import RECOVERY_OF_TAG
 from pipelines import faults
-from pipelines.generate import generate
+from pipelines.ingest.generate import generate
 from tests.streams import PAYMENTS, STREAMS
 from resources.spark import ENGINE_TAG
 from statetables.definitions import defs

@@ -1,0 +1,1 @@
+"""Bronze → windowed, top-N and session tables: the watermark, late events, the two operators."""

@@ -1,0 +1,243 @@
+"""Session tables: `GROUP BY keys, session_window(event_time, gap)`, one row per closed session of a key.
+
+A session is a key's events with less than the gap between one and the next: exactly the gap apart is two
+sessions (the contract's rule, and Spark's: an event's session window is [time, time + gap)). It closes once the
+watermark (newest event of the earlier batches minus the stream's delay) is a gap past its last event: no event
+still to come can join it. Its row is final then: the declared aggregates, `session_window.start` (its first
+event) and `session_window.end` (its last event plus the gap, as Spark's), and two kinds of per-key values a
+session carries from the ones before it:
+- LAG(agg) OVER (PARTITION BY keys ORDER BY MIN(event_time)): the previous session's value of an aggregate;
+- SUM(agg) OVER (PARTITION BY keys, DATE(MAX(event_time)) ORDER BY MIN(event_time)): the running total of the
+  key's sessions that end on the same UTC day.
+With `ttl_days`, a session starting that long or more after the key's previous session ended has forgotten it
+(no previous value, a fresh day total); event time makes the rule exact and repeatable.
+
+Operator state is one Delta table, `<table>_state`, so any reader can query a key's open session, and nothing
+depends on the number of partitions: a row per open session (`_open`: its first and last event and the
+aggregates' partial columns; sessions, not events: an event arriving out of order within the watermark can join
+two open sessions into one, and the rows hold what that needs), and, when the table declares per-key values, a
+row per key (`_open` false) with its newest closed session's end and the values the next session starts from. A
+later session only ever closes on that day or after, so that day's total is all of a day total's state a session
+can still need. Keys idle for the TTL with nothing open leave it.
+
+A batch's bronze rows are folded by `fold_sessions`, a plain function from (state before, events, the watermark)
+to (state after, closed sessions, late events, the next watermark): window functions over the open sessions and
+the new events, in the JVM. Exactly once as in pipelines/event_time/watermark.py: late_events, the state, then the table,
+the closing commit with the progress.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass
+
+from pyspark.sql import Column, DataFrame, SparkSession, Window
+from pyspark.sql import functions as F
+from pyspark.sql.types import BooleanType, LongType, StructField, StructType, TimestampType
+
+from pipelines.declare.aggregates import combined_columns, final_column, partial_columns
+from pipelines.declare.specs import FIELD_TYPES, EventTimeTableSpec, OutputColumn, StreamSpec
+from pipelines.event_time.watermark import (
+    NO_PROGRESS, EventTimeStage, FoldedBatch, append_late, behind_watermark, declared_columns, ensure_tables,
+    kept_events, late_rows, newest_of_stream, next_watermark, output_schema, partial_schema, read_state, resume,
+    undo_late_rows, write_state,
+)
+from pipelines.faults import (
+    SESSIONS_AFTER_LATE_COMMIT, SESSIONS_AFTER_STATE_COMMIT, SESSIONS_BEFORE_CLOSING_COMMIT, fault_point,
+)
+from pipelines.storage.delta_log import table_version
+from pipelines.storage.frames import kept_on_disk
+from pipelines.storage.layout import StorageLayout
+
+OPEN, FIRST, LAST = "_open", "_first", "_last"
+_DAY_US = 86_400_000_000
+_US = dt.timedelta(microseconds=1)
+
+
+def _carried(column: str) -> str:
+    """The per-key row's column that the next session's `column` (a LAG or a day total) starts from."""
+    return f"_carried_{column}"
+
+
+def _keyed(table: EventTimeTableSpec) -> list:
+    """The columns whose values a key carries from one session to the next."""
+    return [c for c in table.columns if c.role in ("previous", "day_total")]
+
+
+def state_schema(table: EventTimeTableSpec) -> StructType:
+    """`<table>_state`: the keys, whether the row is an open session, its first and last event, the aggregates'
+    partial columns (open sessions), and the carried values (per-key rows)."""
+    field = {f.name: f for f in table.fields}
+    typed = {f.name: f.dataType for f in output_schema(table)}
+    return StructType([
+        *(StructField(k, FIELD_TYPES[field[k].kind], nullable=not field[k].required) for k in table.keys),
+        StructField(OPEN, BooleanType(), nullable=False), StructField(FIRST, TimestampType()),
+        StructField(LAST, TimestampType(), nullable=False), *partial_schema(table),
+        *(StructField(_carried(c.name), typed[c.name]) for c in _keyed(table))])
+
+
+@dataclass(frozen=True)
+class SessionsFold:
+    """What one batch does to a session table: the state after it and what it emits."""
+
+    state: DataFrame  # rows of <table>_state after the batch
+    closed: DataFrame  # rows of the table: the sessions the new watermark has closed
+    late: DataFrame  # rows of late_events
+    watermark_ms: int  # the watermark after the batch
+
+
+def _same_keys(left: DataFrame, right: DataFrame, keys: tuple[str, ...]) -> Column:
+    """Key equality, NULL-safe (GROUP BY keeps NULL as a key of its own); `right`'s keys renamed `_k_<key>`."""
+    condition = F.lit(True)
+    for k in keys:
+        condition = condition & left[k].eqNullSafe(right[f"_k_{k}"])
+    return condition
+
+
+def fold_sessions(table: EventTimeTableSpec, spec: StreamSpec, state: DataFrame, events: DataFrame,
+                  watermark_ms: int) -> SessionsFold:
+    """(state before, a batch of bronze events, the watermark before) -> the state after and the outputs.
+
+    An event at or behind the watermark is late. The others join their key's open sessions: per key, in
+    event-time order, a piece (an open session, or an event) less than the gap after the latest end before it
+    joins that session. The watermark then moves to the newest event minus the delay (never back), and every
+    session it is a gap past closes, oldest first, each knowing the previous one's values; the TTL's rule forgets
+    them."""
+    keys, kinds = list(table.keys), {f.name: f.kind for f in table.fields}
+    gap_us = table.size // _US
+    stream_events, events = events, kept_events(table, events)
+    at = F.col(table.event_time_field)
+    behind = behind_watermark(table, watermark_ms)
+    partials = [f.name for f in partial_schema(table)]
+    schema = state_schema(table)
+    # Sessions are cut on (key, first, last) alone: the state's partial columns travel renamed, beside the events'
+    # own fields, and each side is aggregated in its own way once every piece knows its session.
+    held = state.where(F.col(OPEN)).select(*keys, FIRST, LAST, *(F.col(p).alias(f"_s{p}") for p in partials),
+                                            F.lit(True).alias("_held"))
+    arrived = events.where(~behind).select("*", at.alias(FIRST), at.alias(LAST), F.lit(False).alias("_held"))
+    pieces = held.unionByName(arrived, allowMissingColumns=True)
+    in_order = Window.partitionBy(*keys).orderBy(FIRST, LAST)
+    latest_end = F.max(F.unix_micros(LAST)).over(in_order.rowsBetween(Window.unboundedPreceding, -1))
+    starts = F.when(latest_end.isNull() | (F.unix_micros(FIRST) - latest_end >= gap_us), 1).otherwise(0)
+    cut = kept_on_disk(pieces.withColumn("_starts", starts).withColumn(
+        "_session", F.sum("_starts").over(in_order.rowsBetween(Window.unboundedPreceding, 0))))
+    from_events = (cut.where(~F.col("_held")).groupBy(*keys, "_session")
+                   .agg(*partial_columns(table.aggregates, kinds),
+                        F.min(FIRST).alias(FIRST), F.max(LAST).alias(LAST)))
+    from_state = cut.where(F.col("_held")).select(*keys, "_session", *(F.col(f"_s{p}").alias(p) for p in partials),
+                                                   FIRST, LAST)
+    sessions = kept_on_disk(
+        from_events.unionByName(from_state).groupBy(*keys, "_session")
+        .agg(*combined_columns(table.aggregates, kinds),
+             F.min(FIRST).alias(FIRST), F.max(LAST).alias(LAST)).drop("_session"))
+    newest = newest_of_stream(table, stream_events, watermark_ms, sessions.agg(F.max(F.unix_millis(LAST))).first()[0])
+    after = next_watermark(watermark_ms, newest, spec.watermark_delay)
+    closes = F.unix_micros(LAST) + F.lit(gap_us) <= F.lit(after * 1000)
+    carried = state.where(~F.col(OPEN))
+    closed = kept_on_disk(_closed_rows(table, sessions.where(closes), carried))  # written; the state reads it
+    still_open = sessions.where(~closes)
+    typed = {f.name: f.dataType for f in schema}
+    open_rows = still_open.select(*keys, F.lit(True).alias(OPEN), FIRST, LAST, *partials,
+                                  *(F.lit(None).cast(typed[_carried(c.name)]).alias(_carried(c.name))
+                                    for c in _keyed(table)))
+    next_state = open_rows
+    if _keyed(table):
+        next_state = open_rows.unionByName(_carried_after(table, closed, carried, still_open, after),
+                                           allowMissingColumns=True)
+    return SessionsFold(state=next_state.select(*(F.col(f.name).cast(f.dataType) for f in schema)),
+                        closed=closed.select(*output_schema(table).fieldNames()),
+                        late=late_rows(table, spec, events.where(behind), watermark_ms), watermark_ms=after)
+
+
+def _forgotten(table: EventTimeTableSpec, started: Column, previous_last: Column) -> Column:
+    """Whether a session starting at `started` has forgotten the key's session that ended at `previous_last`."""
+    if table.ttl is None:
+        return F.lit(False)
+    return previous_last.isNotNull() & (F.unix_micros(started) - F.unix_micros(previous_last) >= table.ttl // _US)
+
+
+def _closed_rows(table: EventTimeTableSpec, closing: DataFrame, carried: DataFrame) -> DataFrame:
+    """Rows of the table for `closing` (with `_first` and `_last` kept for the state), oldest first per key: the
+    previous session's values (the carried ones for the first), unless it is forgotten (null, and the day totals
+    start again); the day totals so far, the carried ones included while nothing has been forgotten in between."""
+    keys, kinds = list(table.keys), {f.name: f.kind for f in table.fields}
+    gap_us = table.size // _US
+    stored = carried.select(*(F.col(k).alias(f"_k_{k}") for k in keys), F.col(LAST).alias("_stored_last"),
+                            *(F.col(_carried(c.name)).alias(f"_stored_{c.name}") for c in _keyed(table)))
+    finals = closing.select(*keys, FIRST, LAST, *(final_column(a, kinds).alias(a.name) for a in table.aggregates))
+    joined = finals.join(stored, _same_keys(finals, stored, tuple(keys)), "left").drop(*(f"_k_{k}" for k in keys))
+    by_key = Window.partitionBy(*keys).orderBy(FIRST)
+    first_closed = F.row_number().over(by_key) == 1
+    previous_last = F.when(first_closed, F.col("_stored_last")).otherwise(F.lag(LAST).over(by_key))
+    numbered = (joined.withColumn("_forgets", _forgotten(table, F.col(FIRST), previous_last).cast(LongType()))
+                .withColumn("_epoch", F.sum("_forgets").over(by_key.rowsBetween(Window.unboundedPreceding, 0)))
+                .withColumn("_day", F.floor(F.unix_micros(LAST) / _DAY_US)))
+    same_day = Window.partitionBy(*keys, "_epoch", "_day").orderBy(FIRST).rowsBetween(Window.unboundedPreceding, 0)
+    stored_day = F.floor(F.unix_micros("_stored_last") / _DAY_US)
+    def value_of(column: OutputColumn) -> Column:
+        if column.role == "aggregate":
+            return F.col(column.of)
+        if column.role == "previous":
+            previous = F.when(first_closed, F.col(f"_stored_{column.name}")).otherwise(F.lag(column.of).over(by_key))
+            return F.when(F.col("_forgets") == 1, F.lit(None)).otherwise(previous)
+        running = F.sum(column.of).over(same_day)
+        kept = F.when((F.col("_epoch") == 0) & (stored_day == F.col("_day")), F.col(f"_stored_{column.name}"))
+        return F.coalesce(running + kept, running, kept)
+
+    bounds = (F.col(FIRST), F.timestamp_micros(F.unix_micros(LAST) + F.lit(gap_us)))
+    return numbered.select(*declared_columns(table, *bounds, value_of), FIRST, LAST)
+
+
+def _carried_after(table: EventTimeTableSpec, closed: DataFrame, carried: DataFrame, still_open: DataFrame,
+                   watermark_ms: int) -> DataFrame:
+    """The per-key rows after the batch: a key's newest closed session replaces its row (what the next session's
+    LAG sees is this one's aggregate; its day totals go on from this one's); a key idle for the TTL with nothing
+    open is forgotten (the rule would forget it anyway: this only keeps the table small)."""
+    keys = list(table.keys)
+    newest = (closed.withColumn("_n", F.row_number().over(Window.partitionBy(*keys).orderBy(F.desc(LAST))))
+              .where(F.col("_n") == 1)
+              .select(*keys, LAST, *(F.col(c.of if c.role == "previous" else c.name).alias(_carried(c.name))
+                                     for c in _keyed(table))))
+    renamed = newest.select(*(F.col(k).alias(f"_k_{k}") for k in keys))
+    kept = carried.join(renamed, _same_keys(carried, renamed, tuple(keys)), "left_anti")
+    rows = kept.select(*keys, LAST, *(_carried(c.name) for c in _keyed(table))).unionByName(newest)
+    if table.ttl is not None:
+        opened = still_open.select(*(F.col(k).alias(f"_k_{k}") for k in keys)).distinct().withColumn("_has_open",
+                                                                                                   F.lit(True))
+        rows = (rows.join(opened, _same_keys(rows, opened, tuple(keys)), "left")
+                .where(F.col("_has_open").isNotNull()
+                       | (F.unix_micros(LAST) + F.lit(table.ttl // _US) > F.lit(watermark_ms * 1000)))
+                .drop("_has_open", *(f"_k_{k}" for k in keys)))
+    return rows.withColumn(OPEN, F.lit(False)).withColumn(FIRST, F.lit(None).cast(TimestampType()))
+
+
+class SessionsStage(EventTimeStage):
+    """A session table's step of its stream's micro-batch: late events, the state, then the closed sessions as
+    the closing commit."""
+
+    before_closing_fault = SESSIONS_BEFORE_CLOSING_COMMIT
+
+    def fold_and_write(self, rows: DataFrame, app_id: str, batch_id: int, marker: dict) -> FoldedBatch:
+        spark, layout, table = rows.sparkSession, self.layout, self.table
+        state_path = layout.table(table.state_table)
+        before = read_state(spark, state_path, self.last.state_version, state_schema(table))
+        fold = fold_sessions(table, self.spec, before, rows, self.last.watermark_ms)
+        sessions_closed, late_count = fold.closed.count(), fold.late.count()
+        if late_count:
+            append_late(fold.late, layout, table, app_id, batch_id, marker)
+        fault_point(SESSIONS_AFTER_LATE_COMMIT)
+        version = write_state(fold.state, state_path, app_id, batch_id)
+        fault_point(SESSIONS_AFTER_STATE_COMMIT)
+        return FoldedBatch(fold.closed, version, fold.watermark_ms,
+                           {"sessions_closed": sessions_closed, "late_events": late_count})
+
+
+def sessions_stage(spark: SparkSession, layout: StorageLayout, spec: StreamSpec, table: EventTimeTableSpec
+                   ) -> SessionsStage:
+    """The table's step as its last closing commit left it, for a run of its stream (which holds the stream's
+    writer lock). The late_events rows of a batch that died before its closing commit are deleted first: the
+    stream folds that batch's bronze rows again."""
+    ensure_tables(spark, layout, spec, table, state_schema(table))
+    stage = SessionsStage(layout, spec, table, NO_PROGRESS)
+    return resume(spark, stage, undo_late_rows(spark, layout, table.name, stage.marker,
+                                               table_version(spark, layout.table(table.name)) or 0))

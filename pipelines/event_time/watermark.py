@@ -1,0 +1,399 @@
+"""What the windowed and session tables share: the watermark, late_events, their output columns, their once-only
+writes, and the progress record their closing commits carry.
+
+Each declared windowed or session table (pipelines/declare/sql.py) is its own step of its stream's micro-batch
+(pipelines/event_time/windows.py, pipelines/event_time/sessions.py). A step folds the bronze rows added after the version its last
+closing commit recorded, from its operator state as that commit left it (`<table>_state`, a Delta table any
+reader can query, read by time travel), and writes: its late events (late_events, naming the table), what else
+it owns (a windowed table's top N), its new state, then closes with a commit to the table itself carrying the
+rows the watermark has closed and the progress (`Progress`: the watermark, the bronze version folded, the state
+version). A batch replayed under the same app id is skipped table by table by Delta's txn ids; the rows of a
+batch that died before its closing commit are undone when the stream starts (`undo_late_rows`, the top N
+restored), and its bronze rows folded again.
+
+The watermark is Spark's rule, kept by hand, per table: the newest event of the earlier batches minus the
+stream's `watermark_delay_minutes`. An event at or behind it is late: it goes to late_events (with the
+watermark it missed) and still counts in the stream's state tables.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from pyspark.sql import Column, DataFrame, SparkSession
+from pyspark.sql import functions as F
+from pyspark.sql.types import LongType, StringType, StructField, StructType, TimestampType
+
+from pipelines.declare.aggregates import kind_of, partial_fields
+from pipelines.declare.specs import FIELD_TYPES, LATE_EVENTS, EventTimeTableSpec, OutputColumn, StreamSpec, TopSpec
+from pipelines.errors import DefinitionChangedError
+from pipelines.faults import fault_point
+from pipelines.state.tables import DEFINITION_PROPERTY
+from pipelines.storage import delta_sql
+from pipelines.storage.delta_log import (
+    BronzeRows, commits_since, create_table_if_missing, history_rows, retry_on_conflict, table_version,
+)
+from pipelines.storage.frames import kept_on_disk
+from pipelines.storage.layout import StorageLayout
+
+LATE = LATE_EVENTS
+LATE_SCHEMA = StructType([
+    StructField("stream", StringType(), nullable=False),
+    StructField("table_name", StringType(), nullable=False),  # the windowed or session table it was late for
+    StructField("event_id", StringType(), nullable=False),
+    StructField("event_time", TimestampType(), nullable=False),
+    StructField("watermark", TimestampType(), nullable=False),
+    StructField("late_by_ms", LongType(), nullable=False),
+    StructField("source_file", StringType()),
+    StructField("line_number", LongType()),
+])
+# Commits searched for a step's unfinished late_events write: every step appends to the table.
+_UNDO_WINDOW = 50
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.timezone.utc)
+
+
+def micros(ts: dt.datetime) -> int:
+    """Epoch microseconds of a timestamp from Spark (naive datetimes are in the session zone, UTC here)."""
+    if ts.tzinfo is None:
+        ts = ts.replace(tzinfo=dt.timezone.utc)
+    return (ts - _EPOCH) // dt.timedelta(microseconds=1)
+
+
+def output_schema(table: EventTimeTableSpec) -> StructType:
+    """The declared columns, typed as Spark's query would type them."""
+    field = {f.name: f for f in table.fields}
+    aggregates = {a.name: a for a in table.aggregates}
+    columns = []
+    for c in table.columns:
+        if c.role == "key":
+            columns.append(StructField(c.name, FIELD_TYPES[field[c.name].kind], nullable=not field[c.name].required))
+        elif c.role in ("start", "end"):
+            columns.append(StructField(c.name, TimestampType(), nullable=False))
+        else:
+            a = aggregates[c.of]
+            kind = kind_of(a)
+            columns.append(StructField(c.name, kind.final_type(a, field),
+                                       nullable=c.role == "previous" or not kind.never_null(a, field)))
+    return StructType(columns)
+
+
+def declared_columns(table: EventTimeTableSpec, start: Column, end: Column,
+                     value_of: Callable[[OutputColumn], Column]) -> list[Column]:
+    """The table's columns in the declared order, typed as `output_schema`: keys as they are, the window's or
+    session's bounds as given, every other column by `value_of`."""
+    typed = {f.name: f.dataType for f in output_schema(table)}
+    bounds = {"start": start, "end": end}
+    return [(F.col(c.name) if c.role == "key" else bounds[c.role] if c.role in bounds else value_of(c))
+            .cast(typed[c.name]).alias(c.name) for c in table.columns]
+
+
+def partial_schema(table: EventTimeTableSpec) -> list[StructField]:
+    """The aggregates' partial columns as operator state holds them."""
+    field = {f.name: f for f in table.fields}
+    return [StructField(f.name, f.dataType) for f in partial_fields(table.aggregates, field)]
+
+
+def top_schema(top: TopSpec, source: EventTimeTableSpec) -> StructType:
+    fields = {f.name: f for f in output_schema(source)}
+    return StructType([StructField(c, LongType(), nullable=False) if c == top.rank_column else fields[c]
+                       for c in top.columns])
+
+
+def definition_of(table: EventTimeTableSpec | TopSpec, delay: dt.timedelta) -> str:
+    """What decides the table's rows: its keys, aggregates, columns, size or gap, TTL and the stream's watermark
+    delay (or a top N's order and N), not its name or its SQL's spelling."""
+    if isinstance(table, TopSpec):
+        text = json.dumps({"source": table.source, "n": table.n, "order": table.order, "columns": table.columns})
+    else:
+        text = json.dumps({"stream": table.stream, "kind": table.kind, "keys": table.keys,
+                           "aggregates": [[a.name, a.function, a.column, a.by, a.n] for a in table.aggregates],
+                           "columns": [[c.name, c.role, c.of] for c in table.columns],
+                           "size_s": table.size.total_seconds(), "delay_s": delay.total_seconds(),
+                           "ttl_s": table.ttl.total_seconds() if table.ttl else None,
+                           **({"where": table.where} if table.where else {})})
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def append_batch(frame: DataFrame, path: Path | str, app_id: str | None, batch_id: int,
+                 metadata: dict | None = None) -> None:
+    """Append once per (app id, batch): a replayed batch is skipped by Delta's txn ids."""
+    writer = frame.write.format("delta").mode("append")
+    if app_id is not None:
+        writer = writer.option("txnAppId", app_id).option("txnVersion", batch_id)
+    if metadata is not None:
+        writer = writer.option("userMetadata", json.dumps(metadata))
+    writer.save(str(path))
+
+
+def append_late(frame: DataFrame, layout: StorageLayout, table: EventTimeTableSpec, app_id: str, batch_id: int,
+                marker: dict) -> None:
+    """Append a batch's late events for `table`, once. late_events has a writer per windowed or session table, and
+    those of one stream share its app id: the txn id names the table too, or Delta would take the second table's
+    rows of a batch for a replay of the first's and skip them."""
+    append_batch(frame, layout.table(LATE), f"{app_id}/{table.name}", batch_id, marker)
+
+
+def read_state(spark: SparkSession, path: Path, version: int | None, schema: StructType) -> DataFrame:
+    """An operator-state table as a batch left it: the version its closing commit recorded, by time travel, so a
+    replayed batch never reads what it had half written itself. None: no batch yet, no state."""
+    if version is None:
+        return spark.createDataFrame([], schema)
+    return spark.read.format("delta").option("versionAsOf", version).load(str(path))
+
+
+def write_state(frame: DataFrame, path: Path, app_id: str, batch_id: int) -> int:
+    """Replace an operator-state table once per (app id, batch); returns the version holding this batch's state.
+    Each state table has one writer (its step), so after a replay that Delta skips, that version is the newest.
+    Replaced whole: the state holds what is still open (windows, sessions) or a key's last values."""
+    (frame.write.format("delta").mode("overwrite").option("txnAppId", app_id).option("txnVersion", batch_id)
+     .save(str(path)))
+    return table_version(frame.sparkSession, path)
+
+
+def state_table_figures(spark: SparkSession, path: Path) -> dict:
+    """Rows and bytes of an operator-state table (`write_state` replaces it whole). When its newest commit is such
+    a replacement, its metrics are the table's figures, read from the log's commit file (`history_rows`): two Spark
+    jobs fewer per table and run. Otherwise (a first, empty version), asked of Spark."""
+    newest = history_rows(spark, path, 1)
+    if newest and newest[0]["operation"] == "WRITE" and newest[0]["operationParameters"].get("mode") == "Overwrite":
+        metrics = newest[0]["operationMetrics"]
+        if "numOutputRows" in metrics and "numOutputBytes" in metrics:
+            return {"rows": int(metrics["numOutputRows"]), "bytes": int(metrics["numOutputBytes"])}
+    return {"rows": spark.read.format("delta").load(str(path)).count(),
+            "bytes": int(delta_sql.detail(spark, path)["sizeInBytes"] or 0)}
+
+
+def kept_events(table: EventTimeTableSpec, events: DataFrame) -> DataFrame:
+    """The events the table's WHERE keeps (all without one): the others are neither counted nor late for it."""
+    return events.where(F.expr(table.where)) if table.where else events
+
+
+def newest_of_stream(table: EventTimeTableSpec, events: DataFrame, watermark_ms: int, newest_kept_ms: int | None
+                     ) -> int | None:
+    """The newest on-time event of the batch, in ms: the watermark is the stream's, as Spark's is set on the stream
+    before any filter, so with a WHERE the events it drops move it too (one more job, for such tables only)."""
+    if not table.where:
+        return newest_kept_ms
+    found = (events.where(~behind_watermark(table, watermark_ms))
+             .agg(F.max(F.unix_millis(table.event_time_field))).first()[0])
+    return max((m for m in (found, newest_kept_ms) if m is not None), default=None)
+
+
+def behind_watermark(table: EventTimeTableSpec, watermark_ms: int) -> Column:
+    """Late: at or behind the watermark (Spark's rule for the rows its stateful operators drop)."""
+    return F.unix_micros(F.col(table.event_time_field)) <= F.lit(watermark_ms * 1000)
+
+
+def late_rows(table: EventTimeTableSpec, spec: StreamSpec, late: DataFrame, watermark_ms: int) -> DataFrame:
+    """Bronze rows behind the watermark as rows of late_events."""
+    at = F.col(table.event_time_field)
+    return late.select(
+        F.lit(spec.name).alias("stream"), F.lit(table.name).alias("table_name"), F.col(spec.id_field).alias("event_id"),
+        at.alias("event_time"), F.timestamp_millis(F.lit(watermark_ms)).alias("watermark"),
+        (F.lit(watermark_ms) - F.unix_millis(at)).alias("late_by_ms"), "source_file", "line_number")
+
+
+def next_watermark(watermark_ms: int, newest_ms: int | None, delay: dt.timedelta) -> int:
+    """The newest on-time event minus the delay, never back. A late event is at or behind the watermark, so it
+    could not move it."""
+    if newest_ms is None:
+        return watermark_ms
+    return max(watermark_ms, newest_ms - delay // dt.timedelta(milliseconds=1))
+
+
+def undo_late_rows(spark: SparkSession, layout: StorageLayout, table: str, marker: str,
+                   closing_version: int) -> list[str]:
+    """Delete the late_events rows for `table` that commits marked `marker` > `closing_version` added: a batch
+    that wrote them and died before its closing commit. The rows are deleted, not the table restored, because the
+    other steps append to it too."""
+    path = layout.table(LATE)
+    latest = table_version(spark, path)
+    if latest is None:
+        return []
+    unfinished = [c["version"] for c in commits_since(spark, path, max(-1, latest - _UNDO_WINDOW))
+                  if int(c["user"].get(marker, -1)) > closing_version]
+    if not unfinished:
+        return []
+
+    def rows_at(version: int) -> DataFrame:
+        return (spark.read.format("delta").option("versionAsOf", version).load(str(path))
+                .where(F.col("table_name") == table).select("event_id"))
+    added = rows_at(unfinished[0]).subtract(rows_at(unfinished[0] - 1))
+    for version in unfinished[1:]:
+        added = added.union(rows_at(version).subtract(rows_at(version - 1)))
+    added = kept_on_disk(added)
+    count = added.count()
+    # The table's name travels as a column of the source, not as SQL text.
+    doomed = added.withColumn("table_name", F.lit(table))
+    retry_on_conflict(lambda: delta_sql.merge(
+        spark, path, doomed, on="t.table_name = s.table_name AND t.event_id = s.event_id",
+        clauses="WHEN MATCHED THEN DELETE"), f"undo {LATE} rows of {table}")
+    return [f"{LATE}: {count} rows for {table} of unfinished version(s) {unfinished} deleted"]
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What a step had reached at its last committed batch (recorded in each closing commit)."""
+
+    watermark_ms: int
+    bronze_version: int  # every bronze version up to this one was read
+    state_version: int | None  # the version of the step's operator state this batch left (None: no batch yet)
+    app_id: str | None = None
+    batch_id: int | None = None
+
+
+NO_PROGRESS = Progress(watermark_ms=0, bronze_version=-1, state_version=None)
+
+
+def last_progress(spark: SparkSession, table: EventTimeTableSpec, layout: StorageLayout) -> Progress | None:
+    """The progress of the newest batch committed to the table; None when no batch has closed. A table written
+    by an earlier statetables (its progress names no `<table>_state` version) is refused, naming the refresh."""
+    path = layout.table(table.name)
+    for commit in reversed(commits_since(spark, path, max(-1, (table_version(spark, path) or 0) - 10))):
+        user = commit["user"]
+        if "watermark_ms" in user:
+            state = (user.get("state_versions") or {}).get(table.state_table)
+            if state is None or user.get("bronze_version") is None:
+                raise DefinitionChangedError(
+                    f"{table.name} version {commit['version']} was written by an earlier statetables, whose "
+                    f"operator state this one does not read. Fix: `statetables refresh {table.name}` rebuilds it "
+                    f"from bronze in one commit.")
+            return Progress(int(user["watermark_ms"]), int(user["bronze_version"]), int(state), user.get("app_id"),
+                            int(user["batch_id"]) if user.get("batch_id") is not None else None)
+    return None
+
+
+@dataclass(frozen=True)
+class FoldedBatch:
+    """What a batch wrote before its closing commit, and what that commit carries."""
+
+    closed: DataFrame  # the rows of the table: the windows or sessions the watermark closed
+    state_version: int  # the operator-state version the batch left
+    watermark_ms: int  # the watermark after the batch
+    figures: dict  # counts for the commit's metadata (and Dagster's)
+
+
+class EventTimeStage:
+    """The step of one windowed or session table in its stream's micro-batch (windows.py, sessions.py). It folds
+    the bronze rows added after the version its last closing commit recorded, writes what it emits
+    (`fold_and_write`), then closes with a commit to the table that records the progress. Holds that progress, so
+    a batch reads no table history; a batch with no new bronze rows costs nothing."""
+
+    before_closing_fault: str  # the fault point before the closing commit
+
+    def __init__(self, layout: StorageLayout, spec: StreamSpec, table: EventTimeTableSpec, last: Progress):
+        self.layout, self.spec, self.table, self.last = layout, spec, table, last
+        # Set when the stream starts: what it undid of a batch that died before this step closed.
+        self.recovered: dict | None = None
+
+    @property
+    def marker(self) -> str:
+        """The key under which a batch's earlier commits name its closing commit's version."""
+        return f"{self.table.name}_version"
+
+    def fold_and_write(self, rows: DataFrame, app_id: str, batch_id: int, marker: dict) -> FoldedBatch:
+        raise NotImplementedError
+
+    def advance(self, spark: SparkSession, bronze: BronzeRows, app_id: str, batch_id: int) -> None:
+        """Fold bronze up to version `bronze.through`, writing under the txn id (app id, batch id)."""
+        through = bronze.through
+        if through <= self.last.bronze_version:
+            return
+        rows = bronze.after(self.last.bronze_version)
+        closing = self.layout.table(self.table.name)
+        # The version this batch's closing commit will have: until it exists, its earlier writes are unfinished.
+        marker = {"app_id": app_id, "batch_id": batch_id, self.marker: (table_version(spark, closing) or 0) + 1}
+        folded = self.fold_and_write(rows, app_id, batch_id, marker)
+        progress = {"app_id": app_id, "batch_id": batch_id, "watermark_ms": folded.watermark_ms,
+                    "bronze_version": through, "rows_read": bronze.count_after(self.last.bronze_version),
+                    "state_versions": {self.table.state_table: folded.state_version}, **folded.figures}
+        fault_point(self.before_closing_fault)
+        append_batch(folded.closed, closing, app_id, batch_id, progress)
+        self.last = Progress(folded.watermark_ms, through, folded.state_version, app_id, batch_id)
+
+
+def require_definition(spark: SparkSession, path: Path, table: EventTimeTableSpec | TopSpec,
+                       delay: dt.timedelta) -> None:
+    """Refuse to go on under another definition than the one the table's rows were written under (a window size,
+    gap, watermark delay, key or aggregate changes which events are late and how rows are cut): old rows and new
+    ones would disagree. A table with no rows yet takes the current definition."""
+    wanted = definition_of(table, delay)
+    found = delta_sql.properties(spark, path).get(DEFINITION_PROPERTY)
+    if found == wanted:
+        return
+    if found is not None and (table_version(spark, path) or 0) > 0:
+        name = table.source if isinstance(table, TopSpec) else table.name
+        raise DefinitionChangedError(
+            f"{table.name} holds rows of another definition than the project file's (line {table.line}: "
+            f"{table.sql}); its window, gap, watermark, keys or aggregates changed. Fix: `statetables refresh "
+            f"{name}` rebuilds it from bronze under the new definition, in one commit; or put the old SQL back.")
+    delta_sql.set_property(spark, path, DEFINITION_PROPERTY, wanted)
+
+
+def recorded_changes(layout: StorageLayout, spec: StreamSpec) -> list[str]:
+    """The stream's windowed and session tables whose recorded definition is not the declared one (read from
+    their logs without Spark, when the code location loads)."""
+    from pipelines.state.tables import recorded_definition
+    changed = []
+    for table in spec.event_time_tables:
+        for declared in (table, *table.tops):
+            found = recorded_definition(layout.table(declared.name))
+            if found is not None and found != definition_of(declared, spec.watermark_delay):
+                changed.append(f"{declared.name} (line {declared.line}): its rows were written under another "
+                               f"definition. Fix: `statetables refresh {table.name}` rebuilds it from bronze under "
+                               f"the new one (or put the old SQL back)")
+    return changed
+
+
+def ensure_tables(spark: SparkSession, layout: StorageLayout, spec: StreamSpec, table: EventTimeTableSpec,
+                  state_schema: StructType) -> None:
+    """The table, its operator state, its top N tables and late_events, created if missing; the table and its
+    top N record their definition at creation."""
+    late = layout.table(LATE)
+    if table_version(spark, late) is None:
+        create_table_if_missing(spark, late, LATE_SCHEMA)
+    elif "table_name" not in spark.read.format("delta").load(str(late)).schema.fieldNames():
+        # Written by an earlier statetables, before late events named their table: their rows keep NULL there.
+        delta_sql.add_column(spark, late, "table_name", "STRING")
+    create_table_if_missing(spark, layout.table(table.name), output_schema(table),
+                            properties={DEFINITION_PROPERTY: definition_of(table, spec.watermark_delay)})
+    create_table_if_missing(spark, layout.table(table.state_table), state_schema, change_data_feed=False)
+    for top in table.tops:
+        create_table_if_missing(spark, layout.table(top.name), top_schema(top, table),
+                                properties={DEFINITION_PROPERTY: definition_of(top, spec.watermark_delay)})
+
+
+def resume(spark: SparkSession, stage: EventTimeStage, undone: list[str]) -> EventTimeStage:
+    """`stage` at the progress its table's last closing commit recorded (none yet: from the start), after the
+    checks that its rows were written under the declared definition; `undone`: what the start undid of a batch
+    that died before its closing commit."""
+    stage.last = _resumed(spark, stage.layout, stage.spec, stage.table)
+    if undone:
+        stage.recovered = {"problem": f"a micro-batch died before its {stage.table.name} commit",
+                           "action": "; ".join(undone) + "; its events folded again"}
+    return stage
+
+
+def _resumed(spark: SparkSession, layout: StorageLayout, spec: StreamSpec, table: EventTimeTableSpec
+             ) -> Progress:
+    require_definition(spark, layout.table(table.name), table, spec.watermark_delay)
+    for top in table.tops:
+        require_definition(spark, layout.table(top.name), top, spec.watermark_delay)
+    last = last_progress(spark, table, layout)
+    path = layout.table(table.name)
+    # Commits without rows (a recorded definition) are no progress to lose; rows without progress are.
+    if last is None and any(int(c["metrics"].get("numOutputRows", 0)) > 0 for c in commits_since(spark, path, 0)):
+        raise DefinitionChangedError(
+            f"{table.name} has commits but none records its progress (written by an earlier statetables, or by "
+            f"hand). Fix: `statetables refresh {table.name}` rebuilds it from bronze in one commit.")
+    return last or NO_PROGRESS
+
+
+def rows_read(commits: list[dict]) -> int:
+    """The bronze rows the batches of these closing commits read."""
+    return sum(int(c["user"].get("rows_read", 0)) for c in commits)

@@ -1,0 +1,1 @@
+"""Landing files and Kafka topics → validated lines → bronze and quarantine."""

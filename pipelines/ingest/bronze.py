@@ -1,0 +1,494 @@
+"""Landing files → bronze (accepted events, once each) and quarantine (everything else, with a reason).
+
+Every input line ends in exactly one of: the bronze table, the quarantine table, or the count of
+recognised duplicates recorded on the bronze commit (`userMetadata`). Both appends of a micro-batch
+carry Delta transaction identifiers, so a batch replayed after a crash writes nothing twice; a line
+read again under a new checkpoint is recognised by its file and line number.
+"""
+
+from __future__ import annotations
+
+import json
+from decimal import Decimal
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from functools import partial, reduce
+from pathlib import Path
+
+
+from pyspark.sql import Column, DataFrame, SparkSession
+from pyspark.sql import functions as F
+from pyspark.sql.types import (
+    BinaryType, LongType, StringType, StructField, StructType, TimestampType,
+)
+
+from pipelines.declare.specs import FIELD_TYPES, StreamSpec
+from pipelines.errors import ConcurrentWriterError, StorageError, storage_fault
+from pipelines.faults import (
+    INGEST_AFTER_BRONZE_COMMIT, INGEST_AFTER_QUARANTINE_COMMIT, INGEST_POISON, InjectedFault, fault_marker,
+    fault_point,
+)
+from pipelines.ingest.kafka_source import (
+    KAFKA_FIELDS, SOURCE_OFFSETS, batch_ranges, offsets_record, record_lines, recorded_offsets,
+)
+from pipelines.ingest.landing import LEDGER_SCHEMA, read_units, split_lines
+from pipelines.ingest.validate import content_identity, validate_lines
+from pipelines.storage.delta_log import (
+    Appended, create_table_if_missing, history_rows, retry_on_conflict, table_version,
+)
+from pipelines.storage.frames import kept_on_disk
+from pipelines.storage.layout import StorageLayout
+
+DEFAULT_MAX_FILES_PER_TRIGGER = 100
+
+QUARANTINE_SCHEMA = StructType([
+    StructField("raw_line", StringType()),  # the line as text (invalid UTF-8 bytes replaced)
+    StructField("raw_bytes", BinaryType()),  # the line exactly as received
+    StructField("source_file", StringType()),
+    StructField("line_number", LongType()),
+    StructField("reason", StringType()),
+    StructField("reason_field", StringType()),
+    StructField("detail", StringType()),
+    StructField("record_id", StringType()),
+    StructField("ingest_batch_id", LongType()),
+    StructField("ingested_at", TimestampType()),
+])
+
+
+def quarantine_schema(spec: StreamSpec) -> StructType:
+    """A topic's quarantine also keeps each record's topic, partition, offset, key and timestamp."""
+    return StructType([*QUARANTINE_SCHEMA.fields, *(KAFKA_FIELDS if spec.topic is not None else ())])
+
+
+def bronze_schema(spec: StreamSpec) -> StructType:
+    return StructType(
+        [StructField(rule.name, FIELD_TYPES[rule.kind], nullable=not rule.required) for rule in spec.fields]
+        + [
+            StructField("content_hash", StringType()),
+            StructField("source_file", StringType()),
+            StructField("line_number", LongType()),
+            StructField("ingest_batch_id", LongType()),
+            StructField("ingested_at", TimestampType()),
+        ]
+    )
+
+
+def ensure_bronze_tables(spark: SparkSession, layout: StorageLayout, spec: StreamSpec) -> None:
+    tables = [(spec.bronze_table, bronze_schema(spec)), (spec.quarantine_table, quarantine_schema(spec))]
+    if spec.topic is None:
+        tables.append((spec.files_table, LEDGER_SCHEMA))
+    for name, schema in tables:
+        create_table_if_missing(spark, layout.table(name), schema)
+
+
+def line_file(column: str = "source_file") -> Column:
+    """A line's file as a plain path. Rows written before the landing ledger carry Spark's URI form
+    (`file:/x/a%20b.jsonl`); decoded here, so line identity holds across that upgrade."""
+    col = F.col(column)
+    # url_decode would turn `+` into a space: protect it first.
+    uri_path = F.try_url_decode(F.regexp_replace(F.substring(col, 6, 1 << 30), "\\+", "%2B"))
+    return F.when(col.startswith("file:"), uri_path).otherwise(col)
+
+
+def _already_ingested(bronze: DataFrame, quarantine: DataFrame, spec: StreamSpec, files: list[str],
+                      lo: Column, hi: Column) -> DataFrame:
+    """(source_file, line_number) of the batch's lines that an earlier attempt already wrote.
+
+    A line is identified by its file and line number (appends continue the numbering, rewrites are
+    labelled `#v<N>`). After a crash the same batch replays under the same app id and Delta skips
+    its writes anyway; after a lost checkpoint the ledger is read again under a new app id, and
+    this is what keeps every line in at most one table. Bronze is searched within the batch's
+    event times (where its own lines are), quarantine by the batch's files.
+    """
+    ts_col = spec.event_time_field
+    lines = [line_file().alias("source_file"), "line_number"]
+    in_bronze = (bronze.where(F.col(ts_col).between(lo, hi)).select(*lines)
+                 .where(F.col("source_file").isin(files)))
+    in_quarantine = quarantine.select(*lines).where(F.col("source_file").isin(files))
+    return in_bronze.unionByName(in_quarantine).distinct()
+
+
+def _outcomes(marked: DataFrame, bronze: DataFrame, spec: StreamSpec, lo: Column, hi: Column,
+              horizon_us: int, *, repeats: bool = True) -> DataFrame:
+    """Every line of the batch with its `outcome`, in one pass: `already_ingested` (column `_done`), `quarantined`
+    (a reason), then among the valid lines not yet ingested `accepted` (new), `duplicates` (an id accepted before
+    with the same content) or `quarantined` as `conflicting_duplicate` (an id accepted before with other content).
+
+    The contract's rule: an event is compared with the accepted events of its id whose event time lies within the
+    dedup horizon of its own; none there, it is a new event. So the same lines give the same tables however they
+    are cut into micro-batches. Bronze is searched among events whose event time lies between `lo` and `hi` (the
+    batch's event times widened by the horizon). Content is compared by `content_identity`, computed from bronze's
+    typed columns, so rows of any earlier version compare the same way.
+
+    A line whose id the batch holds once is decided by a join with bronze's events of its id within its horizon.
+    The lines of ids the batch holds more than once (re-deliveries, a few in a hundred) are decided in arrival
+    order, each against what bronze and the lines before it accepted (`_decided_in_order`); `repeats` False
+    (the batch holds each valid id once, as its facts counted) skips that job. No sort of the batch: ids are
+    counted by a hash aggregation.
+    """
+    id_col, ts_col = spec.id_field, spec.event_time_field
+    candidate = F.col("reason").isNull() & F.col("_done").isNull()
+    # Only candidates have a key; every other line has NULL and is never compared.
+    keyed = marked.withColumn("_key", F.when(candidate, F.col(id_col)))
+    candidates = keyed.where(candidate).select("_key", "unit", "line_number", "content_hash",
+                                               F.unix_micros(ts_col).alias("_at"))
+    # Bronze's events of the batch's ids: the event-time range skips files by their statistics, the semi join
+    # skips every other id before the (costly) content hash.
+    prior = (bronze.where(F.col(ts_col).between(lo, hi))
+             .join(candidates.select("_key").distinct(), F.col(id_col) == F.col("_key"), "left_semi")
+             .select(F.col(id_col).alias("_prior_id"), F.unix_micros(ts_col).alias("_prior_at"),
+                     content_identity(spec).alias("_prior_hash")))
+    singles, looked_up = candidates, keyed
+    if repeats:
+        repeated = candidates.groupBy("_key").agg(F.count("*").alias("_n")).where(F.col("_n") > 1).select("_key")
+        singles = candidates.join(repeated, "_key", "left_anti")
+        in_order = _decided_in_order(candidates.join(repeated, "_key", "left_semi"),
+                                     prior.join(repeated, F.col("_prior_id") == F.col("_key"), "left_semi"), horizon_us)
+        looked_up = keyed.join(in_order, ["unit", "line_number"], "left")
+    else:
+        looked_up = keyed.withColumn("_decided", F.lit(None).cast("string"))
+    within = (F.col("_key") == F.col("_prior_id")) & (F.abs(F.col("_at") - F.col("_prior_at")) <= horizon_us)
+    near = (singles.join(prior, within)
+            .groupBy("unit", "line_number").agg(F.max(F.col("_prior_hash") == F.col("content_hash")).alias("_same")))
+    looked_up = looked_up.join(near, ["unit", "line_number"], "left")
+    decided = F.col("_decided")
+    is_new = F.when(decided.isNotNull(), decided == "accepted").otherwise(F.col("_same").isNull())
+    known_content = F.when(decided.isNotNull(), decided == "duplicates").otherwise(F.coalesce("_same", F.lit(False)))
+    conflict = candidate & ~is_new & ~known_content
+    outcome = (F.when(F.col("_done"), F.lit("already_ingested"))
+               .when(F.col("reason").isNotNull(), F.lit("quarantined"))
+               .when(is_new, F.lit("accepted"))
+               .when(known_content, F.lit("duplicates"))
+               .otherwise(F.lit("quarantined")))
+    return looked_up.select(
+        *[c for c in marked.columns if c not in ("reason", "reason_field", "detail", "_done")],
+        F.when(conflict, F.lit("conflicting_duplicate")).otherwise(F.col("reason")).alias("reason"),
+        F.when(conflict, F.lit(id_col)).otherwise(F.col("reason_field")).alias("reason_field"),
+        F.when(conflict, F.concat(F.lit(f"{id_col} "), F.col(id_col),
+                                  F.lit(" was already accepted with different content"))
+               ).otherwise(F.col("detail")).alias("detail"),
+        outcome.alias("outcome"),
+    )
+
+
+def _decided_in_order(lines: DataFrame, prior: DataFrame, horizon_us: int) -> DataFrame:
+    """(unit, line_number, `_decided`) for lines of ids the batch holds more than once: in arrival order, a line is
+    `accepted` when no accepted event of its id (in bronze, or an earlier line) lies within its horizon, else
+    `duplicates` when one there has its content, else `conflicting`. Sequential by nature (each accepted line
+    widens what the next is compared with), so it runs in the driver over those lines and their ids' bronze events
+    only: a few in a hundred of a batch, read in one job."""
+    rows = (lines.select("_key", "unit", "line_number", "_at", "content_hash", F.lit(False).alias("_prior"))
+            .unionByName(prior.select(F.col("_prior_id").alias("_key"), F.lit(None).cast("long").alias("unit"),
+                                      F.lit(None).cast("long").alias("line_number"), F.col("_prior_at").alias("_at"),
+                                      F.col("_prior_hash").alias("content_hash"), F.lit(True).alias("_prior")))
+            .collect())
+    accepted: dict[str, list[tuple[int, str]]] = {}
+    for row in rows:
+        if row["_prior"]:
+            accepted.setdefault(row["_key"], []).append((row["_at"], row["content_hash"]))
+    decided = []
+    for row in sorted((r for r in rows if not r["_prior"]), key=lambda r: (r["unit"], r["line_number"])):
+        kept = accepted.setdefault(row["_key"], [])
+        near = {content for at, content in kept if abs(at - row["_at"]) <= horizon_us}
+        if not near:
+            kept.append((row["_at"], row["content_hash"]))
+        decided.append((row["unit"], row["line_number"], "accepted" if not near else
+                        "duplicates" if row["content_hash"] in near else "conflicting"))
+    return lines.sparkSession.createDataFrame(decided, "unit bigint, line_number bigint, _decided string")
+
+
+OUTCOMES = ("accepted", "quarantined", "duplicates", "already_ingested")
+UNPROCESSABLE = "unprocessable"
+MAX_ISOLATION_PROBES = 64
+
+
+@dataclass(frozen=True)
+class Ingested:
+    """What an ingest step did: the counts its commits record, and its bronze commit (None when Delta skipped it as
+    a replay of a batch already committed)."""
+
+    counts: dict
+    appended: Appended | None
+
+
+@dataclass(frozen=True)
+class IngestSettings:
+    """What one stream's ingest needs to know inside a micro-batch (bound with functools.partial)."""
+
+    spec: StreamSpec
+    bronze_path: str
+    quarantine_path: str
+    staging_dir: Path
+    app_id: str
+    horizon: timedelta
+    max_ahead: timedelta
+    recheck_through_unit: int | None  # CheckpointOrigin.recheck_through_unit
+    # A topic: partition → the offset below which records may already be in bronze or quarantine (the
+    # quarantine's recorded offsets: pipelines/ingest/kafka_source.py).
+    recheck_offsets: dict[int, int] | None = None
+
+
+def _micros(value: timedelta) -> int:
+    return int(value.total_seconds() * 1_000_000)
+
+
+def _classify(lines: DataFrame, batch_id: int, settings: IngestSettings, ingested_at: datetime,
+              unprocessable: DataFrame | None, error: str | None, may_repeat: bool = True) -> tuple[DataFrame, dict]:
+    """Every line of the batch with its `outcome` (one of OUTCOMES), and facts about the batch.
+
+    Lines in `unprocessable` (found by `_isolate`) skip validation: they go to quarantine as they
+    are, with reason `unprocessable` and the error that made the batch fail. Unless `may_repeat`,
+    no line of the batch can be in bronze or quarantine yet, and they are not looked up there.
+    """
+    spec = settings.spec
+    spark = lines.sparkSession
+    ts_col = spec.event_time_field
+    isolated = None
+    if unprocessable is not None:
+        keys = ["unit", "line_number"]
+        isolated = lines.join(unprocessable, keys, "left_semi")
+        lines = lines.join(unprocessable, keys, "left_anti")
+    poison = fault_marker(INGEST_POISON)
+    if poison:  # fault injection: a line that makes Spark fail while evaluating it, as an engine bug would
+        lines = lines.withColumn("raw_bytes", F.when(F.col("raw_bytes").cast("string").contains(poison),
+                                                     F.raise_error(F.lit(f"injected poison {poison}")).cast("binary"))
+                                 .otherwise(F.col("raw_bytes")))
+    stamp = {"ingest_batch_id": F.lit(batch_id).cast("bigint"), "ingested_at": F.lit(ingested_at)}
+    stamped = validate_lines(lines, spec, ingested_at=ingested_at, max_ahead=settings.max_ahead).withColumns(stamp)
+    if isolated is not None:
+        raw = isolated.select(*isolated.columns, F.make_valid_utf8(F.col("raw_bytes").cast("string")).alias("raw_line"))
+        stamped = stamped.unionByName(raw.withColumns({
+            "record_id": F.lit(None).cast("string"), **{f: F.lit(None).cast(stamped.schema[f].dataType)
+                                                        for f in spec.field_names},
+            "reason": F.lit(UNPROCESSABLE), "reason_field": F.lit(None).cast("string"),
+            "detail": F.lit((error or "")[:1000]), "content_hash": F.lit(None).cast("string"), **stamp}))
+    # Belt and braces: a row the validation let through without a required value would fail the
+    # bronze write (NOT NULL) on every run; it is quarantined instead, naming the bug.
+    hole = reduce(lambda a, b: a | b, [F.col(r.name).isNull() for r in spec.fields if r.required])
+    stamped = stamped.withColumns({
+        "detail": F.when(F.col("reason").isNull() & hole, F.lit("validation passed a line without a required "
+                                                                 "value (a statetables bug)")).otherwise(F.col("detail")),
+        "reason": F.when(F.col("reason").isNull() & hole, F.lit(UNPROCESSABLE)).otherwise(F.col("reason")),
+    })
+    # Validated once, kept, and its (large) plan cut off: every later step plans on a small one.
+    # Planning the validation again for each of the batch's queries cost more than running it.
+    stamped = kept_on_disk(stamped)
+    valid_ts = F.when(F.col("reason").isNull(), F.col(ts_col))
+    valid_id = F.when(F.col("reason").isNull(), F.col(spec.id_field))
+    facts = stamped.agg(F.unix_micros(F.min(valid_ts)).alias("lo"), F.unix_micros(F.max(valid_ts)).alias("hi"),
+                        F.count("*").alias("lines"), F.collect_set("source_file").alias("files"),
+                        F.count(valid_id).alias("valid"), F.count_distinct(valid_id).alias("ids")).first()
+    # Event times are compared as micros, never as Python datetimes: no year-0 or year-10000 surprises.
+    lo, hi = facts["lo"] or 0, facts["hi"] or 0
+    bronze = spark.read.format("delta").load(settings.bronze_path)
+    quarantine = spark.read.format("delta").load(settings.quarantine_path)
+    if may_repeat:
+        done = _already_ingested(bronze, quarantine, spec, facts["files"], F.timestamp_micros(F.lit(lo)),
+                                 F.timestamp_micros(F.lit(hi))).withColumn("_done", F.lit(True))
+        marked = stamped.join(done, ["source_file", "line_number"], "left")
+    else:
+        marked = stamped.withColumn("_done", F.lit(None).cast("boolean"))
+    horizon = _micros(settings.horizon)
+    classified = _outcomes(marked, bronze, spec, F.timestamp_micros(F.lit(lo - horizon)),
+                           F.timestamp_micros(F.lit(hi + horizon)), horizon, repeats=facts["valid"] > facts["ids"])
+    return classified, {"lines": facts["lines"], "files": facts["files"]}
+
+
+def _probe(lines: DataFrame, batch_id: int, settings: IngestSettings, ingested_at: datetime) -> str | None:
+    """Evaluate the batch's classification of `lines` without writing; the error, or None."""
+    try:
+        classified, _ = _classify(lines, batch_id, settings, ingested_at, None, None)
+        classified.write.format("noop").mode("overwrite").save()
+        return None
+    except Exception as exc:  # any evaluation error is what is being looked for
+        return _first_line(exc)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return (text.splitlines() or [type(exc).__name__])[0][:1000]
+
+
+def _isolate(lines: DataFrame, batch_id: int, settings: IngestSettings, ingested_at: datetime) -> list[tuple[int, int]]:
+    """The (unit, line_number) of the lines that make the batch fail on their own, by bisection.
+
+    Only lines that fail again when evaluated apart are returned, so a passing fault (a lost executor,
+    a full disk) is never blamed on data: then the list is empty and the batch's error stands. After
+    MAX_ISOLATION_PROBES evaluations, the ranges still failing are returned whole.
+    """
+    spark = lines.sparkSession
+    keys = sorted((r["unit"], r["line_number"]) for r in lines.select("unit", "line_number").collect())
+    schema = "unit bigint, line_number bigint"
+
+    def failing(part: list[tuple[int, int]]) -> bool:
+        subset = lines.join(spark.createDataFrame(part, schema), ["unit", "line_number"], "left_semi")
+        return _probe(subset, batch_id, settings, ingested_at) is not None
+
+    # The batch as a whole just failed: start from its halves. Only single lines (or, past the
+    # budget, ranges) that fail on their own end up as culprits. If no part ever passes, the fault
+    # is not in particular lines (a damaged table, a broken engine): nothing is blamed on data.
+    culprits, probes, passed_any, pending = [], 0, False, [keys]
+    while pending:
+        part = pending.pop()
+        if len(part) == 1 and probes == 0:
+            probes += 1
+            if not failing(part):
+                return []
+        if len(part) == 1 or probes >= MAX_ISOLATION_PROBES:
+            culprits.extend(part)
+            continue
+        half = len(part) // 2
+        for piece in (part[:half], part[half:]):
+            probes += 1
+            if failing(piece):
+                pending.append(piece)
+            else:
+                passed_any = True
+    return culprits if passed_any or len(keys) == 1 else []
+
+
+def ingest_batch(units: DataFrame, batch_id: int, *, settings: IngestSettings) -> Ingested:
+    """The ingest step of a stream's micro-batch: read the batch's units, validate, dedup, append to quarantine
+    then bronze, both idempotently. Returns the batch's counts, as its commits record them, and its bronze commit
+    (`_write_batch`).
+
+    Bronze's append happens even when empty: its commit records `{"app_id", "batch_id"}` in its userMetadata,
+    which is how the next run checks the checkpoint against the tables; quarantine's happens only with a bad line.
+    If the batch fails for a reason tied to its data, the lines that cause it are isolated and quarantined as
+    `unprocessable` (dead letters), and the rest of the batch goes on.
+    """
+    # Fixed once per attempt, so a recomputed partition classifies every line the same way.
+    ingested_at = datetime.now(timezone.utc)
+    lines_of_units, vanished, unit_numbers = read_units(units, settings.staging_dir)
+    # A unit is one row until it is split: spread its lines over every core before validating them.
+    lines = split_lines(lines_of_units).repartition(_partitions(units.sparkSession))
+    recheck = settings.recheck_through_unit
+    may_repeat = recheck is None or any(u <= recheck for u in unit_numbers)
+    return _ingest_lines(lines, batch_id, settings, ingested_at, vanished, may_repeat, {})
+
+
+def ingest_records(records: DataFrame, batch_id: int, *, settings: IngestSettings) -> Ingested:
+    """`ingest_batch` for a micro-batch of a topic's records: each record a line; its commits also record the
+    next offset of every partition (pipelines/ingest/kafka_source.py)."""
+    ingested_at = datetime.now(timezone.utc)
+    topic = settings.spec.topic
+    # Read from the brokers once: every later step of the batch reads these.
+    lines = kept_on_disk(record_lines(records))
+    ranges = batch_ranges(lines)
+    recheck = settings.recheck_offsets or {}
+    may_repeat = any(first < recheck.get(partition, 0) for partition, (first, _) in ranges.items())
+    before = recorded_offsets(lines.sparkSession, settings.bronze_path, topic)
+    return _ingest_lines(lines, batch_id, settings, ingested_at, [], may_repeat,
+                         {SOURCE_OFFSETS: offsets_record(topic, before, ranges)})
+
+
+def _ingest_lines(lines: DataFrame, batch_id: int, settings: IngestSettings, ingested_at: datetime,
+                  vanished: list[str], may_repeat: bool, recorded: dict) -> Ingested:
+    write = partial(_write_batch, lines, batch_id, settings, ingested_at, vanished, may_repeat=may_repeat,
+                    recorded=recorded)
+    try:
+        return write(None, None)
+    except (StorageError, ConcurrentWriterError, InjectedFault):
+        raise
+    except Exception as exc:
+        if storage_fault(exc):
+            raise
+        culprits = _isolate(lines, batch_id, settings, ingested_at)
+        if not culprits:
+            raise
+        bad = lines.sparkSession.createDataFrame(culprits, "unit bigint, line_number bigint")
+        return write(bad, _first_line(exc))
+
+
+ACCEPTED_TOTAL = "accepted_total"
+ACCEPTED_VALUE_TOTAL = "accepted_value_total"
+TOTALS_SEARCHED = 50  # newest bronze commits searched for running totals before counting bronze itself
+
+
+def accepted_totals(spark: SparkSession, bronze_path: str, value_field: str | None,
+                    version: int | None = None) -> tuple[int, Decimal]:
+    """(events, sum of values) in bronze at `version` (default: latest), from the running totals its
+    ingest commits carry; bronze itself is counted only when no commit near that version has them
+    (tables written by an earlier version, or a version far behind the latest)."""
+    for row in history_rows(spark, bronze_path, TOTALS_SEARCHED):
+        if version is not None and row["version"] > version:
+            continue
+        meta = json.loads(row["userMetadata"]) if row["userMetadata"] else {}
+        if isinstance(meta, dict) and ACCEPTED_TOTAL in meta:
+            return int(meta[ACCEPTED_TOTAL]), Decimal(meta[ACCEPTED_VALUE_TOTAL])
+        if row["version"] == 0:
+            return 0, Decimal(0)
+    reader = spark.read.format("delta")
+    if version is not None:
+        reader = reader.option("versionAsOf", version)
+    bronze = reader.load(bronze_path)
+    row = bronze.agg(F.count("*").alias("n"), F.sum(value_field or F.lit(0)).alias("v")).first()
+    return row["n"], row["v"] or Decimal(0)
+
+
+def _partitions(spark: SparkSession) -> int:
+    return int(spark.conf.get("spark.sql.shuffle.partitions"))
+
+
+SMALL_BATCH_ROWS = 50_000
+
+
+def _by_event_time(accepted: DataFrame, spec: StreamSpec, rows: int) -> DataFrame:
+    """Bronze rows laid out by event time. A small batch (a continuous run's usual one) becomes one sorted
+    file: range partitioning would cost a sampling job and a shuffle, and one file spans one range anyway."""
+    if rows <= SMALL_BATCH_ROWS:
+        return accepted.coalesce(1).sortWithinPartitions(spec.event_time_field)
+    return accepted.repartitionByRange(_partitions(accepted.sparkSession), spec.event_time_field)
+
+
+def _write_batch(lines: DataFrame, batch_id: int, settings: IngestSettings, ingested_at: datetime,
+                 vanished: list[str], unprocessable: DataFrame | None, error: str | None, *,
+                 may_repeat: bool, recorded: dict) -> Ingested:
+    """Quarantine, then bronze, each one append carrying the batch's counts in its userMetadata; returns them, and
+    the bronze commit with its rows."""
+    spec = settings.spec
+    classified, facts = _classify(lines, batch_id, settings, ingested_at, unprocessable, error, may_repeat)
+    classified = kept_on_disk(classified)
+    by_outcome = classified.groupBy("outcome").agg(F.count("*").alias("count"),
+                                                   F.sum(spec.value_field or F.lit(0)).alias("value"))
+    outcomes = {r["outcome"]: r for r in by_outcome.collect()}
+    accepted = outcomes.get("accepted")
+    # Running totals of everything bronze holds after this commit: the per-run checks compare the
+    # state tables with them instead of reading all of bronze again (one writer: the lock).
+    events_before, value_before = accepted_totals(lines.sparkSession, settings.bronze_path, spec.value_field)
+    counts = {"app_id": settings.app_id, "batch_id": batch_id, "files": len(facts["files"]),
+              "lines": facts["lines"], **{k: outcomes[k]["count"] if k in outcomes else 0 for k in OUTCOMES},
+              UNPROCESSABLE: classified.where(F.col("reason") == UNPROCESSABLE).count() if error else 0,
+              "files_vanished": vanished,
+              ACCEPTED_TOTAL: events_before + (accepted["count"] if accepted else 0),
+              ACCEPTED_VALUE_TOTAL: str(value_before + (accepted["value"] or 0 if accepted else 0)), **recorded}
+    if counts["lines"] != sum(counts[k] for k in OUTCOMES):
+        raise AssertionError(f"line accounting broken in batch {batch_id}: {counts}")
+    # Quarantine is written only when the batch has a bad line (a commit costs ~0.35 s warm); bronze always is,
+    # even empty: its commit carries the batch's counts and ids, which the checkpoint is checked against.
+    accepted_rows = classified.where(F.col("outcome") == "accepted").select(*bronze_schema(spec).fieldNames())
+    writes = (
+        (classified.where(F.col("outcome") == "quarantined").select(*quarantine_schema(spec).fieldNames()),
+         settings.quarantine_path if "quarantined" in outcomes else None, INGEST_AFTER_QUARANTINE_COMMIT),
+        # Each bronze file holds one range of event times: the dedup lookup of later batches (an
+        # event-time window) then skips the other files by their statistics.
+        (_by_event_time(accepted_rows, spec, accepted["count"] if accepted else 0),
+         settings.bronze_path, INGEST_AFTER_BRONZE_COMMIT),
+    )
+    bronze_before = table_version(lines.sparkSession, settings.bronze_path)
+    for frame, path, fault in writes:
+        if path is None:
+            fault_point(fault)
+            continue
+        retry_on_conflict(
+            lambda: frame.write.format("delta").mode("append")
+            .option("txnAppId", settings.app_id).option("txnVersion", batch_id)
+            # A stream that moved from a folder to a topic: its quarantine gains the record's columns.
+            .option("mergeSchema", "true" if spec.topic is not None else "false")
+            .option("userMetadata", json.dumps(counts))
+            .save(path),
+            f"append of micro-batch {batch_id} to {path}")
+        fault_point(fault)
+    # One writer (the lock): a version after the one before is this batch's commit, not a replay Delta skipped.
+    bronze_after = table_version(lines.sparkSession, settings.bronze_path)
+    return Ingested(counts, Appended(bronze_after, accepted_rows) if bronze_after == (bronze_before or 0) + 1 else None)

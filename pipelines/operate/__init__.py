@@ -1,0 +1,1 @@
+"""What an operator runs beside the stream: checks, status, refresh, savepoints, maintenance."""

@@ -1,0 +1,270 @@
+"""The data checks' queries, as plain functions that return figures (Dagster shows them in assets/).
+
+Two depths for a state table:
+- per run, costing what the run costs: its totals equal bronze's running totals at the bronze version
+  it has folded through (bronze commits carry them, pipelines/ingest/bronze.py), its keys are unique and its
+  counts positive. A state table scan is bounded by its keys; bronze history is never read.
+- deep (nightly and on demand): every key's count and sum recomputed from all of bronze.
+A corrupted state table fails both (tests/assets/test_dagster.py).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from decimal import Decimal
+
+from pyspark.sql import DataFrame, SparkSession, Window
+from pyspark.sql import functions as F
+
+from pipelines.declare.aggregates import final_column, partial_columns
+from pipelines.declare.specs import EventTimeTableSpec, StateTableSpec, StreamSpec, TopSpec
+from pipelines.declare.sql import query_over
+from pipelines.event_time import watermark
+from pipelines.event_time.watermark import output_schema
+from pipelines.ingest.bronze import accepted_totals
+from pipelines.state.expiry import EXPIRED_VALUE, expired_rows, expired_totals, since_last_expiry
+from pipelines.state.tables import aggregate, folded_through
+from pipelines.storage.delta_log import table_version
+from pipelines.storage.layout import StorageLayout
+
+
+def _state(spark: SparkSession, layout: StorageLayout, table: StateTableSpec) -> DataFrame:
+    return spark.read.format("delta").load(str(layout.table(table.name)))
+
+
+def state_totals(spark: SparkSession, layout: StorageLayout, table: StateTableSpec, version: int | None = None) -> dict:
+    """keys, events counted, the value total and the newest event time folded into the state table (at
+    `version`, default the latest), in one scan; None for what the table has no column for."""
+    frame = spark.read.format("delta")
+    if version is not None:
+        frame = frame.option("versionAsOf", version)
+    nothing = F.lit(None)
+    row = frame.load(str(layout.table(table.name))).agg(
+        F.count("*").alias("keys"), F.sum(table.count_column or nothing).alias("events"),
+        F.sum(table.sum_column or nothing).alias("total"), F.max(table.last_ts_column or nothing).alias("latest")).first()
+    return {"keys": row["keys"],
+            "events_counted": (row["events"] or 0) if table.count_column else None,
+            "total": (row["total"] or Decimal(0)) if table.sum_column else None,
+            "latest_event_time": row["latest"]}
+
+
+def totals_match_bronze(spark: SparkSession, layout: StorageLayout, spec: StreamSpec, table: StateTableSpec) -> dict:
+    """The per-run reconciliation: the state table's totals against bronze's at the version the table has folded
+    through, which its commits record (pinned to one table version, so a MERGE committing meanwhile cannot make
+    it fail): its count of every event, and its SUM of the value bronze keeps a running total of. Falls back to
+    counting bronze at that version when its commits carry no running totals. `passed` None when the table
+    records no version or counts no event (COUNT(*)): the caller runs the deep check instead.
+    """
+    found = folded_through(spark, layout.table(table.name))
+    state_version, version = (found.version, found.through) if found else (None, None)
+    state = state_totals(spark, layout, table, state_version)
+    state.pop("latest_event_time")
+    if version is None or table.count_column is None or table.where:  # bronze's totals count every event
+        return {"covered_bronze_version": -1 if version is None else version, **state, "passed": None}
+    events, total = accepted_totals(spark, str(layout.table(spec.bronze_table)), spec.value_field, version)
+    # Rows a TTL expired hold events too: their running totals are in the table's newest commits.
+    expired = expired_totals(spark, layout.table(table.name), as_of=state_version)
+    passed = events == state["events_counted"] + expired.events
+    figures = {"covered_bronze_version": version, "state_table_version": state_version, "bronze_events": events,
+               **state, "expired_events": expired.events}
+    if table.sum_column and table.summed_field == spec.value_field:
+        passed = passed and total == state["total"] + expired.value
+        figures.update({"bronze_total": total, "expired_total": expired.value})
+    else:
+        figures.pop("total")
+    return {**figures, "passed": passed}
+
+
+def duplicated_or_null_keys(spark: SparkSession, layout: StorageLayout, spec: StreamSpec,
+                            table: StateTableSpec) -> DataFrame:
+    """Keys held by more than one row, and NULL in a key that only a required field feeds."""
+    required = [k for k in table.keys if spec.field(k).required]
+    null = F.lit(False)
+    for key in required:
+        null = null | F.col(key).isNull()
+    return _state(spark, layout, table).groupBy(*table.keys).count().where((F.col("count") > 1) | null)
+
+
+def negative_rows(spark: SparkSession, layout: StorageLayout, spec: StreamSpec, table: StateTableSpec) -> DataFrame:
+    """Rows whose count of events is not positive, or whose SUM of a field that cannot be negative is."""
+    bad = F.lit(False)
+    if table.count_column:
+        bad = bad | (F.col(table.count_column) <= 0)
+    for a in table.aggregates:
+        rule = spec.field(a.column) if a.column else None
+        if a.function == "sum" and rule.min_value is not None and Decimal(rule.min_value) >= 0:
+            bad = bad | (F.col(a.name) < 0)
+    return _state(spark, layout, table).where(bad)
+
+
+def mismatches_with_bronze(spark: SparkSession, layout: StorageLayout, spec: StreamSpec,
+                           table: StateTableSpec) -> tuple[DataFrame, dict]:
+    """The deep check: keys where the state table differs from its declared query over all of bronze (every
+    column), and the totals of both. A key a TTL expired is compared with its events ingested after its newest
+    expiry; the expired rows' totals, read from the Change Data Feed, must equal the running totals the commits
+    carry, and with the table's they must add up to bronze's."""
+    table_path = layout.table(table.name)
+    bronze = spark.read.format("delta").load(str(layout.table(spec.bronze_table)))
+    if table.where:  # the events the table counts
+        bronze = bronze.where(F.expr(table.where))
+    state = _state(spark, layout, table)
+    expiries = expired_rows(spark, table_path, table)
+    expected = aggregate(since_last_expiry(bronze, expiries, table.keys), table)
+    columns = [a.name for a in table.aggregates]
+    e, st = expected.alias("e"), state.alias("s")
+    on = None
+    for k in table.keys:
+        same = F.col(f"e.{k}").eqNullSafe(F.col(f"s.{k}"))
+        on = same if on is None else on & same
+    differs = F.lit(False)
+    for c in columns:
+        differs = differs | ~F.col(f"e.{c}").eqNullSafe(F.col(f"s.{c}"))
+    mismatched = e.join(st, on, "full_outer").where(differs).select(
+        *[F.coalesce(F.col(f"e.{k}"), F.col(f"s.{k}")).alias(k) for k in table.keys],
+        *[x for c in columns for x in (F.col(f"e.{c}").alias(f"expected_{c}"), F.col(f"s.{c}").alias(c))])
+    expired = expired_totals(spark, table_path)
+    in_feed = (expiries.agg(F.count("*"), F.sum(table.count_column), F.sum(EXPIRED_VALUE)).first()
+               if expiries is not None else (0, None, None))
+    totals = {"distinct_accepted_events": bronze.select(spec.id_field, "content_hash").distinct().count(),
+              "expired_keys": expired.keys, "expired_events": expired.events,
+              "expiries_match_change_feed": (in_feed[0], in_feed[1] or 0, in_feed[2] or 0) == (
+                  expired.keys, expired.events, expired.value)}
+    passed = totals["expiries_match_change_feed"]
+    if table.count_column:
+        totals["sum_of_counts"] = (state.agg(F.sum(table.count_column)).first()[0] or 0) + expired.events
+        passed = passed and totals["sum_of_counts"] == totals["distinct_accepted_events"]
+    if table.sum_column:
+        totals["bronze_sum"] = str(bronze.agg(F.sum(table.summed_field)).first()[0] or 0)
+        totals["state_sum"] = str((state.agg(F.sum(table.sum_column)).first()[0] or 0) + expired.value)
+        passed = passed and totals["bronze_sum"] == totals["state_sum"]
+    totals["totals_agree"] = passed
+    return mismatched, totals
+
+
+def quarantine_reasons(spark: SparkSession, layout: StorageLayout, spec: StreamSpec, before: int | None,
+                       after: int | None) -> DataFrame:
+    """Lines quarantined by table versions (before, after], by reason, from the change feed (the run's rows only)."""
+    if after is None or after <= (before or 0):
+        return spark.createDataFrame([], "reason string, reason_field string, count long")
+    written = (spark.read.format("delta").option("readChangeFeed", "true")
+               .option("startingVersion", (before or 0) + 1).option("endingVersion", after)
+               .load(str(layout.table(spec.quarantine_table))).where(F.col("_change_type") == "insert"))
+    return written.groupBy("reason", "reason_field").count().orderBy(F.desc("count"))
+
+
+def _late_figures(late: DataFrame) -> tuple[int, int]:
+    """(late events, those not at or behind the watermark they were said to miss). The operators' rule: an
+    event exactly at the watermark is late, so only an event time after it is wrong."""
+    row = late.agg(F.count("*"), F.count(F.when(F.col("event_time") > F.col("watermark"), 1))).first()
+    return row[0], row[1]
+
+
+def _inserted_since(spark: SparkSession, path, since_version: int | None) -> DataFrame | None:
+    """The rows committed to a table after `since_version` (None: every row), from its change feed."""
+    if since_version is None:
+        return None
+    if since_version >= (table_version(spark, path) or 0):
+        return spark.read.format("delta").load(str(path)).limit(0)  # Delta refuses a change feed that starts later
+    return (spark.read.format("delta").option("readChangeFeed", "true").option("startingVersion", since_version + 1)
+            .load(str(path)).where(F.col("_change_type") == "insert"))
+
+
+def recomputed_sessions(table: EventTimeTableSpec, events: DataFrame) -> DataFrame:
+    """The contract's sessions of `events`, recomputed with window functions: per key, in event-time order, an
+    event *less than* the gap after the previous one joins its session; the gap or more starts a new one. A second
+    implementation of the rule with the same edges (the operator cuts pieces, open sessions and events, not events),
+    with `_first` and `_last` and the declared key, bound and aggregate columns. Ties in event time change no
+    session: equal times are 0 apart."""
+    kinds = {f.name: f.kind for f in table.fields}
+    at = F.unix_micros(table.event_time_field)
+    in_order = Window.partitionBy(*table.keys).orderBy(table.event_time_field)
+    starts = F.when(F.lag(at).over(in_order).isNull()
+                    | (at - F.lag(at).over(in_order) >= table.size // dt.timedelta(microseconds=1)), 1).otherwise(0)
+    numbered = (events.withColumn("_starts", starts)
+                .withColumn("_session", F.sum("_starts").over(in_order.rowsBetween(Window.unboundedPreceding, 0))))
+    grouped = numbered.groupBy(*table.keys, "_session").agg(
+        *partial_columns(table.aggregates, kinds),
+        F.min(table.event_time_field).alias("_first"), F.max(table.event_time_field).alias("_last"))
+    typed = {f.name: f.dataType for f in output_schema(table)}
+    gap_us = table.size // dt.timedelta(microseconds=1)
+    columns = []
+    for c in table.columns:
+        if c.role == "key":
+            columns.append(F.col(c.name))
+        elif c.role == "start":
+            columns.append(F.col("_first").alias(c.name))
+        elif c.role == "end":
+            columns.append(F.timestamp_micros(F.unix_micros("_last") + F.lit(gap_us)).alias(c.name))
+        elif c.role == "aggregate":
+            a = next(a for a in table.aggregates if a.name == c.of)
+            columns.append(final_column(a, kinds).cast(typed[c.name]).alias(c.name))
+    return grouped.select(*columns, "_first", "_last")
+
+
+def event_time_mismatches(spark: SparkSession, layout: StorageLayout, spec: StreamSpec, table: EventTimeTableSpec,
+                          since_version: int | None = None) -> tuple[DataFrame, dict]:
+    """A windowed or session table against its declared query recomputed over bronze, at the bronze version and
+    watermark its step has reached, minus the events late_events says were late for it.
+
+    Windows: the declared SQL run by Spark itself (`window()`), every window whose end the watermark has reached;
+    per run (`since_version`), only the windows the run closed, bronze read through its event-time statistics. A
+    column Spark's own aggregates cannot compute (a list MAX_BY) is left out. Sessions: cut again by
+    `recomputed_sessions` (all of bronze), every session the watermark is a gap past; the columns a key carries
+    from session to session (LAG, day totals) depend on the order sessions closed in and are not recomputed. Rows
+    on either side only are the mismatches (`side` says which)."""
+    progress = watermark.last_progress(spark, table, layout)
+    path = layout.table(table.name)
+    actual = spark.read.format("delta").load(str(path))
+    figures = {"rows_checked": 0, "events": 0, "late_events": 0, "late_not_in_bronze": 0,
+               "late_not_behind_watermark": 0, "bronze_version": progress.bronze_version if progress else -1}
+    if progress is None or progress.bronze_version < 0:
+        return actual.limit(0).withColumn("side", F.lit("")), figures
+    late = (spark.read.format("delta").load(str(layout.table(watermark.LATE)))
+            .where(F.col("table_name") == table.name))
+    bronze = (spark.read.format("delta").option("versionAsOf", progress.bronze_version)
+              .load(str(layout.table(spec.bronze_table))))
+    at = F.col(table.event_time_field)
+    size_us = table.size // dt.timedelta(microseconds=1)
+    watermark_us = progress.watermark_ms * 1000
+    if table.kind == "window":
+        start = table.column("start")
+        inserted = _inserted_since(spark, path, since_version)
+        if inserted is not None:
+            starts = sorted(r[0] for r in inserted.select(start).distinct().collect())
+            actual = actual.where(F.col(start).isin(starts)) if starts else actual.limit(0)
+            window_of = F.timestamp_micros(F.unix_micros(at) - F.pmod(F.unix_micros(at), F.lit(size_us)))
+            bronze = bronze.where((at >= F.lit(starts[0] if starts else dt.datetime(1970, 1, 1)))
+                                  & window_of.isin(starts)) if starts else bronze.limit(0)
+        dropped = {a.name for a in table.aggregates if a.n}
+        on_time = bronze.join(late.select(F.col("event_id").alias(spec.id_field)), spec.id_field, "left_anti")
+        expected = spark.sql(query_over(table.sql, dropped), source=on_time)
+        expected = expected.where(F.unix_micros(start) + F.lit(size_us) <= F.lit(watermark_us))
+        compared = [c.name for c in table.columns if c.name not in dropped]
+    else:
+        on_time = watermark.kept_events(table, bronze).join(
+            late.select(F.col("event_id").alias(spec.id_field)), spec.id_field, "left_anti")
+        expected = recomputed_sessions(table, on_time).where(
+            F.unix_micros("_last") + F.lit(size_us) <= F.lit(watermark_us))
+        compared = [c.name for c in table.columns if c.role in ("key", "start", "end", "aggregate")]
+    typed = {f.name: f.dataType for f in output_schema(table)}
+    expected = expected.select(*(F.col(c).cast(typed[c]) for c in compared))
+    stored = actual.select(*compared)
+    mismatched = (stored.exceptAll(expected).withColumn("side", F.lit(f"only in {table.name}"))
+                  .unionByName(expected.exceptAll(stored).withColumn("side", F.lit(f"missing from {table.name}"))))
+    late_in_bronze = late.join(bronze.select(F.col(spec.id_field).alias("event_id")), "event_id", "left_semi").count()
+    late_count, not_behind = _late_figures(late)
+    figures.update({"rows_checked": stored.count(), "events": bronze.count(), "late_events": late_in_bronze,
+                    "late_not_in_bronze": late_count - late_in_bronze if table.kind == "session" or
+                    since_version is None else 0,
+                    "late_not_behind_watermark": not_behind})
+    return mismatched, figures
+
+
+def top_mismatches(spark: SparkSession, layout: StorageLayout, top: TopSpec) -> DataFrame:
+    """Rows of a top N table that differ from its declared query run by Spark over its windowed table (either
+    side), with `side` saying which table holds the row."""
+    stored = spark.read.format("delta").load(str(layout.table(top.name)))
+    recomputed = spark.sql(query_over(top.sql), source=spark.read.format("delta").load(str(layout.table(top.source))))
+    recomputed = recomputed.select(*(F.col(f.name).cast(f.dataType) for f in stored.schema))
+    return (stored.exceptAll(recomputed).withColumn("side", F.lit(f"only in {top.name}"))
+            .unionByName(recomputed.exceptAll(stored).withColumn("side", F.lit(f"missing from {top.name}"))))

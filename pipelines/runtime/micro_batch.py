@@ -1,0 +1,374 @@
+"""One streaming query per stream: each micro-batch of landing content goes through every table of the stream.
+
+The query streams the stream's landing ledger (pipelines/ingest/landing.py; the scan runs in this driver, not as a
+query). Its foreachBatch, `StreamBatch`, reads top to bottom in data-flow order:
+
+1. validate, dedup, quarantine and bronze appends (pipelines/ingest/bronze.py, `ingest_batch`);
+2. the all-time state MERGE (pipelines/state/tables.py);
+3. the windowed and session tables (pipelines/event_time/windows.py, pipelines/event_time/sessions.py), with late events;
+4. the changelog, from the state-table versions this batch wrote (pipelines/state/changelog.py).
+
+Exactly once. Every write carries the stream's transaction id (app id, batch id), so a replay of a batch is a
+no-op table by table. Each step after bronze folds the bronze rows added after the version its own last commit
+recorded (this batch's own append as the batch holds it, when that is all the step lacks), and records the version
+it reached in the same commit as its rows. So a batch replayed after a crash
+between any two commits, or after the checkpoint was lost (a new app id), folds every bronze row once: a step
+that had committed skips it, a step that had not folds it, from the state the previous batch left (recorded
+versions, read by time travel), never from what this batch had half written.
+
+There is one checkpoint per stream. A lost or damaged one is set aside: a new one reads the whole ledger again,
+lines already in bronze or quarantine are recognised by file and line number, and the later steps resume from
+what their tables record. Before the query starts, every step is brought up to bronze's newest version
+(`catch_up`): a batch that died midway, a savepoint restore, or tables of an earlier statetables.
+
+    >>> advance_stream(spark, StorageLayout.under("data"), stream_spec("orders")).micro_batches
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import Iterator
+
+from pyspark.sql import DataFrame, SparkSession
+
+from pipelines.declare.project import streams
+from pipelines.declare.specs import StreamSpec
+from pipelines.errors import ConfigurationError
+from pipelines.event_time.sessions import sessions_stage
+from pipelines.event_time.watermark import LATE, EventTimeStage
+from pipelines.event_time.windows import windows_stage
+from pipelines.faults import STREAM_BATCH_END, fault_point
+from pipelines.ingest.bronze import (
+    DEFAULT_MAX_FILES_PER_TRIGGER, IngestSettings, ensure_bronze_tables, ingest_batch, ingest_records,
+)
+from pipelines.ingest.kafka_source import recorded_offsets, source_id, starting_offsets, topic_partitions, topic_records
+from pipelines.ingest.landing import LedgerView, ScanResult, landing_listing, record_units, scan_landing
+from pipelines.runtime.checkpoints import (
+    checkpoint_for_run, planned_source_version, read_through, start_checkpoint, write_origin,
+)
+from pipelines.runtime.locks import Fence, writer_lock
+from pipelines.runtime.query import (
+    INTERPRETED, SMALL_BATCH_BYTES, Continuous, StreamRunResult, TableVersions, batch_bytes, require_writable,
+    run_query, session_confs_during, storage_errors,
+)
+from pipelines.runtime.spark import require_kafka_jars
+from pipelines.state.changelog import ChangelogStage, changelog_name, changelog_stage
+from pipelines.state.changelog_topic import ChangelogTopicStage, changelog_topic_stage, close_producers
+from pipelines.state.tables import StateTableStage, state_table_stage
+from pipelines.storage.delta_log import Appended, BronzeRows, commits_since, new_app_id, table_id, table_version
+from pipelines.storage.layout import StorageLayout
+
+
+@dataclass(frozen=True)
+class StreamSettings:
+    """How a run advances a stream: what the run may choose (Dagster config and the CLI fill it in). What decides
+    the rows (rules, dedup horizon, watermarks, TTLs) is the stream's declaration, the same for every run."""
+
+    max_files_per_trigger: int = DEFAULT_MAX_FILES_PER_TRIGGER  # landing units per micro-batch
+    lock_timeout_s: float = 60.0
+    event_time: bool = True  # keep the stream's windowed and session tables; False: they cost nothing
+
+
+EVENT_TIME_ENV = "STATETABLES_EVENT_TIME"
+
+
+def event_time_streams(value: str | None = None) -> frozenset[str]:
+    """The streams that keep their windowed and session tables, from
+    $STATETABLES_EVENT_TIME: `all` (the default), `none`, or stream names separated by commas. The code location
+    reads it once: a stream left out has no event-time assets, and its runs pay nothing for them."""
+    raw = (os.environ.get(EVENT_TIME_ENV, "all") if value is None else value).strip()
+    if raw in ("", "all"):
+        return frozenset(streams())
+    if raw == "none":
+        return frozenset()
+    names = {name.strip() for name in raw.split(",") if name.strip()}
+    if unknown := sorted(names - set(streams())):
+        raise ConfigurationError(
+            f"{EVENT_TIME_ENV}={raw!r} names no stream {', '.join(unknown)}. Fix: set it to all, none, or some of "
+            f"{', '.join(streams())} separated by commas.")
+    return frozenset(names)
+
+
+def event_time_tables(spec: StreamSpec) -> tuple[str, ...]:
+    """The tables a stream's windowed and session steps write (late_events is shared by every stream)."""
+    names = tuple(name for t in spec.event_time_tables for name in (t.name, *(top.name for top in t.tops),
+                                                                    t.state_table))
+    return (*names, LATE) if names else ()
+
+
+def stream_tables(spec: StreamSpec, settings: StreamSettings) -> tuple[str, ...]:
+    """Every table a run of the stream writes, in data-flow order."""
+    return (spec.quarantine_table, spec.bronze_table, *(t.name for t in spec.state_tables),
+            *(event_time_tables(spec) if settings.event_time else ()),
+            *(changelog_name(t) for t in spec.state_tables))
+
+
+class _CurrentStderr(logging.StreamHandler):
+    """A handler that writes to `sys.stderr` as it is when a line is logged, not as it was when this module was
+    imported (as `logging.lastResort` does): whoever captures the process's stderr later gets the lines."""
+
+    def __init__(self):
+        logging.Handler.__init__(self)
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+
+# One line per micro-batch, on stderr: `statetables run` shows it, a Dagster step's captured stderr keeps it (the
+# step's logs), and over Spark Connect it goes where the server's Python worker writes (the server's log). Set up
+# here because every process that runs a batch imports this module; not propagated, so an application that also
+# configures the root logger does not print it twice.
+PROGRESS = logging.getLogger("statetables.progress")
+if not PROGRESS.handlers:
+    _handler = _CurrentStderr()
+    _handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(message)s"))
+    PROGRESS.addHandler(_handler)
+    PROGRESS.setLevel(logging.INFO)
+    PROGRESS.propagate = False
+
+
+def log_batch(stream: str, batch_id: int, counts: dict, elapsed_s: float, steps_s: dict[str, float]) -> None:
+    """The micro-batch's line: its counts (what ingest_batch computed and bronze's commit records), its rate and
+    duration, and each step's seconds (`<step>_s`: ingest, state, event_time, changelog, those it has). The figures
+    are also on the record (`figures`), for a handler that wants them as data."""
+    lines = int(counts.get("lines", 0))
+    figures = {"stream": stream, "batch": batch_id, "lines": lines, "accepted": int(counts.get("accepted", 0)),
+               "quarantined": int(counts.get("quarantined", 0)), "duplicates": int(counts.get("duplicates", 0)),
+               "rows_per_s": round(lines / elapsed_s, 1) if elapsed_s > 0 else 0.0, "elapsed_s": round(elapsed_s, 2)}
+    if counts.get("already_ingested"):  # a replay under a new checkpoint: lines that an earlier attempt wrote
+        figures["already_ingested"] = int(counts["already_ingested"])
+    figures.update({f"{step}_s": round(seconds, 2) for step, seconds in steps_s.items()})
+    PROGRESS.info(" ".join(f"{key}={value}" for key, value in figures.items()), extra={"figures": figures})
+
+
+@contextmanager
+def timed(seconds: dict[str, float], step: str) -> Iterator[None]:
+    """Add the block's wall time to `seconds[step]`."""
+    started = time.monotonic()
+    try:
+        yield
+    finally:
+        seconds[step] = seconds.get(step, 0.0) + time.monotonic() - started
+
+
+class StreamBatch:
+    """The foreachBatch body of a stream's query: one micro-batch of landing units through every table."""
+
+    def __init__(self, layout: StorageLayout, spec: StreamSpec, ingest: IngestSettings,
+                 states: list[StateTableStage], event_time: list[EventTimeStage], changelogs: list[ChangelogStage],
+                 fence: Fence | None = None, topics: dict[str, ChangelogTopicStage] | None = None):
+        self.layout, self.spec, self.ingest = layout, spec, ingest
+        self.states, self.event_time, self.changelogs = states, event_time, changelogs
+        self.fence = fence
+        self.topics = topics or {}  # state table → its changelog topic's stage
+
+    def __call__(self, units: DataFrame, batch_id: int) -> None:
+        started = time.monotonic()
+        if self.fence is not None:  # an object-store root: this run must still hold the stream's lease
+            self.fence()
+        # A topic's records cannot be sized without reading them: its batches keep the session's settings.
+        small = self.spec.topic is None and batch_bytes(units) < SMALL_BATCH_BYTES
+        steps_s: dict[str, float] = {}
+        with session_confs_during(units.sparkSession, INTERPRETED if small else {}):
+            ingest = ingest_batch if self.spec.topic is None else ingest_records
+            with timed(steps_s, "ingest"):
+                ingested = ingest(units, batch_id, settings=self.ingest)
+            self.fold(units.sparkSession, self.ingest.app_id, batch_id, ingested.appended, steps_s)
+        log_batch(self.spec.name, batch_id, ingested.counts, time.monotonic() - started, steps_s)
+        fault_point(STREAM_BATCH_END)
+
+    def fold(self, spark: SparkSession, app_id: str, batch_id: int, appended: Appended | None = None,
+             steps_s: dict[str, float] | None = None) -> None:
+        """Every step after bronze, up to bronze's newest version (this batch's append, and any a batch that died
+        before its later steps committed had made). A step whose only unfolded version is `appended` folds its
+        rows as the batch holds them; a step further behind reads bronze (`BronzeRows`). Each step's seconds are
+        added to `steps_s`."""
+        steps_s = {} if steps_s is None else steps_s
+        bronze_path = self.layout.table(self.spec.bronze_table)
+        through = table_version(spark, bronze_path)
+        rows = BronzeRows(spark, bronze_path, through, appended)
+        with timed(steps_s, "state"):
+            for state in self.states:
+                state.advance(spark, rows, app_id, batch_id)
+        if self.event_time:
+            with timed(steps_s, "event_time"):
+                for step in self.event_time:
+                    step.advance(spark, rows, app_id, batch_id)
+        with timed(steps_s, "changelog"):
+            for changelog in self.changelogs:
+                changelog.advance(spark, app_id, batch_id)
+                if (topic := self.topics.get(changelog.table.name)) is not None:
+                    topic.advance(spark, changelog)
+
+    def catch_up(self, spark: SparkSession) -> bool:
+        """Bring every step up to bronze's newest version before the query starts, under an app id of its own;
+        whether there was anything to fold."""
+        through = table_version(spark, self.layout.table(self.spec.bronze_table))
+        # Bronze's version 0 is its creation: no rows.
+        behind = through > 0 and (any(state.through < through for state in self.states)
+                  or any(step.last.bronze_version < through for step in self.event_time)
+                  or any(c.covers < (table_version(spark, self.layout.table(c.table.name)) or 0)
+                         for c in self.changelogs)
+                  or any(t.published < c.covers for c in self.changelogs
+                         if (t := self.topics.get(c.table.name)) is not None))
+        if behind:
+            if self.fence is not None:
+                self.fence()
+            self.fold(spark, new_app_id(f"{self.spec.name}/catch-up"), 0)
+        return behind
+
+
+def _event_time_stages(spark: SparkSession, layout: StorageLayout, spec: StreamSpec,
+                       settings: StreamSettings) -> list[EventTimeStage]:
+    if not settings.event_time:
+        return []
+    return [(windows_stage if table.kind == "window" else sessions_stage)(spark, layout, spec, table)
+            for table in spec.event_time_tables]
+
+
+def _scan_continuously(spark: SparkSession, layout: StorageLayout, spec: StreamSpec, per_commit: int,
+                       continuous: Continuous, changed: list[dict]) -> None:
+    """The continuous run's landing scan: every trigger interval, record what arrived in the ledger, which the
+    running query reads. A listing equal to the last one costs no Spark job.
+
+    The query reads one ledger commit per micro-batch, and a batch costs seconds whatever it holds, so a commit
+    per scan would fall behind files arriving every few seconds, for good. While the query has a commit it
+    has not planned yet, nothing is recorded: what arrives meanwhile goes into one commit, the next batch."""
+    landing, ledger, staging = layout.landing(spec.name), layout.table(spec.files_table), layout.staging(spec.name)
+    checkpoint = layout.checkpoint(spec.name)
+    last = None  # the first pass scans: a file may have arrived since the run's own scan
+    view = None
+    while not continuous.stop.wait(continuous.trigger_interval_s):
+        try:
+            listing = landing_listing(landing)
+            if listing == last:
+                continue
+            planned = planned_source_version(checkpoint)
+            if planned is not None and (table_version(spark, ledger) or 0) > planned:
+                continue  # a backlog: wait for the query to take it
+            view = view or LedgerView.read(spark, ledger)
+            scan = scan_landing(spark, landing, ledger, staging, view)
+            record_units(spark, ledger, scan.units, per_commit)
+            view.add(scan.units)
+            changed.extend(scan.changed)
+            last = listing
+        except BaseException as exc:  # noqa: BLE001 - handed to the run, which stops the query and raises it
+            continuous.fail(exc)
+            return
+
+
+def advance_stream(spark: SparkSession, layout: StorageLayout, spec: StreamSpec,
+                   settings: StreamSettings = StreamSettings(), *,
+                   continuous: Continuous | None = None) -> StreamRunResult:
+    """Take every landing file (and every change to one) not yet ingested through all of the stream's tables;
+    with `continuous`, keep scanning the landing folder and folding what arrives until stopped."""
+    started = time.monotonic()
+    bronze_path, quarantine_path = layout.table(spec.bronze_table), layout.table(spec.quarantine_table)
+    ledger_path, staging_dir = layout.table(spec.files_table), layout.staging(spec.name)
+    checkpoint = layout.checkpoint(spec.name)
+    names = stream_tables(spec, settings)
+    require_writable([layout.locks, layout.tables_root, staging_dir, layout.checkpoints_root])
+    with writer_lock(layout.locks, spec.name, settings.lock_timeout_s) as fence, storage_errors():
+        ensure_bronze_tables(spark, layout, spec)
+        before = {name: table_version(spark, layout.table(name)) for name in names}
+        # The changelogs first: one refuses to follow a state table created again before that table is rebuilt.
+        changelogs = [changelog_stage(spark, layout, table) for table in spec.state_tables]
+        states = [state_table_stage(spark, layout, spec, table) for table in spec.state_tables]
+        event_time = _event_time_stages(spark, layout, spec, settings)
+        if spec.topic is None:
+            scan = scan_landing(spark, layout.landing(spec.name), ledger_path, staging_dir)
+            record_units(spark, ledger_path, scan.units, settings.max_files_per_trigger)
+            source = table_id(spark, ledger_path)
+        else:
+            require_kafka_jars()
+            topic_partitions(spec.topic)  # the brokers answer and the topic exists, before any query starts
+            scan, source = ScanResult([], 0, []), source_id(spec.topic)
+        verdict, moved = checkpoint_for_run(spark, checkpoint, layout.set_aside_checkpoints,
+                                            [bronze_path], source_table_id=source,
+                                            sometimes_written=[quarantine_path])
+        origin, recovery = verdict.origin, None
+        if origin is None:
+            reason = verdict.problem or "no checkpoint yet"
+            # Lines of the units recorded so far may already be in bronze or quarantine (written under
+            # the checkpoint that was lost); units scanned later are new content.
+            holds_lines = any(before[name] not in (None, 0) for name in (spec.bronze_table, spec.quarantine_table))
+            origin = start_checkpoint(checkpoint, spec.name, reason, source_table_id=source,
+                                      recheck_through_unit=scan.known_units + len(scan.units) - 1 if holds_lines
+                                      else -1)
+            if verdict.problem or moved:
+                recovery = {"problem": reason, "set_aside": str(moved) if moved else None,
+                            "action": "new checkpoint: every landing file is read again; lines already in "
+                                      "bronze or quarantine are recognised by file and line number and skipped; "
+                                      "the later tables resume from the bronze version each records"
+                                      if spec.topic is None else
+                                      "new checkpoint: the topic is read from the offsets bronze's newest commit "
+                                      "records; records quarantine already holds are recognised by partition and "
+                                      "offset and skipped; the later tables resume from the bronze version each "
+                                      "records"}
+        elif origin.recheck_through_unit is None:
+            # A checkpoint started by an earlier version: units scanned from now on are new content.
+            origin = replace(origin, recheck_through_unit=scan.known_units - 1)
+            write_origin(checkpoint, origin)
+        ingest = IngestSettings(spec=spec, bronze_path=str(bronze_path), quarantine_path=str(quarantine_path),
+                                staging_dir=staging_dir, app_id=origin.app_id, horizon=spec.dedup_horizon,
+                                max_ahead=spec.max_ahead, recheck_through_unit=origin.recheck_through_unit,
+                                recheck_offsets=recorded_offsets(spark, quarantine_path, spec.topic)
+                                if spec.topic is not None else None)
+        topics = {table.name: changelog_topic_stage(layout, table, table_version(spark, layout.table(table.name)))
+                  for table in spec.state_tables if table.changelog_topic is not None}
+        batch = StreamBatch(layout, spec, ingest, states, event_time, changelogs, fence, topics)
+        caught_up = batch.catch_up(spark)
+        if spec.topic is None:
+            # One ledger commit file per micro-batch, in unit order (record_units writes them that way).
+            units = spark.readStream.format("delta").option("maxFilesPerTrigger", "1").load(str(ledger_path))
+        else:
+            # Read only without a checkpoint (Spark's own offsets win): where bronze's newest commit ends.
+            units = topic_records(spark, spec.topic,
+                                  starting_offsets(spec.topic, recorded_offsets(spark, bronze_path, spec.topic)))
+        changed = list(scan.changed)
+        scanner = None
+        if continuous is not None and spec.topic is None:
+            scanner = threading.Thread(target=_scan_continuously, name=f"{spec.name}-landing-scan", daemon=True,
+                                       args=(spark, layout, spec, settings.max_files_per_trigger, continuous,
+                                             changed))
+            scanner.start()
+        try:
+            if continuous is None and spec.topic is None and read_through(checkpoint,
+                                                                          table_version(spark, ledger_path)):
+                batches = 0  # no new ledger commit since the last committed batch
+            else:
+                batches, _ = run_query(units, query_name=spec.name, checkpoint_dir=checkpoint, on_batch=batch,
+                                       continuous=continuous)
+        finally:
+            if scanner is not None:
+                continuous.stop.set()
+                scanner.join()
+            close_producers()
+        # One recovery is shown: the checkpoint's first, then an event-time step's, then a state table's.
+        recovered = next((step.recovered for step in event_time if step.recovered), None)
+        if recovery is None and recovered:
+            recovery = {**recovered, "set_aside": None}
+        note = next((state.note for state in states if state.note), None)
+        if recovery is None and note:
+            recovery = {"problem": note.split(":")[0], "set_aside": None, "action": note}
+        commits = {name: commits_since(spark, layout.table(name), before[name])
+                   for name in (spec.bronze_table, *(t.name for t in spec.state_tables),
+                                *(step.table.name for step in event_time))}
+        return StreamRunResult(
+            query_name=spec.name,
+            micro_batches=batches + int(caught_up),
+            rows_read=sum(int(c["user"].get("lines", 0)) for c in commits[spec.bronze_table]),
+            duration_s=time.monotonic() - started,
+            versions={name: TableVersions(before[name], table_version(spark, layout.table(name))) for name in names},
+            commits=commits,
+            recovery=recovery,
+            changed_files=changed,
+            built_through={state.table.name: state.rebuilt_through for state in states},
+        )

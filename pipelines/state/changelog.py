@@ -1,0 +1,124 @@
+"""A state table's Change Data Feed as its own Delta table, and rebuilding a state table from it.
+
+`ChangelogStage`, the last step of the stream's micro-batch, appends the state table's change rows to
+`<state table>_changelog` (a table other jobs read, as a table or as a stream). `table_from_changelog`
+rebuilds the state table as of any version from the changelog alone: per key, the newest change at or
+before that version.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pyspark.sql import DataFrame, SparkSession, Window
+from pyspark.sql import functions as F
+from pyspark.sql.types import LongType, StringType, TimestampType
+
+from pipelines.declare.specs import StateTableSpec
+from pipelines.errors import ChangelogError
+from pipelines.state.tables import ensure_state_table, state_schema
+from pipelines.storage.delta_log import commits_since, create_table_if_missing, rows_changed, table_id, table_version
+from pipelines.storage.layout import StorageLayout
+
+def changelog_name(table: StateTableSpec) -> str:
+    return f"{table.name}_changelog"
+
+
+COVERS = "state_version"  # commit metadata: every state-table version up to this one is in the changelog
+STATE_TABLE_ID = "state_table_id"  # ... of the state table with this Delta id
+
+
+def changelog_schema(table: StateTableSpec):
+    return state_schema(table).add("_change_type", StringType()).add("_commit_version", LongType()) \
+        .add("_commit_timestamp", TimestampType())
+
+
+class ChangelogStage:
+    """The changelog step of a stream's micro-batch, its last: the state table's change rows of the versions
+    after those the changelog covers, appended in one commit that records the version it now covers. The
+    record travels with the rows, so whichever attempt of a batch commits, no change row is appended twice
+    or missed; the txn id makes a replay of the same batch a no-op."""
+
+    def __init__(self, layout: StorageLayout, table: StateTableSpec, covers: int, state_table_id: str):
+        self.layout, self.table, self.covers, self.state_table_id = layout, table, covers, state_table_id
+
+    def advance(self, spark: SparkSession, app_id: str, batch_id: int) -> None:
+        state_path = self.layout.table(self.table.name)
+        now = table_version(spark, state_path)
+        if now is None or now <= self.covers:
+            return
+        changes = rows_changed(spark, state_path, self.covers, now)
+        (changes.write.format("delta").mode("append").option("txnAppId", app_id).option("txnVersion", batch_id)
+         .option("userMetadata", json.dumps({"app_id": app_id, "batch_id": batch_id, COVERS: now,
+                                             STATE_TABLE_ID: self.state_table_id}))
+         .save(str(self.layout.table(changelog_name(self.table)))))
+        self.covers = now
+
+
+def ensure_changelog(spark: SparkSession, layout: StorageLayout, table: StateTableSpec) -> None:
+    create_table_if_missing(spark, layout.table(changelog_name(table)), changelog_schema(table), change_data_feed=False)
+
+
+def coverage_record(spark: SparkSession, path: Path) -> dict | None:
+    """The metadata of the changelog's newest commit that records the state-table version it covers (`COVERS`),
+    among its newest 20; None when none does (no changelog yet, or one of an earlier statetables)."""
+    latest = table_version(spark, path) or 0
+    return next((c["user"] for c in reversed(commits_since(spark, path, max(-1, latest - 20)))
+                 if c["user"].get(COVERS) is not None), None)
+
+
+def changelog_stage(spark: SparkSession, layout: StorageLayout, table: StateTableSpec) -> ChangelogStage:
+    """The changelog step as the changelog's newest commits left it. A changelog written by an earlier
+    statetables (a query of its own, without the record) covers the newest version its rows hold."""
+    path, state_path = layout.table(changelog_name(table)), layout.table(table.name)
+    ensure_state_table(spark, layout, table)
+    ensure_changelog(spark, layout, table)
+    latest = table_version(spark, path) or 0
+    newest = coverage_record(spark, path)
+    state_id = table_id(spark, state_path)
+    if newest is None:
+        # Version 0 is the table's creation: no rows to read.
+        highest = (None if latest == 0
+                   else spark.read.format("delta").load(str(path)).agg(F.max("_commit_version")).first()[0])
+        covers, covered_id = (-1 if highest is None else int(highest)), state_id
+    else:
+        covers, covered_id = int(newest[COVERS]), newest.get(STATE_TABLE_ID, state_id)
+    if covered_id != state_id or covers > (table_version(spark, state_path) or 0):
+        raise ChangelogError(
+            f"{path.name} holds the changes of an earlier {table.name}: that table was deleted and created again, "
+            f"and its versions start over. Fix: move {path} aside (keep it: it is the old table's history); the "
+            f"next run publishes the new table's changes from its first version.")
+    return ChangelogStage(layout, table, covers, state_id)
+
+
+def table_from_changelog(changelog: DataFrame, table: StateTableSpec, version: int) -> DataFrame:
+    """The state table as of `version`, from change rows alone.
+
+    Per key the newest change at or before `version` decides: an insert or update_postimage is the
+    row, a delete means no row. Within one commit a key can be both deleted and inserted (a
+    file-level rewrite); then the row exists, so insert/postimage sort before delete.
+    """
+    newest_first = Window.partitionBy(*table.keys).orderBy(
+        F.col("_commit_version").desc(), (F.col("_change_type") == "delete").asc())
+    return (
+        changelog.where((F.col("_commit_version") <= version) & (F.col("_change_type") != "update_preimage"))
+        .withColumn("_rank", F.row_number().over(newest_first))
+        .where((F.col("_rank") == 1) & (F.col("_change_type") != "delete"))
+        .select(*state_schema(table).fieldNames())
+    )
+
+
+def restore_from_changelog(spark: SparkSession, layout: StorageLayout, table: StateTableSpec, version: int,
+                           into: str) -> Path:
+    """Write the state table as of `version`, rebuilt from its changelog table only, to tables/<into>."""
+    target = layout.table(into)
+    if target == layout.table(table.name):
+        raise ValueError(f"refusing to overwrite the live table {table.name}; choose another name with --into")
+    # A version can have no change rows (a MERGE that changed nothing), so the changelog cannot say how
+    # far it reaches by itself; the changelog asset's metadata shows the version it was published up to.
+    changelog = spark.read.format("delta").load(str(layout.table(changelog_name(table))))
+    (table_from_changelog(changelog, table, version).write.format("delta").mode("overwrite")
+     .option("overwriteSchema", "true").option("userMetadata", f'{{"restored_from_changelog_version": {version}}}')
+     .save(str(target)))
+    return target

@@ -1,0 +1,188 @@
+"""The event-time rules as plain functions on hand-written rows, in the shared SparkSession, without a stream,
+for the shipped project's declared tables: `fold_sessions` (the gap's edge, a payment out of order joining two open
+sessions, late payments, the watermark, the TTL forgetting a previous session and its day's spend), `fold_windows`
+(the hour's edge, the watermark's edge, an hour closing exactly when the watermark reaches its end), `top_rows`
+(ties broken by tickets, value, title; ten per hour) and `table_from_changelog` (a key deleted and inserted in one
+commit, a version cut).
+
+The same rules through whole runs, crashes and the Dagster checks: test_sessions.py, test_windows.py,
+test_check_boundaries.py, test_state_ttl.py. Not covered here: writing, replay, recovery.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from decimal import Decimal
+
+from pipelines.event_time import sessions, windows
+from pipelines.event_time.sessions import fold_sessions
+from pipelines.event_time.watermark import output_schema
+from pipelines.event_time.windows import fold_windows, top_rows
+from pipelines.state.changelog import changelog_schema, table_from_changelog
+from tests.streams import MOVIE_TICKET_SALES, PAYMENTS, declared
+
+(HOURLY,) = MOVIE_TICKET_SALES.event_time_tables
+(TOP,) = HOURLY.tops
+(ACTIVITY,) = PAYMENTS.event_time_tables
+
+UTC = dt.timezone.utc
+
+
+def at(hh_mm_ss: str, day: int = 1) -> dt.datetime:
+    return dt.datetime.fromisoformat(f"2026-11-{day:02d}T{hh_mm_ss}+00:00")
+
+
+def ms(moment: dt.datetime) -> int:
+    return int(moment.timestamp() * 1000)
+
+
+def bronze(spark, columns: str, rows):
+    """Bronze rows of `columns` (id, key, value, event time), each from line n of one landing file."""
+    return spark.createDataFrame(
+        [(*row[:2], Decimal(row[2]), row[3], "f.jsonl", n) for n, row in enumerate(rows, start=1)],
+        f"{columns}, source_file string, line_number long")
+
+
+def payments(spark, rows):
+    """(payment_id, customer_id, amount, paid_at)"""
+    return bronze(spark, "payment_id string, customer_id string, amount decimal(18,2), paid_at timestamp", rows)
+
+
+def sales(spark, rows):
+    """(event_id, title, value, sale_ts)"""
+    return bronze(spark, "event_id string, title string, ticket_total_value decimal(18,2), sale_ts timestamp", rows)
+
+
+def _utc(moment):
+    return moment.astimezone(UTC) if moment is not None else None
+
+
+def _sessions(frame) -> dict:
+    return {(r["customer_id"], _utc(r["session_start"])): (_utc(r["session_end"]), r["payment_count"])
+            for r in frame.collect()}
+
+
+def _open(state) -> dict:
+    """The open sessions of a session table's state: (customer, first payment) → (last payment, count)."""
+    return {(r["customer_id"], _utc(r["_first"])): (_utc(r["_last"]), r["payment_count"])
+            for r in state.where("_open").collect()}
+
+
+def test_sessions_cut_at_the_gap_join_out_of_order_and_close_on_the_watermark(spark):
+    assert PAYMENTS.event_time_field == "paid_at"
+    spec = declared(PAYMENTS, watermark_delay=dt.timedelta(hours=2))
+    empty = spark.createDataFrame([], sessions.state_schema(ACTIVITY))
+    first = fold_sessions(ACTIVITY, spec, empty, payments(spark, [
+        ("e1", "exact", "1", at("10:00:00")), ("e2", "exact", "1", at("10:30:00")),  # 30:00 apart: two
+        ("l1", "less", "1", at("10:00:00")), ("l2", "less", "1", at("10:29:59.999999")),  # 1 µs less: one
+        ("b1", "bridge", "1", at("10:00:00")), ("b3", "bridge", "1", at("10:50:00")),  # two, until b2 arrives
+        ("n", "newest", "1", at("12:00:00"))]), 0)
+    assert first.watermark_ms == ms(at("10:00:00"))  # the newest payment minus the delay
+    assert first.closed.count() == 0 and first.late.count() == 0  # no session is a gap behind 10:00 yet
+    assert _open(first.state) == {
+        ("exact", at("10:00:00")): (at("10:00:00"), 1), ("exact", at("10:30:00")): (at("10:30:00"), 1),
+        ("less", at("10:00:00")): (at("10:29:59.999999"), 2),
+        ("bridge", at("10:00:00")): (at("10:00:00"), 1), ("bridge", at("10:50:00")): (at("10:50:00"), 1),
+        ("newest", at("12:00:00")): (at("12:00:00"), 1)}
+
+    second = fold_sessions(ACTIVITY, spec, first.state, payments(spark, [
+        ("b2", "bridge", "2", at("10:25:00")),  # out of order, < 30 min from both: joins them into one
+        ("late", "exact", "1", at("10:00:00")),  # at the watermark: late
+        ("clock", "clock", "1", at("13:00:00.001"))]), first.watermark_ms)
+    assert second.watermark_ms == ms(at("11:00:00.001"))
+    assert [(r["event_id"], r["late_by_ms"]) for r in second.late.collect()] == [("late", 0)]
+    # Closed: every session whose end is a gap (30 min) or more behind 11:00:00.001.
+    assert _sessions(second.closed) == {
+        ("exact", at("10:00:00")): (at("10:00:00"), 1), ("exact", at("10:30:00")): (at("10:30:00"), 1),
+        ("less", at("10:00:00")): (at("10:29:59.999999"), 2)}
+    assert _open(second.state) == {
+        ("bridge", at("10:00:00")): (at("10:50:00"), 3), ("newest", at("12:00:00")): (at("12:00:00"), 1),
+        ("clock", at("13:00:00.001")): (at("13:00:00.001"), 1)}
+    bridge = second.state.where("_open AND customer_id = 'bridge'").first()
+    assert [p["value"] for p in bridge["_by_last_payment_ids"]] == ["b3", "b2", "b1"]  # newest first
+    assert bridge["total_amount"] == Decimal("4.00")
+    exact = {_utc(r["session_start"]): (_utc(r["previous_session_end"]), r["day_amount"])
+             for r in second.closed.where("customer_id = 'exact'").collect()}
+    assert exact == {at("10:00:00"): (None, Decimal("1.00")), at("10:30:00"): (at("10:00:00"), Decimal("2.00"))}
+    assert [r["last_payment_ids"] for r in second.closed.where("customer_id = 'less'").collect()] == [["l2", "l1"]]
+    assert {r["customer_id"]: (_utc(r["_last"]), _utc(r["_carried_previous_session_end"]), r["_carried_day_amount"])
+            for r in second.state.where("NOT _open").collect()} == {
+        "exact": (at("10:30:00"), at("10:30:00"), Decimal("2.00")),
+        "less": (at("10:29:59.999999"), at("10:29:59.999999"), Decimal("2.00"))}
+
+
+def test_the_ttl_forgets_the_previous_session_and_the_days_spend(spark):
+    spec = declared(PAYMENTS, watermark_delay=dt.timedelta(0), session_ttl=dt.timedelta(hours=1))
+    (table,) = spec.event_time_tables
+    schema = sessions.state_schema(table)
+
+    def carried(customer, last, day_amount):
+        """A key's row: its newest closed session ended at `last`, `day_amount` spent that day."""
+        row = {name: None for name in schema.fieldNames()}
+        row.update({"customer_id": customer, "_open": False, "_last": last, "_carried_previous_session_end": last,
+                    "_carried_day_amount": day_amount})
+        return tuple(row.values())
+
+    state = spark.createDataFrame([carried("kept", at("09:00:00"), Decimal("5.00")),
+                                   carried("forgot", at("08:00:00"), Decimal("7.00"))], schema)
+    fold = fold_sessions(table, spec, state, payments(spark, [
+        ("k", "kept", "1", at("09:59:59.999999")),  # 1 µs less than the TTL after 09:00: remembered
+        ("f", "forgot", "1", at("09:00:00")),  # exactly the TTL after 08:00: forgotten
+        ("clock", "clock", "1", at("12:00:00"))]), 0)
+    closed = {r["customer_id"]: (_utc(r["previous_session_end"]), r["day_amount"]) for r in fold.closed.collect()}
+    assert closed == {"kept": (at("09:00:00"), Decimal("6.00")), "forgot": (None, Decimal("1.00"))}
+    # A customer with nothing open, idle the TTL: forgotten by the state too.
+    assert {r["customer_id"] for r in fold.state.where("NOT _open").collect()} == set()
+
+
+def test_windows_edges_the_watermark_and_when_an_hour_closes(spark):
+    assert MOVIE_TICKET_SALES.event_time_field == "sale_ts"
+    spec = declared(MOVIE_TICKET_SALES, watermark_delay=dt.timedelta(minutes=10))
+    first = fold_windows(HOURLY, spec, spark.createDataFrame([], windows.state_schema(HOURLY)), sales(spark, [
+        ("before", "A", "1.00", at("10:59:59.999")), ("on_the_hour", "A", "2.00", at("11:00:00")),
+        ("newest", "B", "4.00", at("12:00:00"))]), 0)
+    assert first.watermark_ms == ms(at("11:50:00"))
+    # 10:00's end (11:00) is behind the watermark: closed in the batch that moved it there.
+    assert {(r["title"], _utc(r["window_start"])): (r["tickets_sold"], r["total_ticket_value"])
+            for r in first.closed.collect()} == {("A", at("10:00:00")): (1, Decimal("1.00"))}
+    second = fold_windows(HOURLY, spec, first.open_windows, sales(spark, [
+        ("at_watermark", "A", "1.00", at("11:50:00")), ("after", "A", "1.00", at("11:50:00.001")),
+        ("clock", "C", "1.00", at("13:10:00"))]), first.watermark_ms)
+    assert [(r["event_id"], r["late_by_ms"]) for r in second.late.collect()] == [("at_watermark", 0)]
+    assert second.watermark_ms == ms(at("13:00:00"))  # exactly 12:00's end: that hour closes too
+    assert {(r["title"], _utc(r["window_start"])): r["tickets_sold"] for r in second.closed.collect()} == {
+        ("A", at("11:00:00")): 2, ("B", at("12:00:00")): 1}
+    assert [(r["title"], _utc(r["_window_start"])) for r in second.open_windows.collect()] == [("C", at("13:00:00"))]
+
+
+def test_the_top_n_breaks_ties_by_tickets_value_then_title_and_keeps_ten(spark):
+    hour = at("10:00:00")
+    rows = [(f"T{n:02d}", hour, hour + dt.timedelta(hours=1), 5, Decimal("1.00")) for n in range(11)]
+    rows += [("Z", hour, hour + dt.timedelta(hours=1), 9, Decimal("1.00")),  # most tickets
+             ("Y", hour, hour + dt.timedelta(hours=1), 5, Decimal("3.00"))]  # tie on tickets: more value first
+    top = top_rows(TOP, HOURLY, spark.createDataFrame(rows, output_schema(HOURLY))).orderBy("rank").collect()
+    assert TOP.n == 10 and [(r["rank"], r["title"]) for r in top] == [
+        (1, "Z"), (2, "Y"), *((n + 3, f"T{n:02d}") for n in range(8))]
+
+
+def test_the_changelog_gives_the_table_at_any_version(spark):
+    table = PAYMENTS.state_tables[0]
+    schema = changelog_schema(table)
+    columns = schema.fieldNames()
+    base = {name: None for name in columns}
+
+    def change(key, count, kind, version):
+        return tuple({**base, table.key: key, table.count_column: count, table.sum_column: Decimal(count),
+                      "_change_type": kind, "_commit_version": version}[c] for c in columns)
+
+    changelog = spark.createDataFrame([
+        change("a", 1, "insert", 1), change("b", 1, "insert", 1),
+        change("a", 1, "update_preimage", 2), change("a", 2, "update_postimage", 2),
+        change("b", 1, "delete", 3),
+        change("a", 2, "delete", 4), change("a", 3, "insert", 4),  # a file rewrite: the row exists
+    ], schema)
+
+    def at_version(version):
+        return {r[table.key]: r[table.count_column] for r in table_from_changelog(changelog, table, version).collect()}
+
+    assert [at_version(v) for v in (1, 2, 3, 4)] == [{"a": 1, "b": 1}, {"a": 2, "b": 1}, {"a": 2}, {"a": 3}]

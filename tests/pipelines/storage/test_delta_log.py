@@ -1,0 +1,52 @@
+"""The newest version of a table, read from its Delta log without listing the whole log."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pipelines.storage.delta_log as delta_log
+from pipelines.storage.delta_log import table_version
+
+
+def _append(spark, path: Path, commits: int) -> None:
+    for _ in range(commits):
+        spark.range(1).write.format("delta").mode("append").save(str(path))
+
+
+def _described(spark, path: Path) -> int:
+    return spark.sql(f"DESCRIBE HISTORY delta.`{path}`").agg({"version": "max"}).first()[0]
+
+
+def test_the_newest_version_comes_from_the_newest_part_of_the_log(spark, tmp_path, monkeypatch):
+    path = tmp_path / "table"
+    spark.sql(f"CREATE TABLE delta.`{path}` (id BIGINT) USING delta TBLPROPERTIES (delta.checkpointInterval = 3)")
+    _append(spark, path, 7)  # versions 0-7; checkpoints at 3 and 6
+    log = path / "_delta_log"
+    assert json.loads((log / "_last_checkpoint").read_text())["version"] == 6
+
+    listed = []
+    real_iterdir = Path.iterdir
+    monkeypatch.setattr(Path, "iterdir", lambda self: listed.append(self) or real_iterdir(self))
+
+    delta_log._SEEN_VERSION.clear()  # a new process: it starts from the checkpoint
+    assert table_version(spark, path) == _described(spark, path) == 7
+    _append(spark, path, 2)
+    assert table_version(spark, path) == _described(spark, path) == 9  # from the version seen last
+    assert log not in listed
+
+    # Deleted and created again with fewer versions than seen: the whole (new) log is listed.
+    shutil.rmtree(path)
+    _append(spark, path, 2)
+    assert table_version(spark, path) == _described(spark, path) == 1
+    assert log in listed
+    # ...and again with more: found from the version seen last.
+    listed.clear()
+    shutil.rmtree(path)
+    _append(spark, path, 4)
+    assert table_version(spark, path) == _described(spark, path) == 3
+    assert log not in listed
+
+    shutil.rmtree(path)
+    assert table_version(spark, path) is None
