@@ -1,7 +1,7 @@
 """Jobs, the schedule and the sensors that advance the streams without a person.
 
 - `advance_all`: every asset and per-run check once (what `make run` launches); schedule every 5 min, off by default.
-- `reconcile_state_tables`: the deep check of every state table against all of bronze; nightly.
+- `reconcile_state_tables`: the deep check of every state, windowed and session table against all of bronze; nightly.
 - `advance_<stream>`: one stream; launched by the landing-files sensor and by recovery.
 - `recover_failed_stream`: a run failure starts a recovery run of each failed stream, which resumes
   from its checkpoint; bounded by MAX_RECOVERY_ATTEMPTS so a persistent fault cannot loop. A failed
@@ -50,7 +50,8 @@ stream_jobs = {
 
 reconcile_state_tables = dg.define_asset_job(
     DEEP_CHECK_JOB, selection=DEEP_CHECKS,
-    description="Deep check: every state table recomputed from all of bronze and compared key by key.")
+    description="Deep check: every state, windowed and session table recomputed from all of bronze and compared row by "
+                "row.")
 
 nightly_reconciliation = dg.ScheduleDefinition(
     name="reconcile_state_tables_nightly", job=reconcile_state_tables, cron_schedule="30 2 * * *",

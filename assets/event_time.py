@@ -25,7 +25,8 @@ from pipelines.event_time import watermark
 from pipelines.operate import table_checks
 from pipelines.runtime.query import StreamRunResult
 from pipelines.storage.layout import StorageLayout
-from resources.check_policy import RECONCILE, TOP_MATCHES
+from resources import CheckPolicyResource, SparkSessionResource, StorageResource
+from resources.check_policy import DEEP_CHECK, RECONCILE, TOP_MATCHES
 
 LATE_KEY = dg.AssetKey(watermark.LATE)
 
@@ -87,17 +88,46 @@ def check_specs(spec: StreamSpec) -> list:
     found = []
     for table in spec.event_time_tables:
         found.append(dg.AssetCheckSpec(RECONCILE, asset=dg.AssetKey(table.name), blocking=True, description=(
-            "The table against its declared query recomputed over bronze (at the version the table has folded) "
-            "minus the events late for it: " + (
-                "the windows this run closed, by Spark's own window() over the sales of those windows"
+            "The rows this run wrote against the table's declared query recomputed over bronze (at the version the "
+            "table has folded) minus the events late for it: " + (
+                "the windows this run closed, by Spark's own window() over the events of those windows"
                 if table.kind == "window" else
-                "every closed session, cut again by window functions with the contract's rule (less than the gap "
-                "apart is one session), reading all of the stream's bronze once") +
-            "; every late event is in bronze and at or behind the watermark it missed.")))
+                "the sessions of the keys this run closed a session of, cut again by window functions with the "
+                "contract's rule (less than the gap apart is one session) from their events since") +
+            f"; every late event is at or behind the watermark it missed. All of bronze: the deep check "
+            f"`{DEEP_CHECK}`, nightly.")))
         found += [dg.AssetCheckSpec(TOP_MATCHES, asset=dg.AssetKey(top.name), blocking=True, description=(
             f"{top.name} equals its declared query run by Spark over {table.name}, row for row."))
             for top in table.tops]
     return found
+
+
+def reconciliation(session: SparkSession, layout: StorageLayout, spec: StreamSpec, table: EventTimeTableSpec,
+                   check_policy, check: str, since_version: int | None, name_asset: bool = True) -> dg.AssetCheckResult:
+    """The table against its declared query over bronze: the rows written after `since_version`, or all (None)."""
+    mismatched, figures = table_checks.event_time_mismatches(session, layout, spec, table, since_version)
+    bad = mismatched.count()
+    return check_policy.result(
+        dg.AssetKey(table.name), check, name_asset=name_asset,
+        passed=bad == 0 and figures["late_not_in_bronze"] == figures["late_not_behind_watermark"] == 0,
+        metadata={**figures, "rows_differing": bad, "sample": frame_table(mismatched, rows_known=bad)})
+
+
+def deep_checks(spec: StreamSpec) -> list[dg.AssetChecksDefinition]:
+    """Every windowed and session table against its declared query over all of bronze: nightly and on demand
+    (jobs in assets/automation.py), not in a stream's run."""
+    def build(table: EventTimeTableSpec) -> dg.AssetChecksDefinition:
+        @dg.asset_check(asset=dg.AssetKey(table.name), name=DEEP_CHECK, blocking=True, description=(
+            f"Deep check, nightly and on demand: every {'window' if table.kind == 'window' else 'session'} the "
+            f"watermark has closed equals the table's declared query over all of {spec.bronze_table} minus the "
+            f"events late for it (`{table.sql}`); every late event is in bronze and at or behind its watermark."))
+        def reconciles_with_bronze(spark: SparkSessionResource, storage: StorageResource,
+                                   check_policy: CheckPolicyResource) -> dg.AssetCheckResult:
+            return reconciliation(spark.spark_session, storage.layout(), spec, table, check_policy, DEEP_CHECK, None,
+                                  name_asset=False)
+        return reconciles_with_bronze
+
+    return [build(table) for table in spec.event_time_tables]
 
 
 def results(session: SparkSession, layout: StorageLayout, spec: StreamSpec, result: StreamRunResult, check_policy,
@@ -136,13 +166,7 @@ def results(session: SparkSession, layout: StorageLayout, spec: StreamSpec, resu
                 **common, "windows_ranked_this_run": sum(b.get("windows_closed", 0) > 0 for b in batches),
                 "newest_window": frame_table(ranked.orderBy(F.desc(start), top.rank_column), top.n),
                 "table_version": result.versions[top.name].after})
-        since = result.versions[table.name].before if table.kind == "window" else None
-        mismatched, figures = table_checks.event_time_mismatches(session, layout, spec, table, since)
-        bad = mismatched.count()
-        yield check_policy.result(
-            dg.AssetKey(table.name), RECONCILE,
-            passed=bad == 0 and figures["late_not_in_bronze"] == figures["late_not_behind_watermark"] == 0,
-            metadata={**figures, "rows_differing": bad, "sample": frame_table(mismatched, rows_known=bad)})
+        yield reconciliation(session, layout, spec, table, check_policy, RECONCILE, result.versions[table.name].before)
         for top in table.tops:
             wrong = table_checks.top_mismatches(session, layout, top)
             wrong_rows = wrong.count()

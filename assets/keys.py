@@ -8,6 +8,7 @@ import dagster as dg
 
 from pipelines.declare.project import streams
 from pipelines.declare.specs import StateTableSpec, StreamSpec
+from pipelines.runtime.micro_batch import event_time_streams
 from pipelines.state.changelog import changelog_name
 # The blocking checks' names live with the policy that names them (resources/check_policy.py).
 from resources.check_policy import DEEP_CHECK
@@ -47,7 +48,10 @@ def changelog_key(table: StateTableSpec) -> dg.AssetKey:
 
 
 def deep_check_keys() -> list[dg.AssetCheckKey]:
-    return [dg.AssetCheckKey(state_key(t), DEEP_CHECK) for spec in streams().values() for t in spec.state_tables]
+    """The checks against all of bronze: every state, windowed and session table's (nightly, not in a run)."""
+    timed = event_time_streams()
+    return [dg.AssetCheckKey(dg.AssetKey(t.name), DEEP_CHECK) for spec in streams().values()
+            for t in (*spec.state_tables, *(spec.event_time_tables if spec.name in timed else ()))]
 
 
 def pool(spec: StreamSpec) -> str:

@@ -176,7 +176,8 @@ def build_stream_assets(spec: StreamSpec, keeps_event_time: bool = True) -> list
                 "state_table_version_covered": figures["covered"] if figures["covered"] is not None else -1,
                 "path": dg.MetadataValue.path(str(path)), **_versions(result, name)})
 
-    return [stream, *(check for table in spec.state_tables for check in build_state_checks(spec, table))]
+    return [stream, *(check for table in spec.state_tables for check in build_state_checks(spec, table)),
+            *(event_time_assets.deep_checks(spec) if event_time else [])]
 
 
 def _state_table_specs(spec: StreamSpec, table: StateTableSpec) -> list[dg.AssetSpec]:

@@ -8,7 +8,7 @@ from pydantic import Field
 from pipelines.declare.project import streams
 from pipelines.errors import ConfigurationError
 
-DEEP_CHECK = "reconciles_with_bronze"  # a state table against all of bronze: nightly and on demand, not every run
+DEEP_CHECK = "reconciles_with_bronze"  # a table against all of bronze: nightly and on demand, not every run
 STATE_TABLE_CHECKS = ("totals_match_bronze", DEEP_CHECK, "unique_keys", "nothing_negative")
 RECONCILE = "reconcile_with_bronze"  # a windowed or session table against its declared query over bronze
 TOP_MATCHES = "top_n_matches_its_table"  # a top N against its declared query over its windowed table
@@ -19,7 +19,8 @@ def blocking_check_names() -> list[str]:
     project file, not read from the definitions, which import this resource."""
     specs = streams().values()
     return sorted([*(f"{t.name}:{check}" for spec in specs for t in spec.state_tables for check in STATE_TABLE_CHECKS),
-                   *(f"{t.name}:{RECONCILE}" for spec in specs for t in spec.event_time_tables),
+                   *(f"{t.name}:{check}" for spec in specs for t in spec.event_time_tables
+                     for check in (RECONCILE, DEEP_CHECK)),
                    *(f"{top.name}:{TOP_MATCHES}" for spec in specs for t in spec.event_time_tables for top in t.tops)])
 
 WARN_ONLY_NOTE = ("failed, reported as a warning: this run lists the check in resource check_policy.warn_only "

@@ -144,7 +144,7 @@ def test_sessions_late_payments_and_ttl_equal_the_recomputation(spark, layout, l
     # last session; zed's session (16:00) closes at 17:50 and his state stays, since his 18:00 is still open.
     # Read from the operator's state tables.
     landing.write(SPEC.name, "4.jsonl", [_payment("z2", "zed", "18:00")])
-    runs.run()
+    before_last_run = runs.run().versions[ACTIVITY].before
     sessions, late = _outputs(layout)
     assert sessions == runs.expected().sessions and ("zed", at("16:00")) in sessions
     state = _rows(layout, STATE)
@@ -157,6 +157,13 @@ def test_sessions_late_payments_and_ttl_equal_the_recomputation(spark, layout, l
     DeltaTable.forPath(spark, str(layout.table(ACTIVITY))).update(
         F.col("customer_id") == "cy", {"payment_count": F.lit(3)})
     assert table_checks.event_time_mismatches(spark, layout, SPEC, TABLE)[0].count() == 2  # its row, either side
+    # The per-run check reads only the keys of the sessions the last run closed (zed's 16:00), from that session
+    # on: cy's row, closed two runs before, is the deep check's to find; a wrong zed is the per-run check's.
+    mismatched, figures = table_checks.event_time_mismatches(spark, layout, SPEC, TABLE, before_last_run)
+    assert (mismatched.count(), figures["rows_checked"], figures["events"]) == (0, 1, 2)
+    DeltaTable.forPath(spark, str(layout.table(ACTIVITY))).update(
+        F.col("customer_id") == "zed", {"payment_count": F.lit(3)})
+    assert table_checks.event_time_mismatches(spark, layout, SPEC, TABLE, before_last_run)[0].count() == 2
     # Late payments still count in the all-time table.
     all_time = {r["customer_id"]: r["payment_count"] for r in _rows(layout, SPEC.state_tables[0].name)}
     assert all_time == dict(expected_state(SPEC.name, landing_files(layout.landing(SPEC.name))).counts)
