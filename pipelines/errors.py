@@ -1,5 +1,7 @@
 """Errors that name the problem and the fix, raised before any data is touched."""
 
+import difflib
+
 
 class ConfigurationError(Exception):
     """Bad configuration: unknown stream, path outside the storage root, missing Java or jars."""
@@ -46,3 +48,8 @@ def storage_fault(exc: BaseException) -> str | None:
     text = str(exc)
     return next((fault for fault in STORAGE_FAULTS if fault in text), None)
 
+
+def did_you_mean(name: str, known) -> str:
+    """` (did you mean 'x'?)` for a name close to a known one (a typo), else nothing."""
+    close = difflib.get_close_matches(str(name), [str(k) for k in known], n=1, cutoff=0.75)
+    return f" (did you mean {close[0]!r}?)" if close else ""

@@ -1,21 +1,12 @@
-"""`statetables` command line: generate sample data, run the pipeline headless through Dagster,
-print the state tables, refresh one, show where each stream stands, prepare the Dagster instance.
+"""`statetables`: streaming state tables on Spark + Delta Lake, run by Dagster, declared in a project file.
 
-    statetables generate --stream payments --events 100000 --malformed 0.005 --duplicates 0.01 --late 0.02 --seed 1
-    statetables run [--job advance_all] [--show] [--warn-only-check ASSET:CHECK] [--remote sc://127.0.0.1:15002 | --master spark://127.0.0.1:7077]
-    statetables connect-server [--port 15002]     # Spark Connect with Delta on 127.0.0.1, until Ctrl-C
-    statetables cluster [--port 7077]             # a standalone master + worker on 127.0.0.1, until Ctrl-C
-    statetables s3-server --dir PATH [--port 9000] [--bucket NAME]   # a local S3 server (s3proxy), until Ctrl-C
-    statetables kafka-broker --dir PATH [--port 9092]   # a single-node Kafka broker (KRaft) on 127.0.0.1, until Ctrl-C
-    statetables savepoint create|list|restore [NAME]
-    statetables restore-changelog --table movie_tickets_sold --version 12 [--into NAME]
-    statetables restore-topic --table payments_per_customer --into NEW   # rebuild a table from its changelog topic
-    statetables refresh TABLE       # rebuild a table from bronze after its declaration changed
-    statetables status [--json]     # per stream: files waiting, the last batch, versions, what each step folded, ...
-    statetables --project FILE ...  # another project file than ./statetables.yaml
-    statetables dev [--port 3000] [--engine-port 15002 | --embedded]   # Dagster UI + daemon + a warm Spark Connect engine
-    statetables serve [--port 3000] [--engine-port 15002 | --embedded] # the same, with the continuous job running
-    statetables instance            # prints DAGSTER_HOME after writing its dagster.yaml
+Start here:
+    statetables init my_project         # a project file, a sample landing file, and what to type next
+    statetables check                   # the project as read: streams, tables, the MERGE each runs (no Spark)
+    statetables run                     # one pass: landing files -> bronze, quarantine, every table
+    statetables show orders_per_region  # a table's rows (no Spark)
+
+`statetables COMMAND --help` shows a command's options and an example.
 """
 
 from __future__ import annotations
@@ -23,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import textwrap
 from pathlib import Path
 
 from pipelines.declare.project import PROJECT_ENV, stream_spec, streams
@@ -44,8 +36,8 @@ def _generate(args: argparse.Namespace) -> int:
         where = (f"records to topic {spec.topic.topic}" if spec.topic is not None
                  else f"{len(summary.files)} files in {layout.landing(name)}")
         print(f"{name}: {where}: {summary.valid} valid "
-              f"({summary.late} late), {summary.malformed} malformed, {summary.duplicates} re-deliveries, "
-              f"{summary.conflicts} conflicting ids")
+              f"({summary.late} delivered out of order), {summary.malformed} malformed, {summary.duplicates} "
+              f"re-deliveries, {summary.conflicts} conflicting ids")
     return 0
 
 
@@ -158,10 +150,11 @@ def _restore_changelog(args: argparse.Namespace) -> int:
 
     from pipelines.declare.project import project
 
-    _, table = project().state_table(args.table)
-    into = args.into or f"{args.table}_restored_v{args.version}"
+    name = _table_name(args)
+    _, table = project().state_table(name)
+    into = args.into or f"{name}_restored_v{args.version}"
     target = restore_from_changelog(build_spark_session(), StorageLayout.under(), table, args.version, into)
-    print(f"{args.table} as of version {args.version}, rebuilt from its changelog only: {target}")
+    print(f"{name} as of version {args.version}, rebuilt from its changelog only: {target}")
     return 0
 
 
@@ -170,9 +163,11 @@ def _restore_topic(args: argparse.Namespace) -> int:
     from pipelines.declare.project import project
     from pipelines.runtime.spark import build_spark_session
 
-    _, table = project().state_table(args.table)
-    target, version = restore_from_topic(build_spark_session(), StorageLayout.under(), table, args.into)
-    print(f"{args.table} as of version {version}, rebuilt from topic {table.changelog_topic.topic} only: {target}")
+    name = _table_name(args)
+    _, table = project().state_table(name)
+    target, version = restore_from_topic(build_spark_session(), StorageLayout.under(), table,
+                                         args.into or f"{name}_from_topic")
+    print(f"{name} as of version {version}, rebuilt from topic {table.changelog_topic.topic} only: {target}")
     return 0
 
 
@@ -182,7 +177,7 @@ def _refresh(args: argparse.Namespace) -> int:
     from pipelines.runtime.spark import build_spark_session
     from pipelines.declare.specs import StateTableSpec
 
-    spec, table = project().table(args.table)
+    spec, table = project().table(_table_name(args))
     refresh = refresh_state_table if isinstance(table, StateTableSpec) else refresh_event_time_table
     figures = refresh(build_spark_session(), StorageLayout.under(), spec, table)
     print(f"{table.name} rebuilt from {spec.bronze_table} version {figures['bronze_version']} under its current "
@@ -330,106 +325,357 @@ def _instance(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="statetables", description=__doc__.split("\n")[0])
-    parser.add_argument("--project", metavar="FILE", help="the project file (default $STATETABLES_PROJECT, else "
-                                                           "./statetables.yaml)")
-    commands = parser.add_subparsers(dest="command", required=True)
 
-    gen = commands.add_parser("generate", help="write contract-conformant sample landing files")
-    gen.add_argument("--stream", default="all", help="a stream the project file declares, or all (default)")
-    gen.add_argument("--events", type=int, default=10_000)
-    gen.add_argument("--malformed", type=float, default=0.005)
-    gen.add_argument("--duplicates", type=float, default=0.01)
-    gen.add_argument("--conflicts", type=float, default=0.001)
-    gen.add_argument("--late", type=float, default=0.02)
-    gen.add_argument("--seed", type=int, default=1)
-    gen.add_argument("--events-per-file", type=int, default=20_000)
-    gen.set_defaults(func=_generate)
+INIT_PROJECT = """\
+# A statetables project: the streams you send and the tables kept from them (README, "Your first stream").
+streams:
+  orders:
+    id: order_id                     # an order delivered twice counts once
+    event_time: ordered_at           # the order's own time, with its UTC offset
+    fields:
+      order_id:    {type: string}
+      customer_id: {type: string}
+      region:      {type: string}
+      total:       {type: decimal, min: 0}
+      ordered_at:  {type: timestamp}
 
-    run = commands.add_parser("run", help="one headless Dagster pass over the landing folders")
-    run.add_argument("--job", default="advance_all")
-    run.add_argument("--show", action="store_true", help="print the state tables, each top N's latest closed window and the newest rows of the other windowed and session tables afterwards")
-    run.add_argument("--log-level", default="INFO", help="Dagster console log level (DEBUG shows every event)")
+state_tables:
+  - CREATE TABLE orders_per_region AS
+    SELECT region, COUNT(*) AS orders, SUM(total) AS revenue, MAX(ordered_at) AS last_order_at
+    FROM orders GROUP BY region
+"""
+INIT_LINES = [
+    '{"order_id":"o-1","customer_id":"c-1","region":"north","total":"25.00","ordered_at":"2026-11-01T09:00:00Z"}',
+    '{"order_id":"o-2","customer_id":"c-2","region":"south","total":"12.50","ordered_at":"2026-11-01T09:05:00Z"}',
+    '{"order_id":"o-3","customer_id":"c-1","region":"north","total":"7.25","ordered_at":"2026-11-01T09:20:00+01:00"}',
+    '{"order_id":"o-2","customer_id":"c-2","region":"south","total":"12.50","ordered_at":"2026-11-01T09:05:00Z"}',
+    '{"order_id":"o-4","customer_id":"c-3","region":"north","total":"-3.00","ordered_at":"2026-11-01T09:30:00Z"}',
+    '{"order_id":"o-5","customer_id":"c-3","region":"south","total":"40.00","ordered_at":"2026-11-01T10:10:00Z"}',
+]
+
+
+def _init(args: argparse.Namespace) -> int:
+    """A project to start from: the project file, a landing file already dropped, and the next commands."""
+    folder = Path(args.dir).resolve()
+    project_file = folder / "statetables.yaml"
+    if project_file.exists():
+        raise ConfigurationError(f"{project_file} exists already; init writes a new project only. Fix: "
+                                 f"`statetables init NEW_FOLDER`, or edit that file.")
+    landing = folder / "data" / "landing" / "orders"
+    landing.mkdir(parents=True, exist_ok=True)
+    project_file.write_text(INIT_PROJECT)
+    # Written under a dot name, then renamed: a run never reads a landing file half-written.
+    sample = landing / "orders-0001.jsonl"
+    hidden = landing / ".orders-0001.jsonl"
+    hidden.write_text("\n".join(INIT_LINES) + "\n")
+    hidden.rename(sample)
+    shown = os.path.relpath(folder) if folder != Path.cwd() else "."
+    print(f"project: {project_file}\n"
+          f"wrote {project_file.name} (stream orders, state table orders_per_region) and "
+          f"{sample.relative_to(folder)} ({len(INIT_LINES)} lines: one delivered twice, one with a negative total)\n"
+          f"next:\n"
+          + (f"  cd {shown}\n" if shown != "." else "")
+          + "  statetables check                     # the project as read, and the MERGE it runs\n"
+            "  statetables run                       # bronze, quarantine and orders_per_region from the file\n"
+            "  statetables show orders_per_region    # the table; then `statetables quarantine orders`")
+    return 0
+
+
+def _check(args: argparse.Namespace) -> int:
+    import json
+
+    from pipelines.declare.project import ProjectError, project, project_path
+    from pipelines.operate.describe import describe_project, render
+
+    path = project_path()
+    try:
+        description = describe_project(project(path), StorageLayout.under())
+    except ProjectError as error:
+        if args.json:
+            print(json.dumps({"project": str(path), "problems": [str(p) for p in error.problems]}, indent=2))
+        else:
+            print(f"statetables: {error}", file=sys.stderr)
+        return 2
+    print(json.dumps(description, indent=2) if args.json else render(description))
+    return 0
+
+
+def _table_name(args: argparse.Namespace) -> str:
+    name = args.table_option or args.table
+    if not name:
+        raise ConfigurationError(f"`statetables {args.command}` needs a table. Fix: name one, e.g. "
+                                 f"`statetables {args.command} orders_per_region` (`statetables check` lists them).")
+    return name
+
+
+def _printed(table, limit: int | None = None) -> str:
+    """A pyarrow table as aligned text (every row and column, nothing cut)."""
+    import pandas as pd
+
+    frame = table.to_pandas()
+    if frame.empty:
+        return "(no rows)"
+    with pd.option_context("display.max_columns", None, "display.width", 10_000, "display.max_colwidth", 80):
+        return frame.to_string(index=False)
+
+
+def _show(args: argparse.Namespace) -> int:
+    from pipelines.declare.project import project
+    from pipelines.operate.inspect import open_table, query
+
+    name = _table_name(args)
+    table = open_table(StorageLayout.under(), project(), name)
+    rows = query(table, args.where, limit=args.limit)
+    total = table.count() if hasattr(table, "count") else None
+    print(f"{name} (version {table.version()}, {total} rows{' in all' if args.where else ''}; "
+          f"showing {rows.num_rows}{' where ' + args.where if args.where else ''}):")
+    print(_printed(rows))
+    return 0
+
+
+def _quarantine(args: argparse.Namespace) -> int:
+    from pipelines.declare.project import project
+    from pipelines.operate.inspect import _literal, open_table, quarantine_summary, query
+
+    current = project()
+    spec = current.stream(args.stream)
+    layout = StorageLayout.under()
+    print(f"{spec.quarantine_table}: lines not accepted, by reason")
+    print(_printed(quarantine_summary(layout, current, spec)))
+    table = open_table(layout, current, spec.quarantine_table)
+    rows = query(table, f"reason = {_literal(args.reason)}" if args.reason else None,
+                 order_by=["ingested_at DESC", "source_file", "line_number"], limit=args.limit,
+                 columns=["source_file", "line_number", "reason", "reason_field", "detail", "raw_line"])
+    print(f"\nthe newest {rows.num_rows}{' of reason ' + args.reason if args.reason else ''}:")
+    print(_printed(rows))
+    return 0
+
+
+def _explain(args: argparse.Namespace) -> int:
+    from pipelines.declare.project import project
+    from pipelines.operate.inspect import explain
+
+    import pyarrow as pa
+
+    found = explain(StorageLayout.under(), project(), _table_name(args), args.key, limit=args.limit)
+    key = ", ".join(f"{k}={v}" for k, v in found.key.items())
+    sections = [
+        (f"{found.table} where {key}, now", found.row),
+        (f"the accepted events that built it: {found.duplicates_note}", found.events),
+        ("lines that re-used one of their ids with other content (quarantined as conflicting_duplicate)",
+         found.conflicting),
+        ("of those events, the ones late for a windowed or session table (they count here all the same)", found.late),
+        ("every commit that changed the row, and the row after it", found.changes),
+    ]
+    for title, rows in sections:
+        print(f"\n== {title}")
+        print(_printed(pa.Table.from_pylist(rows)) if rows else "(none)")
+    return 0
+
+
+class _Help(argparse.RawDescriptionHelpFormatter):
+    """Descriptions as written (their examples keep their lines), and every option's default shown (where it
+    has one: not a flag's False nor an optional value's None)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default not in (None, False, argparse.SUPPRESS) and "%(default)" not in text \
+                and not isinstance(action, (argparse._HelpAction, argparse._VersionAction)):
+            text += " (default: %(default)s)"
+        return text
+
+
+GROUPS = (("start", ("init", "check")),
+          ("pipeline", ("generate", "run", "refresh", "dev", "serve")),
+          ("inspect", ("status", "show", "quarantine", "explain")),
+          ("recovery", ("savepoint", "restore-changelog", "restore-topic")),
+          ("local servers", ("connect-server", "cluster", "s3-server", "kafka-broker", "instance")))
+NO_PROJECT = {"init", "connect-server", "cluster", "s3-server", "kafka-broker", "instance"}
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("statetables")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def _parser() -> argparse.ArgumentParser:
+    project_option = argparse.ArgumentParser(add_help=False)
+    project_option.add_argument("--project", metavar="FILE", default=argparse.SUPPRESS,
+                                help="the project file (else $STATETABLES_PROJECT, else ./statetables.yaml)")
+    listing = "\n".join(f"  {group + ':':15}{', '.join(names)}" for group, names in GROUPS)
+    parser = argparse.ArgumentParser(
+        prog="statetables", formatter_class=_Help, description=__doc__,
+        epilog=f"commands by what they are for:\n{listing}\n\nThe storage root is $STATETABLES_HOME (default ./data).")
+    parser.add_argument("--project", metavar="FILE", default=None,
+                        help="the project file (else $STATETABLES_PROJECT, else ./statetables.yaml)")
+    parser.add_argument("--version", action="version", version=f"statetables {_version()}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, summary: str, example: str, func, description: str = "") -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, help=summary, formatter_class=_Help, parents=[project_option],
+                                  description=textwrap.fill(f"{summary}. {description}".strip(), 100),
+                                  epilog=f"example:\n  {example}")
+        sub.set_defaults(func=func)
+        return sub
+
+    def table_argument(sub: argparse.ArgumentParser, what: str) -> None:
+        sub.add_argument("table", nargs="?", metavar="TABLE", help=f"{what} (`statetables check` lists them)")
+        sub.add_argument("--table", dest="table_option", metavar="TABLE", help="the same as TABLE")
+
+    init = command("init", "write a project to start from into DIR", "statetables init my_project", _init,
+                   "A project file with one stream (orders) and one state table, a landing file already in "
+                   "place, and the next commands to type.")
+    init.add_argument("dir", nargs="?", default=".", metavar="DIR", help="the project's folder (created if missing)")
+
+    check = command("check", "read the project file and show what it declares, without starting Spark",
+                    "statetables check --json", _check,
+                    "Each stream with its fields, id and event time; each table with its keys, aggregates, the MERGE "
+                    "its micro-batches run, and its path. A project with problems lists every one, each at "
+                    "FILE:LINE:COLUMN, and exits 2.")
+    check.add_argument("--json", action="store_true", help="one JSON document instead of text")
+
+    gen = command("generate", "write contract-conformant sample landing files, with faults on purpose",
+                  "statetables generate --stream payments --events 100000 --seed 1", _generate,
+                  "Valid events, some delivered twice, some with a conflicting re-used id, some malformed, and some "
+                  "delivered out of order (`--late`): whether those end behind a watermark depends on the runs.")
+    gen.add_argument("--stream", default="all", help="a stream the project file declares, or all")
+    gen.add_argument("--events", type=int, default=10_000, help="valid events per stream")
+    gen.add_argument("--malformed", type=float, default=0.005, help="share of malformed lines")
+    gen.add_argument("--duplicates", type=float, default=0.01, help="share of events delivered again, same content")
+    gen.add_argument("--conflicts", type=float, default=0.001, help="share of ids re-used with other content")
+    gen.add_argument("--late", type=float, default=0.02,
+                     help="share of events delivered out of order, hours after their event time")
+    gen.add_argument("--seed", type=int, default=1, help="the random seed: the same seed writes the same files")
+    gen.add_argument("--events-per-file", type=int, default=20_000, help="lines per landing file")
+
+    run = command("run", "one headless Dagster run: landing files (or topics) into bronze, quarantine and every "
+                  "table, with the checks", "statetables run --show", _run)
+    run.add_argument("--job", default="advance_all",
+                     help="advance_all, advance_<stream>, reconcile_state_tables (the deep checks), "
+                          "refresh_state_table, maintain_tables or run_continuously")
+    run.add_argument("--show", action="store_true", help="print the state tables, each top N's latest closed "
+                     "window and the newest rows of the other windowed and session tables afterwards")
+    run.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                     help="Dagster console log level (DEBUG shows every event)")
     run.add_argument("--warn-only-check", action="append", metavar="ASSET:CHECK",
                      help="for this run, a failure of this blocking check warns instead of stopping the run "
                           "(resource check_policy; docs/recovery.md says when)")
-    run.add_argument("--remote", metavar="sc://HOST:PORT", help="run on a Spark Connect server (`statetables connect-server`)")
-    run.add_argument("--master", metavar="URL", help="spark.master: local[N] (default local[2]) or spark://HOST:PORT (`statetables cluster`)")
-    run.set_defaults(func=_run)
+    run.add_argument("--remote", metavar="sc://HOST:PORT",
+                     help="run on a Spark Connect server (`statetables connect-server`)")
+    run.add_argument("--master", metavar="URL",
+                     help="spark.master: local[N] (local[2] when neither this nor --remote) or spark://HOST:PORT "
+                          "(`statetables cluster`)")
 
-    server = commands.add_parser("connect-server", help="serve Spark Connect with Delta on 127.0.0.1 until interrupted")
-    server.add_argument("--port", type=int, default=15002)
-    server.set_defaults(func=_connect_server)
+    refresh = command("refresh", "rebuild a state, windowed or session table from bronze under the project file's "
+                      "definition, replacing its content in one commit", "statetables refresh orders_per_region",
+                      _refresh)
+    table_argument(refresh, "the table to rebuild")
 
-    s3 = commands.add_parser("s3-server", help="a local S3 server (s3proxy) over a folder on 127.0.0.1 until "
-                                               "interrupted, for an s3a:// storage root")
-    s3.add_argument("--port", type=int, default=9000)
-    s3.add_argument("--dir", required=True, metavar="PATH", help="where objects are stored: a folder per bucket")
-    s3.add_argument("--bucket", help="create this bucket (a folder under --dir) if it does not exist")
-    s3.add_argument("--prefix", default="statetables", help="the prefix under the bucket in the printed STATETABLES_HOME")
-    s3.add_argument("--log", metavar="FILE", help="s3proxy's log (default: PATH.log beside --dir)")
-    s3.add_argument("--log-requests", action="store_true", help="also log a line per request")
-    s3.set_defaults(func=_s3_server)
-
-    kafka = commands.add_parser("kafka-broker", help="a single-node Kafka broker (KRaft) over a folder on 127.0.0.1 "
-                                                     "until interrupted; a restart on the same folder keeps the topics")
-    kafka.add_argument("--port", type=int, default=9092)
-    kafka.add_argument("--dir", required=True, metavar="PATH", help="the broker's topics, metadata, config and log")
-    kafka.set_defaults(func=_kafka_broker)
-
-    cluster = commands.add_parser("cluster", help="a Spark standalone master and worker on 127.0.0.1 until interrupted")
-    cluster.add_argument("--port", type=int, default=7077)
-    cluster.add_argument("--cores", type=int, default=2)
-    cluster.add_argument("--memory", default="6g", help="the worker's memory for executors")
-    cluster.set_defaults(func=_cluster)
-
-    save = commands.add_parser("savepoint", help="take, list or restore a savepoint of every state table")
-    save.add_argument("action", choices=["create", "list", "restore"])
-    save.add_argument("name", nargs="?")
-    save.set_defaults(func=_savepoint)
-
-    restore = commands.add_parser("restore-changelog", help="rebuild a state table as of a version from its changelog")
-    restore.add_argument("--table", required=True)
-    restore.add_argument("--version", type=int, required=True)
-    restore.add_argument("--into", help="table name under tables/ to write (default <table>_restored_v<version>)")
-    restore.set_defaults(func=_restore_changelog)
-    from_topic = commands.add_parser("restore-topic", help="rebuild a state table from its compacted changelog topic")
-    from_topic.add_argument("--table", required=True)
-    from_topic.add_argument("--into", required=True, help="table name under tables/ to write")
-    from_topic.set_defaults(func=_restore_topic)
-
-    refresh = commands.add_parser("refresh", help="rebuild a state, windowed or session table from bronze under the "
-                                                  "project file's definition, replacing its content in one commit")
-    refresh.add_argument("table")
-    refresh.set_defaults(func=_refresh)
-
-    status = commands.add_parser("status", help="where each stream stands: landing files not ingested yet, the last "
-                                                "micro-batch, table versions, what each step has folded, quarantine "
-                                                "reasons, late events, the writer lock, the engine")
+    status = command("status", "where each stream stands: landing files not ingested yet, the last micro-batch, "
+                     "table versions, what each step has folded, quarantine reasons, late events, the writer lock, "
+                     "the engine", "statetables status --json", _status)
     status.add_argument("--json", action="store_true", help="one JSON document (stable keys) instead of text")
-    status.set_defaults(func=_status)
 
-    dev = commands.add_parser("dev", help="Dagster UI + daemon on 127.0.0.1 beside a warm Spark Connect engine")
-    serve = commands.add_parser("serve", help="as `dev`, with the continuous job running")
-    for command in (dev, serve):
-        command.add_argument("--port", type=int, default=3000)
-        command.add_argument("--engine-port", type=int, default=15002, help="the Spark Connect server's port")
-        command.add_argument("--embedded", action="store_true",
-                             help="no engine: every run starts an embedded JVM of its own")
-    dev.set_defaults(func=_dev)
+    show = command("show", "print a table's rows, read with delta-rs (no Spark)",
+                   "statetables show orders_per_region --where \"region = 'north'\" --limit 5", _show)
+    table_argument(show, "any table a run writes: a state, windowed, session or top N table, bronze, quarantine, "
+                         "late_events")
+    show.add_argument("--where", metavar="SQL", help="a SQL condition over the table's columns")
+    show.add_argument("--limit", type=int, default=20, help="rows to print at most")
+
+    quarantine = command("quarantine", "a stream's quarantine: lines not accepted, counted by reason, and the newest",
+                         "statetables quarantine orders --reason out_of_range", _quarantine)
+    quarantine.add_argument("stream", metavar="STREAM", help="a stream the project file declares")
+    quarantine.add_argument("--reason", help="only lines of this reason")
+    quarantine.add_argument("--limit", type=int, default=20, help="lines to print at most")
+
+    explain = command("explain", "why a state table's row holds what it holds: the events that built it, with their "
+                      "file and line (or topic, partition and offset), conflicting re-uses of their ids, late "
+                      "events, and every commit that changed the row", "statetables explain orders_per_region north",
+                      _explain)
+    table_argument(explain, "a state table")
+    explain.add_argument("key", metavar="KEY", help="the key's value, or k1=v1,k2=v2 for a table of several keys")
+    explain.add_argument("--limit", type=int, default=50, help="events and commits to print at most")
+
+    save = command("savepoint", "take, list or restore a savepoint of every state table",
+                   "statetables savepoint create before-deploy-42", _savepoint)
+    save.add_argument("action", choices=["create", "list", "restore"], help="what to do")
+    save.add_argument("name", nargs="?", help="the savepoint's name (create and restore)")
+
+    restore = command("restore-changelog", "rebuild a state table as of a version from its changelog table alone",
+                      "statetables restore-changelog orders_per_region --version 12", _restore_changelog)
+    table_argument(restore, "the state table")
+    restore.add_argument("--version", type=int, required=True, help="the state table's version to rebuild")
+    restore.add_argument("--into", help="table name under tables/ to write (default <table>_restored_v<version>)")
+
+    from_topic = command("restore-topic", "rebuild a state table from its compacted changelog topic alone",
+                         "statetables restore-topic payments_per_customer", _restore_topic)
+    table_argument(from_topic, "the state table")
+    from_topic.add_argument("--into", help="table name under tables/ to write (default <table>_from_topic)")
+
+    dev = command("dev", "Dagster UI + daemon on 127.0.0.1 beside a warm Spark Connect engine", "statetables dev",
+                  _dev, "Runs use the engine; Ctrl-C stops both.")
+    serve = command("serve", "as `dev`, with the continuous job running", "statetables serve --trigger-seconds 1",
+                    _serve, "Ctrl-C cancels the job (the current micro-batches commit first), then stops Dagster.")
+    for sub in (dev, serve):
+        sub.add_argument("--port", type=int, default=3000, help="the Dagster UI's port")
+        sub.add_argument("--engine-port", type=int, default=15002, help="the Spark Connect server's port")
+        sub.add_argument("--embedded", action="store_true", help="no engine: every run starts an embedded JVM")
     serve.add_argument("--trigger-seconds", type=float, default=2.0, help="processing-time trigger of the queries")
     serve.add_argument("--report-every-seconds", type=float, default=30.0, help="how often tables are reported")
-    serve.set_defaults(func=_serve)
 
-    inst = commands.add_parser("instance", help="prepare the Dagster instance under the storage root")
-    inst.set_defaults(func=_instance)
+    server = command("connect-server", "serve Spark Connect with Delta on 127.0.0.1 until interrupted",
+                     "statetables connect-server --port 15002", _connect_server)
+    server.add_argument("--port", type=int, default=15002, help="the port to listen on")
+    cluster = command("cluster", "a Spark standalone master and worker on 127.0.0.1 until interrupted",
+                      "statetables cluster --cores 2 --memory 6g", _cluster)
+    cluster.add_argument("--port", type=int, default=7077, help="the master's port")
+    cluster.add_argument("--cores", type=int, default=2, help="the worker's cores")
+    cluster.add_argument("--memory", default="6g", help="the worker's memory for executors")
+    s3 = command("s3-server", "a local S3 server (s3proxy) over a folder on 127.0.0.1 until interrupted, for an "
+                 "s3a:// storage root", "statetables s3-server --dir /tmp/s3 --bucket lake", _s3_server)
+    s3.add_argument("--port", type=int, default=9000, help="the port to listen on")
+    s3.add_argument("--dir", required=True, metavar="PATH", help="where objects are stored: a folder per bucket")
+    s3.add_argument("--bucket", help="create this bucket (a folder under --dir) if it does not exist")
+    s3.add_argument("--prefix", default="statetables", help="the prefix under the bucket in the printed "
+                                                            "STATETABLES_HOME")
+    s3.add_argument("--log", metavar="FILE", help="s3proxy's log (PATH.log beside --dir when not given)")
+    s3.add_argument("--log-requests", action="store_true", help="also log a line per request")
+    kafka = command("kafka-broker", "a single-node Kafka broker (KRaft) over a folder on 127.0.0.1 until "
+                    "interrupted; a restart on the same folder keeps the topics",
+                    "statetables kafka-broker --dir /tmp/kafka", _kafka_broker)
+    kafka.add_argument("--port", type=int, default=9092, help="the port to listen on")
+    kafka.add_argument("--dir", required=True, metavar="PATH", help="the broker's topics, metadata, config and log")
+    command("instance", "prepare the Dagster instance under the storage root and print DAGSTER_HOME",
+            "statetables instance", _instance)
+    return parser
 
-    args = parser.parse_args(argv)
-    if args.project:
-        # The environment, so that what this command starts (Dagster's code server, runs) reads the same file.
-        os.environ[PROJECT_ENV] = str(Path(args.project).resolve())
+
+def _use_project(option: str | None) -> None:
+    """The project every part of this command reads, named in the environment so that what the command starts
+    (Dagster's code server, runs) reads the same file; printed once."""
+    from pipelines.declare.project import project_path
+
+    if option:
+        path = Path(option).expanduser()
+        if not path.is_file():
+            raise ConfigurationError(f"--project {option}: no such file. Fix: name your project file (a "
+                                     f"statetables.yaml), or leave --project out to use ./statetables.yaml.")
+        os.environ[PROJECT_ENV] = str(path.resolve())
+    os.environ[PROJECT_ENV] = str(project_path())
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     try:
+        if args.command not in NO_PROJECT:
+            _use_project(args.project)
+            quiet = getattr(args, "json", False)
+            print(f"project: {os.environ[PROJECT_ENV]}", file=sys.stderr if quiet else sys.stdout, flush=True)
         return args.func(args)
     except (ConfigurationError, StreamBusyError, StorageError, SavepointError, ValueError) as error:
         print(f"statetables: {error}", file=sys.stderr)

@@ -42,6 +42,9 @@ EXPECTED_SECONDS = {
     "tests/pipelines/operate/test_check_boundaries.py": 20,
     "tests/test_contract_promises.py": 20,
     "tests/test_status.py": 15,
+    "tests/test_first_stream.py": 60,
+    "tests/assets/test_component.py": 60,
+    "tests/test_cli_help_and_errors.py": 10,
 }
 SHORT_S = 5
 

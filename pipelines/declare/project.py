@@ -35,8 +35,8 @@ import yaml
 from pipelines.declare.specs import (
     LATE_EVENTS, EventTimeTableSpec, FieldRule, KafkaTopic, StateTableSpec, StreamSpec, TopSpec,
 )
-from pipelines.declare.sql import NAME, SQL_HELP, parse_table
-from pipelines.errors import ConfigurationError
+from pipelines.declare.sql import NAME, SQL_HELP, over_broken_stream, parse_table
+from pipelines.errors import ConfigurationError, did_you_mean
 
 PROJECT_ENV = "STATETABLES_PROJECT"
 PROJECT_FILE = "statetables.yaml"
@@ -56,6 +56,9 @@ REPLACED_KEYS = {
                 "session_window(event_time, '30 minutes')` (`ttl_days:` beside its `sql:`); the watermark delay is "
                 "the stream's `watermark_delay_minutes:`"}
 TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,249}$")  # Kafka's own rule for topic names
+SECTIONS = {"streams", "state_tables", "kafka"}
+TABLE_OPTIONS = {"sql", "ttl_days", "changelog_topic"}
+_OVER_A_BROKEN_STREAM = object()  # a table over a stream whose declaration failed: that problem is listed
 
 
 @dataclass(frozen=True)
@@ -94,7 +97,9 @@ class Project:
 
 
 def project_path() -> Path:
-    """$STATETABLES_PROJECT, else statetables.yaml in the working directory, else the shipped one."""
+    """$STATETABLES_PROJECT (the CLI's --project sets it), else statetables.yaml in the working directory. Nothing
+    else: a command never acts on another project than the one it names (in the product's own checkout, the
+    shipped file is the working directory's)."""
     named = os.environ.get(PROJECT_ENV)
     if named:
         path = Path(named).expanduser()
@@ -103,7 +108,12 @@ def project_path() -> Path:
                                      f"(a statetables.yaml), or unset it to use ./{PROJECT_FILE}.")
         return path.resolve()
     here = Path.cwd() / PROJECT_FILE
-    return here.resolve() if here.is_file() else SHIPPED
+    if here.is_file():
+        return here.resolve()
+    near = sorted(p.name for p in Path.cwd().glob("statetables.*") if p.suffix in (".yml", ".yaml", ".json"))
+    hint = (f" ({near[0]} is here: rename it to {PROJECT_FILE}, or pass --project {near[0]})" if near else "")
+    raise ConfigurationError(f"No project file: {here} does not exist{hint}. Fix: `statetables init` writes one to "
+                             f"start from, `--project FILE` names another, or run from your project's folder.")
 
 
 _loaded: dict[tuple[Path, int], Project] = {}
@@ -129,14 +139,49 @@ def project(path: Path | None = None) -> Project:
 
 
 class _Where:
-    """Error messages that name the file and line."""
+    """Error messages that name the file, line and column, and the problems of a load, every one of them."""
 
-    def __init__(self, path: Path):
-        self.path = path
+    def __init__(self, path: Path, text: str):
+        self.path, self.text = path, text
+        self.problems: list[ConfigurationError] = []
+
+    def at(self, line: int, column: int) -> str:
+        return f"{self.path}:{line}:{column}"
 
     def fail(self, node: yaml.Node | None, message: str, fix: str) -> ConfigurationError:
-        line = f":{node.start_mark.line + 1}" if node is not None else ""
-        return ConfigurationError(f"{self.path}{line}: {message}. Fix: {fix}")
+        place = self.at(node.start_mark.line + 1, node.start_mark.column + 1) if node is not None else str(self.path)
+        return ConfigurationError(f"{place}: {message}. Fix: {fix}")
+
+    def in_sql(self, node: yaml.Node, sql: str, offset: int | None, message: str, fix: str) -> ConfigurationError:
+        """An error at character `offset` of the SQL text that `node` holds, placed in the file: the token found
+        in the node's own text (a quoted, folded or block scalar writes the same tokens at other places)."""
+        line, column = node.start_mark.line + 1, node.start_mark.column + 1
+        if offset is not None and 0 <= offset < len(sql):
+            raw = self.text[node.start_mark.index:node.end_mark.index]
+            token = re.match(r"\w+|\S", sql[offset:]).group(0)
+            nth = len(re.findall(rf"(?<!\w){re.escape(token)}", sql[:offset]))
+            found = [m.start() for m in re.finditer(rf"(?<!\w){re.escape(token)}", raw)]
+            if nth < len(found):
+                before = self.text[:node.start_mark.index + found[nth]]
+                line, column = before.count("\n") + 1, len(before) - (before.rfind("\n") + 1) + 1
+        return ConfigurationError(f"{self.at(line, column)}: {message}. Fix: {fix}")
+
+    def collect(self, parse, *args):
+        """`parse(*args)`, or None with its problem kept: one bad stream or table does not hide the next."""
+        try:
+            return parse(*args)
+        except ConfigurationError as problem:
+            self.problems.append(problem)
+            return None
+
+
+class ProjectError(ConfigurationError):
+    """Every problem of a project file, one a line."""
+
+    def __init__(self, problems: list[ConfigurationError]):
+        self.problems = problems
+        count = f"{len(problems)} problems" if len(problems) > 1 else "1 problem"
+        super().__init__(f"the project file has {count}:\n" + "\n".join(f"  {p}" for p in problems))
 
 
 def _value(node: yaml.Node):
@@ -156,35 +201,51 @@ def _mapping(where: _Where, node: yaml.Node, what: str) -> dict[str, tuple[yaml.
 
 
 def load_project(text: str, path: Path) -> Project:
-    where = _Where(path)
+    """The project `text` (the file at `path`) declares; a ProjectError lists every problem found, each at its
+    file:line:column (a problem in a stream hides the problems of the tables over it)."""
+    where = _Where(path, text)
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError as exc:
-        raise ConfigurationError(f"{path}: not valid YAML: {exc}. Fix: correct the file's syntax.") from None
+        mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+        place = where.at(mark.line + 1, mark.column + 1) if mark is not None else str(path)
+        problem = getattr(exc, "problem", None) or str(exc)
+        context = f" ({exc.context})" if getattr(exc, "context", None) else ""
+        raise ConfigurationError(f"{place}: not valid YAML: {problem}{context}. Fix: correct the file's syntax there "
+                                 f"(a `key: value` a line, lists as `- item`, quote text holding `: ` or `#`)"
+                                 ) from None
     if root is None:
         raise where.fail(None, "the project file is empty", "declare `streams:` and `state_tables:`")
     top = _mapping(where, root, "the project file")
-    if unknown := sorted(set(top) - {"streams", "state_tables", "kafka"}):
-        raise where.fail(top[unknown[0]][0], f"unknown section {unknown[0]!r}",
-                         "use `streams:`, `state_tables:` and `kafka:`")
+    for unknown in sorted(set(top) - SECTIONS):
+        where.problems.append(where.fail(top[unknown][0], f"unknown section {unknown!r}{did_you_mean(unknown, SECTIONS)}",
+                                         "use `streams:`, `state_tables:` and `kafka:`"))
     if "streams" not in top:
-        raise where.fail(root, "no `streams:` section", "declare at least one stream under `streams:`")
-    servers = _kafka(where, top["kafka"][1]) if "kafka" in top else None
-    streams = {name: _stream(where, name, key, node, servers) for name, (key, node) in
-               _mapping(where, top["streams"][1], "streams").items()}
+        raise ProjectError([*where.problems, where.fail(root, "no `streams:` section",
+                                                        "declare at least one stream under `streams:`")])
+    servers = where.collect(_kafka, where, top["kafka"][1]) if "kafka" in top else None
+    declared = where.collect(_mapping, where, top["streams"][1], "streams") or {}
+    streams = {name: stream for name, (key, node) in declared.items()
+               if (stream := where.collect(_stream, where, name, key, node, servers)) is not None}
+    broken = frozenset(declared) - set(streams)
     tables: dict[str, list[StateTableSpec]] = {name: [] for name in streams}
     timed: dict[str, list[EventTimeTableSpec]] = {name: [] for name in streams}
     tops: dict[str, list[TopSpec]] = {}
     windowed: dict[str, EventTimeTableSpec] = {}
     items = top.get("state_tables", (None, yaml.SequenceNode("tag:yaml.org,2002:seq", [])))[1]
     if not isinstance(items, yaml.SequenceNode):
-        raise where.fail(items, "`state_tables:` must be a list", "write each table as `- CREATE TABLE ...`")
+        where.problems.append(where.fail(items, "`state_tables:` must be a list",
+                                         "write each table as `- CREATE TABLE ...`"))
+        items = yaml.SequenceNode("tag:yaml.org,2002:seq", [])
     taken = {t for s in streams.values() for t in (s.bronze_table, s.quarantine_table, s.files_table)} | {LATE_EVENTS}
     for item in items.value:
-        table = _table(where, item, streams, windowed, servers)
+        table = where.collect(_table, where, item, streams, windowed, servers, broken)
+        if table is None or table is _OVER_A_BROKEN_STREAM:
+            continue
         owned = (table.name, table.state_table) if isinstance(table, EventTimeTableSpec) else (table.name,)
         if clash := next((name for name in owned if name in taken), None):
-            raise where.fail(item, f"the table name {clash!r} is taken", "give the table another name")
+            where.problems.append(where.fail(item, f"the table name {clash!r} is taken", "give the table another name"))
+            continue
         taken.update(owned)
         if isinstance(table, TopSpec):
             tops.setdefault(table.source, []).append(table)
@@ -194,6 +255,8 @@ def load_project(text: str, path: Path) -> Project:
                 windowed[table.name] = table
         else:
             tables[table.stream].append(table)
+    if where.problems:
+        raise ProjectError(where.problems)
     specs = {name: replace(spec, state_tables=tuple(tables[name]), event_time_tables=tuple(
                  replace(t, tops=tuple(tops.get(t.name, ()))) for t in timed[name]))
              for name, spec in streams.items()}
@@ -210,7 +273,8 @@ def _number(where: _Where, node: yaml.Node, what: str, *, positive: bool = True)
 def _kafka(where: _Where, node: yaml.Node) -> str | None:
     options = _mapping(where, node, "kafka")
     if unknown := sorted(set(options) - {"bootstrap_servers"}):
-        raise where.fail(options[unknown[0]][0], f"kafka: unknown setting {unknown[0]!r}",
+        raise where.fail(options[unknown[0]][0], f"kafka: unknown setting {unknown[0]!r}"
+                         f"{did_you_mean(unknown[0], ['bootstrap_servers'])}",
                          "write `kafka: {bootstrap_servers: host:port}`")
     if "bootstrap_servers" not in options:
         return None
@@ -233,7 +297,8 @@ def _source(where: _Where, stream: str, node: yaml.Node, servers: str | None) ->
     options = _mapping(where, node, f"source of {stream}")
     allowed = {"landing", "topic", "max_records_per_batch"}
     if unknown := sorted(set(options) - allowed):
-        raise where.fail(options[unknown[0]][0], f"source of {stream}: unknown setting {unknown[0]!r}",
+        raise where.fail(options[unknown[0]][0], f"source of {stream}: unknown setting {unknown[0]!r}"
+                         f"{did_you_mean(unknown[0], allowed)}",
                          "write `source: {topic: name}` (a Kafka topic) or `source: {landing: folder}` (the default)")
     if ("topic" in options) == ("landing" in options):
         raise where.fail(node, f"source of {stream} names {'both a topic and' if 'topic' in options else 'neither a topic nor'}"
@@ -260,8 +325,8 @@ def _stream(where: _Where, name: str, key: yaml.Node, node: yaml.Node, servers: 
         raise where.fail(entries[replaced[0]][0], f"stream {name}: `{replaced[0]}:` is no longer an option",
                          REPLACED_KEYS[replaced[0]])
     if unknown := sorted(set(entries) - STREAM_KEYS):
-        raise where.fail(entries[unknown[0]][0], f"stream {name}: unknown setting {unknown[0]!r}",
-                         f"use some of {', '.join(sorted(STREAM_KEYS))}")
+        raise where.fail(entries[unknown[0]][0], f"stream {name}: unknown setting {unknown[0]!r}"
+                         f"{did_you_mean(unknown[0], STREAM_KEYS)}", f"use some of {', '.join(sorted(STREAM_KEYS))}")
     for needed in ("id", "event_time", "fields"):
         if needed not in entries:
             raise where.fail(node, f"stream {name} has no `{needed}:`", f"add `{needed}:` to stream {name}")
@@ -270,10 +335,17 @@ def _stream(where: _Where, name: str, key: yaml.Node, node: yaml.Node, servers: 
     kinds = {f.name: f for f in fields}
     id_field, event_time = str(_value(entries["id"][1])), str(_value(entries["event_time"][1]))
     for role, field, want in (("id", id_field, "string"), ("event_time", event_time, "timestamp")):
-        rule = kinds.get(field)
-        if rule is None or rule.kind != want or not rule.required:
-            raise where.fail(entries[role][1], f"stream {name}: `{role}: {field}` must name a required {want} field",
-                             f"declare `{field}: {{type: {want}}}` under fields, or name another field")
+        rule, at = kinds.get(field), entries[role][1]
+        if rule is None:
+            raise where.fail(at, f"stream {name}: `{role}: {field}` names no field of the stream"
+                             f"{did_you_mean(field, kinds)}", f"declare `{field}: {{type: {want}}}` under fields, "
+                             f"or name one of {', '.join(kinds)}")
+        if rule.kind != want:
+            raise where.fail(at, f"stream {name}: `{role}: {field}` names a {rule.kind} field; the {role} must be a "
+                             f"{want}", f"declare `{field}: {{type: {want}}}`, or name a {want} field")
+        if not rule.required:
+            raise where.fail(at, f"stream {name}: `{role}: {field}` names a field declared `required: false`; every "
+                             f"event needs its {role}", f"remove `required: false` from {field}")
     spec = StreamSpec(name=name, id_field=id_field, event_time_field=event_time, fields=fields,
                       line=key.start_mark.line + 1)
     settings = {}
@@ -312,12 +384,13 @@ def _field(where: _Where, stream: str, name: str, key: yaml.Node, node: yaml.Nod
         raise where.fail(key, f"field name {name!r} is not allowed", "use letters, digits and '_'")
     rules = _mapping(where, node, f"field {stream}.{name}")
     if unknown := sorted(set(rules) - RULES):
-        raise where.fail(rules[unknown[0]][0], f"field {name}: unknown rule {unknown[0]!r}",
-                         f"use some of {', '.join(sorted(RULES))}")
+        raise where.fail(rules[unknown[0]][0], f"field {name}: unknown rule {unknown[0]!r}"
+                         f"{did_you_mean(unknown[0], RULES)}", f"use some of {', '.join(sorted(RULES))}")
     kind = _value(rules["type"][1]) if "type" in rules else None
     if kind not in KINDS:
         raise where.fail(rules.get("type", (node, node))[1], f"field {name}: type {kind!r} is not one of "
-                         f"{', '.join(KINDS)}", f"write `{name}: {{type: string}}` (or another of those types)")
+                         f"{', '.join(KINDS)}{did_you_mean(kind, KINDS)}",
+                         f"write `{name}: {{type: string}}` (or another of those types)")
     flag = lambda rule, default: _flag(where, rules, rule, default)  # noqa: E731
     args: dict = {"required": flag("required", True)}
     for rule, kinds in (("trim", ("string",)), ("max_length", ("string",)), ("min", ("decimal", "integer")),
@@ -353,13 +426,15 @@ def _flag(where: _Where, rules: dict, rule: str, default: bool) -> bool:
 
 
 def _table(where: _Where, item: yaml.Node, streams: dict[str, StreamSpec], windowed: dict[str, EventTimeTableSpec],
-           servers: str | None = None) -> StateTableSpec | EventTimeTableSpec | TopSpec:
+           servers: str | None = None, broken: frozenset[str] = frozenset()
+           ) -> StateTableSpec | EventTimeTableSpec | TopSpec | object:
     """One item of `state_tables:`: SQL text, or `{sql: ..., ttl_days: N, changelog_topic: name}`."""
     ttl = changelog_topic = None
     if isinstance(item, yaml.MappingNode):
         options = _mapping(where, item, "a state table")
-        if unknown := sorted(set(options) - {"sql", "ttl_days", "changelog_topic"}):
-            raise where.fail(options[unknown[0]][0], f"state table: unknown option {unknown[0]!r}",
+        if unknown := sorted(set(options) - TABLE_OPTIONS):
+            raise where.fail(options[unknown[0]][0], f"state table: unknown option {unknown[0]!r}"
+                             f"{did_you_mean(unknown[0], TABLE_OPTIONS)}",
                              "write `- sql: CREATE TABLE ...` with an optional `ttl_days: N` and `changelog_topic: name`")
         if "sql" not in options:
             raise where.fail(item, "state table without `sql:`", "add `sql: CREATE TABLE name AS SELECT ...`")
@@ -373,5 +448,11 @@ def _table(where: _Where, item: yaml.Node, streams: dict[str, StreamSpec], windo
     sql = _value(sql_node)
     if not isinstance(sql, str):
         raise where.fail(sql_node, "a state table must be SQL text", SQL_HELP)
-    return parse_table(sql, lambda message: where.fail(sql_node, message, SQL_HELP), streams, windowed,
-                       line=sql_node.start_mark.line + 1, ttl=ttl, changelog_topic=changelog_topic)
+    if over_broken_stream(sql, broken):
+        return _OVER_A_BROKEN_STREAM
+
+    def fail(message: str, at: int | None = None, fix: str | None = None) -> ConfigurationError:
+        return where.in_sql(sql_node, sql, at, message, fix or SQL_HELP)
+
+    return parse_table(sql, fail, streams, windowed, line=sql_node.start_mark.line + 1, ttl=ttl,
+                       changelog_topic=changelog_topic)

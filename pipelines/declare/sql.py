@@ -31,7 +31,7 @@ from pipelines.declare.aggregates import KINDS
 from pipelines.declare.specs import (
     Aggregate, EventTimeTableSpec, KafkaTopic, OutputColumn, StateTableSpec, StreamSpec, TopSpec,
 )
-from pipelines.errors import ConfigurationError
+from pipelines.errors import ConfigurationError, did_you_mean
 
 NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,99}$")
 SQL_HELP = ("write `CREATE TABLE name AS SELECT key, ..., COUNT(*) AS n, SUM(col) AS total, ... FROM stream "
@@ -50,7 +50,48 @@ _CLAUSES = (("joins", "a join cannot be kept incrementally"),
             ("distinct", "SELECT DISTINCT cannot be kept incrementally"), ("with", "a WITH is not supported"),
             ("qualify", "a QUALIFY cannot be kept incrementally"))
 
-Fail = Callable[[str], ConfigurationError]
+# fail(message, at=None, fix=None): the error, placed at character `at` of the SQL; `fix` when there is a specific
+# one (else the caller's general help).
+Fail = Callable[..., ConfigurationError]
+
+
+def _offset(node: exp.Expression | None) -> int | None:
+    """Where a parsed node starts in the SQL text: its own token's position, or its first token's."""
+    if node is None:
+        return None
+    for found in node.walk():
+        found = found[0] if isinstance(found, tuple) else found
+        if found.meta.get("start") is not None:
+            return found.meta["start"]
+    return None
+
+
+def _parse_error(sql: str, exc: sqlglot.errors.ParseError) -> tuple[str, int | None]:
+    """sqlglot's first error in words (without its token internals) and its offset in the SQL."""
+    error = exc.errors[0] if exc.errors else {}
+    if "..." in sql:
+        return "`...` stands for the rest of the statement in an example; write it whole", sql.index("...")
+    if "TokenType.SENTINEL" in (error.get("description") or ""):
+        return "the statement ends before it is complete", max(len(sql.rstrip()) - 1, 0)
+    text = re.sub(r"<Token token_type: TokenType\.\w+, text: (.*?), line: \d+.*?>", r"`\1`",
+                  error.get("description") or str(exc).splitlines()[0])
+    line, col = error.get("line"), error.get("col")
+    if not line or not col:
+        return text, None
+    lines = sql.split("\n")
+    return text, sum(len(x) + 1 for x in lines[:line - 1]) + max(col - len(error.get("highlight") or "x"), 0)
+
+
+def over_broken_stream(sql: str, broken: frozenset[str]) -> bool:
+    """Whether a table's SQL reads FROM one of the `broken` streams (their declarations failed to load)."""
+    if not broken:
+        return False
+    try:
+        create = sqlglot.parse_one(sql, read="spark")
+    except sqlglot.errors.ParseError:
+        return False
+    source = create.expression.args.get("from_") if isinstance(create.expression, exp.Select) else None
+    return source is not None and isinstance(source.this, exp.Table) and source.this.name in broken
 
 
 def parse_table(sql: str, fail: Fail, streams: dict[str, StreamSpec], windowed: dict[str, EventTimeTableSpec], *,
@@ -61,7 +102,8 @@ def parse_table(sql: str, fail: Fail, streams: dict[str, StreamSpec], windowed: 
     try:
         statements = [s for s in sqlglot.parse(sql, read="spark") if s is not None]
     except sqlglot.errors.ParseError as exc:
-        raise fail(f"the SQL does not parse: {str(exc).splitlines()[0]}") from None
+        text, at = _parse_error(sql, exc)
+        raise fail(f"the SQL does not parse: {text}", at) from None
     if len(statements) != 1 or not isinstance(statements[0], exp.Create) or statements[0].kind != "TABLE":
         raise fail("a table is one `CREATE TABLE name AS SELECT ...` statement")
     create = statements[0]
@@ -69,7 +111,9 @@ def parse_table(sql: str, fail: Fail, streams: dict[str, StreamSpec], windowed: 
     select = create.expression
     if not NAME.match(name or "") or not isinstance(select, exp.Select):
         raise fail("a table is `CREATE TABLE name AS SELECT ...` with a plain name")
-    where_of = lambda message: fail(f"table {name}: {message}")  # noqa: E731
+    def where_of(message: str, at: exp.Expression | None = None, fix: str | None = None) -> ConfigurationError:
+        return fail(f"table {name}: {message}", _offset(at), fix)
+
     text = " ".join(sql.split())
     source = select.args.get("from_") or select.args.get("from")
     if source is not None and isinstance(source.this, exp.Subquery):
@@ -80,14 +124,16 @@ def parse_table(sql: str, fail: Fail, streams: dict[str, StreamSpec], windowed: 
         if select.args.get(clause):
             raise where_of(why)
     if source is None or not isinstance(source.this, exp.Table) or source.this.args.get("db"):
-        raise where_of("FROM must name one declared stream")
+        raise where_of("FROM must name one declared stream", at=source, fix=f"read FROM one of {', '.join(streams)}")
     stream_name = source.this.name
     if stream_name not in streams:
-        raise where_of(f"FROM {stream_name}: no such stream (declared: {', '.join(streams)})")
+        raise where_of(f"FROM {stream_name}: no such stream{did_you_mean(stream_name, streams)}", at=source.this,
+                       fix=f"read FROM one of {', '.join(streams)}, or declare {stream_name} under `streams:`")
     spec = streams[stream_name]
     group = select.args.get("group")
     if group is None or not group.expressions:
-        raise where_of("no GROUP BY: a table has one row per key")
+        raise where_of("no GROUP BY: a table has one row per key", at=select,
+                       fix="add `GROUP BY key, ...` with the keys the SELECT lists")
     timed = [g for g in group.expressions if _function_name(g) in ("window", "session_window")]
     if len(timed) > 1:
         raise where_of("GROUP BY one window() or one session_window(), not several")
@@ -120,14 +166,14 @@ def _filter(where: exp.Where, parts: _Parts) -> str:
         node = node[0] if isinstance(node, tuple) else node
         if isinstance(node, (exp.AggFunc, exp.Window)):
             raise parts.where_of(f"WHERE `{condition.sql('spark')}`: an aggregate or window function decides rows "
-                                 f"together; a WHERE keeps each event on its own (HAVING is not kept)")
+                                 f"together; a WHERE keeps each event on its own (HAVING is not kept)", at=condition)
         if isinstance(node, (exp.Subquery, exp.Select)):
-            raise parts.where_of(f"WHERE `{condition.sql('spark')}`: a subquery is not kept incrementally")
+            raise parts.where_of(f"WHERE `{condition.sql('spark')}`: a subquery is not kept incrementally", at=condition)
         if isinstance(node, exp.Func):
             name = (node.name if isinstance(node, exp.Anonymous) else node.sql_name()).lower()
             if name in _UNSTABLE or type(node).__name__.lower() in _UNSTABLE:
                 raise parts.where_of(f"WHERE `{condition.sql('spark')}`: {name} changes between runs, so a replay "
-                                     f"would keep other events")
+                                     f"would keep other events", at=condition)
         if isinstance(node, exp.Column):
             parts.field_of(node, "a column of the WHERE")
     return condition.sql("spark")
@@ -146,19 +192,22 @@ class _Parts:
 
     def field_of(self, node: exp.Expression, role: str) -> str:
         if not isinstance(node, exp.Column) or node.table:
-            raise self.where_of(f"{role} must be a plain column of {self.spec.name}, got `{node.sql('spark')}`")
+            raise self.where_of(f"{role} must be a plain column of {self.spec.name}, got `{node.sql('spark')}`", at=node)
         if node.name not in self.fields:
-            raise self.where_of(f"unknown column {node.name!r} (the fields of {self.spec.name}: "
-                                f"{', '.join(self.fields)})")
+            raise self.where_of(f"unknown column {node.name!r}{did_you_mean(node.name, self.fields)}", at=node,
+                                fix=f"use one of {self.spec.name}'s fields: {', '.join(self.fields)}")
         return node.name
 
     def aggregate(self, node: exp.Expression, name: str, *, lists: bool) -> Aggregate:
         function = _AGGREGATES.get(type(node))
         if function is None:
-            raise self.where_of(f"`{node.sql('spark')}` is not an aggregate the table can merge incrementally")
+            raise self.where_of(f"`{node.sql('spark')}` is not an aggregate the table can merge incrementally", at=node,
+                                fix="use COUNT(*), COUNT(col), SUM, MIN, MAX, AVG, MIN_BY or MAX_BY: each is kept from "
+                                    "partial results batch by batch, which a median, a distinct count or a "
+                                    "percentile cannot be")
         argument = node.this
         if isinstance(argument, exp.Distinct):
-            raise self.where_of(f"`{node.sql('spark')}`: DISTINCT cannot be kept incrementally")
+            raise self.where_of(f"`{node.sql('spark')}`: DISTINCT cannot be kept incrementally", at=node)
         takes = KINDS[function].argument
         if takes == "row or column" and isinstance(argument, exp.Star):
             return Aggregate(name, function)
@@ -179,11 +228,11 @@ class _Parts:
             if node.args.get("count") is not None:
                 if not lists:
                     raise self.where_of(f"`{node.sql('spark')}` keeps a list of values: a state table keeps one "
-                                        f"value per column (lists are for windowed and session tables)")
+                                        f"value per column (lists are for windowed and session tables)", at=node)
                 n = _whole_number(node.args["count"], f"the count of {function.upper()}", self.where_of)
             return Aggregate(name, function, column, by_column, n)
         if node.args.get("expressions"):
-            raise self.where_of(f"`{node.sql('spark')}` takes one column")
+            raise self.where_of(f"`{node.sql('spark')}` takes one column", at=node)
         return Aggregate(name, function, column)
 
 
@@ -196,7 +245,7 @@ def _rendered(node: exp.Expression) -> str:
 def _whole_number(node: exp.Expression, what: str, where_of: Fail) -> int:
     if not isinstance(node, exp.Literal) or node.is_string or not re.fullmatch(r"[0-9]+", node.this) \
             or int(node.this) < 1:
-        raise where_of(f"{what} must be a whole number >= 1, got `{node.sql('spark')}`")
+        raise where_of(f"{what} must be a whole number >= 1, got `{node.sql('spark')}`", at=node)
     return int(node.this)
 
 
@@ -220,7 +269,7 @@ def _state_table(name: str, select: exp.Select, parts: _Parts, keys: tuple[str, 
             names.append(column)
             continue
         if not isinstance(item, exp.Alias):
-            raise where_of(f"`{item.sql('spark')}` needs a column name: add `AS name`")
+            raise where_of(f"`{item.sql('spark')}` needs a column name: add `AS name`", at=item)
         if isinstance(item.this, exp.Column):  # `col AS name`: a renamed key, or a bare column
             column = parts.field_of(item.this, "a selected column")
             raise where_of(f"select the key `{column}` as is, without AS" if column in keys
@@ -256,7 +305,7 @@ def duration(node: exp.Expression, what: str, where_of: Fail) -> timedelta:
     match = _DURATION.match(text or "")
     if match is None or int(match.group(1)) < 1:
         raise where_of(f"{what} `{node.sql('spark')}`: write a whole number of seconds, minutes, hours, days or "
-                       f"weeks as a string, e.g. '1 hour' or '30 minutes'")
+                       f"weeks as a string, e.g. '1 hour' or '30 minutes'", at=node)
     return timedelta(seconds=int(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
@@ -296,11 +345,11 @@ def _event_time_table(name: str, select: exp.Select, parts: _Parts, keys: tuple[
             columns.append(OutputColumn(column, "key"))
             continue
         if not isinstance(item, exp.Alias):
-            raise where_of(f"`{item.sql('spark')}` needs a column name: add `AS name`")
+            raise where_of(f"`{item.sql('spark')}` needs a column name: add `AS name`", at=item)
         value, out = item.this, item.alias
         if isinstance(value, exp.Column) and value.table:
             if value.table.lower() != function or value.name.lower() not in ("start", "end"):
-                raise where_of(f"`{value.sql('spark')}`: select {function}.start or {function}.end")
+                raise where_of(f"`{value.sql('spark')}`: select {function}.start or {function}.end", at=value)
             columns.append(OutputColumn(out, value.name.lower()))
         elif isinstance(value, exp.Column):
             column = parts.field_of(value, "a selected column")
@@ -309,7 +358,7 @@ def _event_time_table(name: str, select: exp.Select, parts: _Parts, keys: tuple[
         elif isinstance(value, exp.Window):
             if kind != "session":
                 raise where_of(f"`{value.sql('spark')}`: a window function is not kept in a windowed table (a top N "
-                               f"is a table of its own, ranking this one)")
+                               f"is a table of its own, ranking this one)", at=value)
             window_items.append((out, value))
             columns.append(OutputColumn(out, "previous"))  # its role is settled below
         else:
@@ -404,7 +453,7 @@ def _top(name: str, select: exp.Select, subquery: exp.Subquery, windowed: dict[s
     rank, window = ranks[0].alias, ranks[0].this
     if not isinstance(window.this, exp.RowNumber):
         raise where_of(f"`{window.sql('spark')}`: rank with ROW_NUMBER(): RANK and DENSE_RANK give ties the same "
-                       f"rank, so a top N could hold more than N rows")
+                       f"rank, so a top N could hold more than N rows", at=window)
     inner_columns = []
     for item in inner.expressions:
         if item is ranks[0]:
@@ -415,17 +464,17 @@ def _top(name: str, select: exp.Select, subquery: exp.Subquery, windowed: dict[s
             inner_columns.append(item.name)
         else:
             raise where_of(f"`{item.sql('spark')}`: select columns of {table.name} as they are "
-                           f"({', '.join(available)})")
+                           f"({', '.join(available)})", at=item)
     start = table.column("start")
     partition = [p.sql("spark") for p in window.args.get("partition_by") or []]
     if partition != [start]:
-        raise where_of(f"`{window.sql('spark')}`: rank within each window, `PARTITION BY {start}`")
+        raise where_of(f"`{window.sql('spark')}`: rank within each window, `PARTITION BY {start}`", at=window)
     order = []
     for ordered in (window.args.get("order").expressions if window.args.get("order") else []):
         column = ordered.this
         if not isinstance(column, exp.Column) or column.table or column.name not in available:
             raise where_of(f"ORDER BY `{ordered.sql('spark')}`: order by columns of {table.name} "
-                           f"({', '.join(available)})")
+                           f"({', '.join(available)})", at=ordered)
         descending = bool(ordered.args.get("desc"))
         nulls_first = ordered.args.get("nulls_first")
         order.append((column.name, descending, bool(nulls_first) if nulls_first is not None else not descending))
@@ -441,7 +490,7 @@ def _top(name: str, select: exp.Select, subquery: exp.Subquery, windowed: dict[s
     n = _whole_number(bound.expression, f"the N of `WHERE {rank} <= N`", where_of)
     n = n if isinstance(bound, exp.LTE) else n - 1
     if n < 1:
-        raise where_of(f"`{condition.sql('spark')}` keeps no row")
+        raise where_of(f"`{condition.sql('spark')}` keeps no row", at=condition)
     columns = []
     for item in select.expressions:
         if isinstance(item, exp.Star):
@@ -450,7 +499,7 @@ def _top(name: str, select: exp.Select, subquery: exp.Subquery, windowed: dict[s
             columns.append(item.name)
         else:
             raise where_of(f"`{item.sql('spark')}`: select columns of the ranking as they are "
-                           f"({', '.join([*inner_columns, rank])})")
+                           f"({', '.join([*inner_columns, rank])})", at=item)
     _check_names(columns, where_of)
     return TopSpec(name=name, source=table.name, n=n, order=tuple(order), rank_column=rank, columns=tuple(columns),
                    sql=sql, line=line)

@@ -251,7 +251,8 @@ def _stream_rest(name: str, report: dict) -> list[str]:
         lines.append(f"  {'quarantine':<13}" + (", ".join(f"{reason} {count}" for reason, count in reasons.items())
                                                   + " (all time)" if reasons else "empty"))
         if report["late_events"] is not None:
-            lines.append(f"  {'late events':<13}{report['late_events']}")
+            lines.append(f"  {'late events':<13}{report['late_events']} (behind a windowed or session table's "
+                         f"watermark, in late_events; still counted in the state tables)")
     return lines
 
 

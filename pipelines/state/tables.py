@@ -256,6 +256,12 @@ def upsert(spark: SparkSession, table_path: str, table: StateTableSpec, batch: D
     retry_on_conflict(merge, f"MERGE of micro-batch {batch_id} into {table.name}")
 
 
+def merge_text(table: StateTableSpec, path) -> str:
+    """The MERGE each micro-batch runs for the table, its batch written as `batch`: one row per key of the batch's
+    events, the aggregates' partial values."""
+    return delta_sql.merge_statement(path, "batch", on=_on_key(table), clauses=_upsert_clauses(table))
+
+
 def _on_key(table: StateTableSpec) -> str:
     """Key equality; NULL-safe for an optional key field (GROUP BY keeps NULL as a key of its own)."""
     required = {f.name for f in table.fields if f.required}

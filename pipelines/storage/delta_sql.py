@@ -103,7 +103,12 @@ def merge(spark: SparkSession, path: str | Path, source: DataFrame, *, on: str, 
 
     >>> merge(spark, path, batch, on="t.`k` = s.`k`", clauses="WHEN NOT MATCHED THEN INSERT *")
     """
-    spark.sql(f"MERGE INTO {table_ref(path)} AS t USING {{source}} AS s ON {on} {clauses}", source=source)
+    spark.sql(merge_statement(path, "{source}", on=on, clauses=clauses), source=source)
+
+
+def merge_statement(path: str | Path, source: str, *, on: str, clauses: str) -> str:
+    """The MERGE's text, with `source` standing for the batch (what `statetables check` prints)."""
+    return f"MERGE INTO {table_ref(path)} AS t USING {source} AS s ON {on} {clauses}"
 
 
 def history(spark: SparkSession, path: str | Path, limit: int | None = None) -> DataFrame:
