@@ -19,9 +19,11 @@ setup(
         "PyYAML==6.0.4",  # reads the project file (dagster needs it too)
         "boto3==1.44.5",  # the S3 client of the storage layer (an s3a:// root) and of the writer's lease lock
         "confluent-kafka==2.16.1",  # the Kafka client (librdkafka) that creates topics and produces to a `make kafka` broker
+        "deltalake==1.6.6",  # `statetables show`, `quarantine`, `explain`: tables read without a JVM (and the tests' reader)
+        "pyarrow==22.0.0",  # delta-rs's answers as Arrow tables
     ],
     extras_require={
-        "test": ["pytest==9.2.0", "pytest-xdist==3.8.0", "deltalake==1.6.6", "pyarrow==22.0.0", "hypothesis==6.170.15",
+        "test": ["pytest==9.2.0", "pytest-xdist==3.8.0", "hypothesis==6.170.15",
                  "filelock==4.3.1",  # the engines test makes its reference tables once per session, across workers
                  "playwright==1.64.1"],  # the browser test drives Chromium with it (`make browser` installs one),
         # make bench: the one-machine alternative (d), memory sampling, the plot
