@@ -75,7 +75,9 @@ def specs(spec: StreamSpec, owns_late: bool) -> list:
                 f"as the window's rows. Declared in the project file (line {top.line})." + RUNBOOK_LINE))
               for top in table.tops)]
     if owns_late:
-        found.append(dg.AssetSpec(LATE_KEY, deps=[bronze_key(spec)], kinds=KINDS, metadata=RUNBOOK_METADATA,
+        # Its rows are the events a windowed or session table's watermark turned away: those tables are its lineage
+        # (this stream's: another stream's would make this step wait for that one's).
+        found.append(dg.AssetSpec(LATE_KEY, deps=[dg.AssetKey(t.name) for t in spec.event_time_tables], kinds=KINDS, metadata=RUNBOOK_METADATA,
                                   description=(
             "Every event that arrived at or behind a windowed or session table's watermark: `stream`, `table_name`, "
             "`event_id`, its event time, the watermark it missed, `late_by_ms`, source file and line. It is in no "
