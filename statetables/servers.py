@@ -632,9 +632,13 @@ class KafkaBroker:
     fails at the producer instead of becoming an empty topic of its own."""
 
     def __init__(self, data_dir: str | os.PathLike, port: int | None = None, *, heap: str = "512m",
-                 ready_timeout_s: float = 60):
+                 ready_timeout_s: float = 60, sasl_users: dict[str, str] | None = None):
         self.data_dir = Path(data_dir).resolve()
         self.port = port or free_port()
+        # With users: clients must log in (SASL/PLAIN over plain TCP) on `port`; the broker's own traffic takes a
+        # PLAINTEXT listener of its own, on another loopback port.
+        self.sasl_users = dict(sasl_users or {})
+        self.internal_port: int | None = None
         self.controller_port: int | None = None
         self.heap = heap
         self.ready_timeout_s = ready_timeout_s
@@ -653,13 +657,29 @@ class KafkaBroker:
     def log_dirs(self) -> Path:
         return self.data_dir / "kafka-logs"
 
+    def _listeners(self) -> dict[str, str]:
+        if not self.sasl_users:
+            return {
+                "listeners": f"PLAINTEXT://127.0.0.1:{self.port},CONTROLLER://127.0.0.1:{self.controller_port}",
+                "advertised.listeners": f"PLAINTEXT://127.0.0.1:{self.port}",
+                "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
+            }
+        users = " ".join(f'user_{name}="{password}"' for name, password in self.sasl_users.items())
+        return {
+            "listeners": f"SASL_PLAINTEXT://127.0.0.1:{self.port},PLAINTEXT://127.0.0.1:{self.internal_port},"
+                         f"CONTROLLER://127.0.0.1:{self.controller_port}",
+            "advertised.listeners": f"SASL_PLAINTEXT://127.0.0.1:{self.port},PLAINTEXT://127.0.0.1:{self.internal_port}",
+            "listener.security.protocol.map": "SASL_PLAINTEXT:SASL_PLAINTEXT,PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
+            "sasl.enabled.mechanisms": "PLAIN",
+            "listener.name.sasl_plaintext.plain.sasl.jaas.config":
+                f"org.apache.kafka.common.security.plain.PlainLoginModule required {users};",
+        }
+
     def _properties(self) -> dict[str, str]:
         return {
             "node.id": str(KAFKA_NODE_ID),
             "process.roles": "broker,controller",
-            "listeners": f"PLAINTEXT://127.0.0.1:{self.port},CONTROLLER://127.0.0.1:{self.controller_port}",
-            "advertised.listeners": f"PLAINTEXT://127.0.0.1:{self.port}",
-            "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
+            **self._listeners(),
             "inter.broker.listener.name": "PLAINTEXT",
             "controller.listener.names": "CONTROLLER",
             # A static quorum of this one node: the voters are read from here at every start, so the controller's
@@ -703,6 +723,7 @@ class KafkaBroker:
         _require_free_port(self.port, "the Kafka broker")
         self._require_unused()
         self.controller_port = free_port()
+        self.internal_port = free_port() if self.sasl_users else None
         self.data_dir.mkdir(parents=True, exist_ok=True)
         properties = self.data_dir / "server.properties"
         properties.write_text("# Written by statetables (KafkaBroker) at every start.\n" + "".join(
@@ -750,7 +771,8 @@ class KafkaBroker:
                 # First the port (quiet and cheap), then the metadata.
                 with socket.create_connection(("127.0.0.1", self.port), timeout=1):
                     pass
-                admin = admin or _quiet_admin(self.bootstrap)
+                # Readiness on the listener that needs no login (the broker's own, when clients must log in).
+                admin = admin or _quiet_admin(f"127.0.0.1:{self.internal_port or self.port}")
                 if admin.list_topics(timeout=2).brokers:
                     return
             except (OSError, KafkaException):

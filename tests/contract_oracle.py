@@ -591,13 +591,14 @@ def expected_with_ttl(stream: str, batches: list[list[Path]], ttl: timedelta) ->
     return TtlExpected({k: (r[0], r[1]) for k, r in rows.items()}, expired)
 
 
-def topic_lines(bootstrap: str, topic: str, timeout_s: float = 30.0) -> dict[int, list[tuple[int, bytes]]]:
+def topic_lines(bootstrap: str, topic: str, timeout_s: float = 30.0, consumer_options: dict | None = None
+                ) -> dict[int, list[tuple[int, bytes]]]:
     """Every record of a topic as (offset, value) per partition, read with confluent-kafka (not Spark); a record
     without a value is an empty line."""
     from confluent_kafka import Consumer, KafkaError, TopicPartition
 
     consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "oracle", "enable.auto.commit": False,
-                         "enable.partition.eof": True, "auto.offset.reset": "earliest"})
+                         "enable.partition.eof": True, "auto.offset.reset": "earliest", **(consumer_options or {})})
     try:
         partitions = sorted(consumer.list_topics(topic, timeout=timeout_s).topics[topic].partitions)
         out: dict[int, list[tuple[int, bytes]]] = {}
@@ -621,12 +622,12 @@ def topic_lines(bootstrap: str, topic: str, timeout_s: float = 30.0) -> dict[int
         consumer.close()
 
 
-def expected_from_topic(stream: str, bootstrap: str, topic: str) -> Expected:
+def expected_from_topic(stream: str, bootstrap: str, topic: str, consumer_options: dict | None = None) -> Expected:
     """`expected_state` of a topic's records: each partition in offset order, a record's source
     `kafka:<topic>/<partition>` and its line number its offset. The generator keys every record by its event's id,
     so all deliveries of an id share a partition and their order there is their arrival order."""
     oracle = Oracle(stream)
-    for partition, records in topic_lines(bootstrap, topic).items():
+    for partition, records in topic_lines(bootstrap, topic, consumer_options=consumer_options).items():
         for offset, value in records:
             oracle.deliver(f"kafka:{topic}/{partition}", [value], first_line_number=offset)
     return oracle.expected

@@ -9,7 +9,8 @@ changelog topics compacted, each publish one transaction, no (key, version) twic
 nothing; the status of a topic stream (records waiting); `statetables restore-topic` after the state table and its
 checkpoint are deleted, equal to the table; a broker restart between runs; the chaos harness with a topic source:
 kill -9 between a batch's commits, the broker restarted or killed after every round, then a clean run. Not covered:
-freshness figures (`make bench-freshness`), a cluster of brokers, SASL/TLS.
+freshness figures (`make bench-freshness`), a cluster of brokers, TLS. A broker that requires a SASL/PLAIN login:
+the credentials from the environment, a wrong one refused.
 """
 
 from __future__ import annotations
@@ -54,11 +55,11 @@ def kafka_project(bootstrap: str, folder: Path) -> Path:
     return with_kafka(path, bootstrap)
 
 
-def _consume(bootstrap: str, topic: str) -> list:
+def _consume(bootstrap: str, topic: str, options: dict | None = None) -> list:
     """Every committed record of a topic, with its headers (read_committed, as a restoring reader reads)."""
     from confluent_kafka import Consumer, KafkaError, TopicPartition
     consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "test", "enable.auto.commit": False,
-                         "enable.partition.eof": True, "isolation.level": "read_committed"})
+                         "enable.partition.eof": True, "isolation.level": "read_committed", **(options or {})})
     out = []
     try:
         for partition in consumer.list_topics(topic, timeout=30).topics[topic].partitions:
@@ -210,3 +211,41 @@ def test_the_landing_sensor_starts_a_run_when_records_arrive_on_a_topic(layout, 
     with dg.build_sensor_context(instance=instance, resources={"storage": storage}, cursor=first.cursor) as context:
         down = landing_files_sensor(context)
     assert not down.run_requests and "did not answer" in down.skip_reason.skip_message
+
+
+SASL_OPTIONS = ("  options:\n    security.protocol: SASL_PLAINTEXT\n    sasl.mechanism: PLAIN\n"
+                "    sasl.username: ${KAFKA_USERNAME}\n    sasl.password: ${KAFKA_PASSWORD}\n")
+
+
+def test_a_broker_that_requires_a_login_takes_credentials_from_the_environment(spark, layout, tmp_path, monkeypatch):
+    """A managed Kafka requires a login: `kafka: options:` reach Spark's source and sink and confluent-kafka alike, the
+    credentials read from the environment (never from the file); a wrong password is refused by name."""
+    with kafka_broker(tmp_path / "kafka", sasl_users={"alice": "alice-secret"}) as secured:
+        path = kafka_project(secured.bootstrap, tmp_path)
+        path.write_text(path.read_text() + SASL_OPTIONS)
+        monkeypatch.setenv("KAFKA_USERNAME", "alice")
+        monkeypatch.setenv("KAFKA_PASSWORD", "wrong")
+        spec = load_project(path.read_text(), path).streams["payments"]
+        assert dict(spec.topic.options)["sasl.password"] == "${KAFKA_PASSWORD}"  # the file holds the name only
+        with pytest.raises(Exception, match="refused this client's login"):
+            from pipelines.ingest.kafka_source import topic_partitions
+            topic_partitions(spec.topic, timeout_s=10)
+        monkeypatch.setenv("KAFKA_PASSWORD", "alice-secret")
+        generate(spec, spec.topic, events=300, malformed=0.03, duplicates=0.03, conflicts=0.01, seed=4,
+                 events_per_file=300)  # confluent-kafka logs in
+        advance(spark, layout, spec, event_time=False)  # Spark's Kafka source logs in; the changelog producer too
+        expected = expected_from_topic(spec.name, secured.bootstrap, spec.topic.topic,
+                                       consumer_options=spec.topic.client_options())
+        table = spec.state_tables[0]
+        state = {r[table.key]: r[table.count_column] for r in _table(layout.table(table.name))}
+        assert state == dict(expected.counts) and state
+        published = _consume(secured.bootstrap, table.changelog_topic.topic, spec.topic.client_options())
+        assert {m.key().decode() for m in published} == set(state)
+
+
+def test_credentials_written_in_the_project_file_are_refused(tmp_path):
+    path = kafka_project("127.0.0.1:9092", tmp_path)
+    text = path.read_text() + SASL_OPTIONS.replace("${KAFKA_PASSWORD}", "alice-secret")
+    with pytest.raises(Exception, match="sasl.password is written in the file; credentials are read from the "
+                                        "environment only"):
+        load_project(text, path)

@@ -33,7 +33,8 @@ from pathlib import Path
 import yaml
 
 from pipelines.declare.specs import (
-    LATE_EVENTS, EventTimeTableSpec, FieldRule, KafkaTopic, StateTableSpec, StreamSpec, TopSpec,
+    KAFKA_OPTIONS, KAFKA_SECRETS, LATE_EVENTS, EventTimeTableSpec, FieldRule, KafkaTopic, StateTableSpec, StreamSpec,
+    TopSpec,
 )
 from pipelines.declare.sql import NAME, SQL_HELP, over_broken_stream, parse_table
 from pipelines.errors import ConfigurationError, did_you_mean
@@ -59,6 +60,14 @@ TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,249}$")  # Kafka's own rule for topic nam
 SECTIONS = {"streams", "state_tables", "kafka"}
 TABLE_OPTIONS = {"sql", "ttl_days", "changelog_topic"}
 _OVER_A_BROKEN_STREAM = object()  # a table over a stream whose declaration failed: that problem is listed
+
+
+@dataclass(frozen=True)
+class Kafka:
+    """The project file's `kafka:` section: the brokers and the clients' options."""
+
+    servers: str | None = None
+    options: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -223,10 +232,10 @@ def load_project(text: str, path: Path) -> Project:
     if "streams" not in top:
         raise ProjectError([*where.problems, where.fail(root, "no `streams:` section",
                                                         "declare at least one stream under `streams:`")])
-    servers = where.collect(_kafka, where, top["kafka"][1]) if "kafka" in top else None
+    kafka = (where.collect(_kafka, where, top["kafka"][1]) if "kafka" in top else None) or Kafka()
     declared = where.collect(_mapping, where, top["streams"][1], "streams") or {}
     streams = {name: stream for name, (key, node) in declared.items()
-               if (stream := where.collect(_stream, where, name, key, node, servers)) is not None}
+               if (stream := where.collect(_stream, where, name, key, node, kafka)) is not None}
     broken = frozenset(declared) - set(streams)
     tables: dict[str, list[StateTableSpec]] = {name: [] for name in streams}
     timed: dict[str, list[EventTimeTableSpec]] = {name: [] for name in streams}
@@ -239,7 +248,7 @@ def load_project(text: str, path: Path) -> Project:
         items = yaml.SequenceNode("tag:yaml.org,2002:seq", [])
     taken = {t for s in streams.values() for t in (s.bronze_table, s.quarantine_table, s.files_table)} | {LATE_EVENTS}
     for item in items.value:
-        table = where.collect(_table, where, item, streams, windowed, servers, broken)
+        table = where.collect(_table, where, item, streams, windowed, kafka, broken)
         if table is None or table is _OVER_A_BROKEN_STREAM:
             continue
         owned = (table.name, table.state_table) if isinstance(table, EventTimeTableSpec) else (table.name,)
@@ -270,19 +279,38 @@ def _number(where: _Where, node: yaml.Node, what: str, *, positive: bool = True)
     return float(value)
 
 
-def _kafka(where: _Where, node: yaml.Node) -> str | None:
-    options = _mapping(where, node, "kafka")
-    if unknown := sorted(set(options) - {"bootstrap_servers"}):
-        raise where.fail(options[unknown[0]][0], f"kafka: unknown setting {unknown[0]!r}"
-                         f"{did_you_mean(unknown[0], ['bootstrap_servers'])}",
-                         "write `kafka: {bootstrap_servers: host:port}`")
-    if "bootstrap_servers" not in options:
-        return None
-    servers = _value(options["bootstrap_servers"][1])
-    if not isinstance(servers, str) or not servers.strip():
-        raise where.fail(options["bootstrap_servers"][1], f"kafka: bootstrap_servers {servers!r}",
-                         "write host:port, several separated by commas")
-    return servers.strip()
+def _kafka(where: _Where, node: yaml.Node) -> Kafka:
+    """`kafka: {bootstrap_servers: host:port, options: {security.protocol: SASL_SSL, ...}}`: the brokers, and the
+    options every client of them takes (Spark's source and sink and confluent-kafka alike)."""
+    settings = _mapping(where, node, "kafka")
+    if unknown := sorted(set(settings) - {"bootstrap_servers", "options"}):
+        raise where.fail(settings[unknown[0]][0], f"kafka: unknown setting {unknown[0]!r}"
+                         f"{did_you_mean(unknown[0], ['bootstrap_servers', 'options'])}",
+                         "write `kafka: {bootstrap_servers: host:port, options: {...}}`")
+    servers = None
+    if "bootstrap_servers" in settings:
+        servers = _value(settings["bootstrap_servers"][1])
+        if not isinstance(servers, str) or not servers.strip():
+            raise where.fail(settings["bootstrap_servers"][1], f"kafka: bootstrap_servers {servers!r}",
+                             "write host:port, several separated by commas")
+        servers = servers.strip()
+    options = []
+    for name, (key, value_node) in (_mapping(where, settings["options"][1], "kafka: options").items()
+                                    if "options" in settings else []):
+        if name not in KAFKA_OPTIONS:
+            raise where.fail(key, f"kafka: unknown option {name!r}{did_you_mean(name, KAFKA_OPTIONS)}",
+                             f"use some of {', '.join(KAFKA_OPTIONS)}")
+        value = str(_value(value_node))
+        allowed = KAFKA_OPTIONS[name]
+        if allowed is not None and value.upper() not in allowed:
+            raise where.fail(value_node, f"kafka: {name} {value!r}{did_you_mean(value.upper(), allowed)}",
+                             f"use one of {', '.join(allowed)}")
+        if name in KAFKA_SECRETS and not re.fullmatch(r"\$\{[A-Za-z_][A-Za-z0-9_]*\}", value):
+            raise where.fail(value_node, f"kafka: {name} is written in the file; credentials are read from the "
+                             f"environment only", f"write `{name}: ${{KAFKA_{name.split('.')[1].upper()}}}` and "
+                             f"export that variable where the runs run")
+        options.append((name, value.upper() if allowed is not None else value))
+    return Kafka(servers, tuple(options))
 
 
 def _topic_name(where: _Where, node: yaml.Node, what: str) -> str:
@@ -293,7 +321,7 @@ def _topic_name(where: _Where, node: yaml.Node, what: str) -> str:
     return name
 
 
-def _source(where: _Where, stream: str, node: yaml.Node, servers: str | None) -> KafkaTopic | None:
+def _source(where: _Where, stream: str, node: yaml.Node, kafka: Kafka) -> KafkaTopic | None:
     options = _mapping(where, node, f"source of {stream}")
     allowed = {"landing", "topic", "max_records_per_batch"}
     if unknown := sorted(set(options) - allowed):
@@ -314,10 +342,11 @@ def _source(where: _Where, stream: str, node: yaml.Node, servers: str | None) ->
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise where.fail(options["max_records_per_batch"][1], f"max_records_per_batch {limit!r}",
                              "give a whole number >= 1, or remove it")
-    return KafkaTopic(_topic_name(where, options["topic"][1], f"source of {stream}: topic"), servers, limit)
+    return KafkaTopic(_topic_name(where, options["topic"][1], f"source of {stream}: topic"), kafka.servers, limit,
+                      kafka.options)
 
 
-def _stream(where: _Where, name: str, key: yaml.Node, node: yaml.Node, servers: str | None = None) -> StreamSpec:
+def _stream(where: _Where, name: str, key: yaml.Node, node: yaml.Node, kafka: Kafka = None) -> StreamSpec:
     if not NAME.match(name):
         raise where.fail(key, f"stream name {name!r} is not allowed", "use letters, digits and '_'")
     entries = _mapping(where, node, f"stream {name}")
@@ -361,7 +390,7 @@ def _stream(where: _Where, name: str, key: yaml.Node, node: yaml.Node, servers: 
             raise where.fail(entries["watermark_delay_minutes"][1], "watermark_delay_minutes is negative",
                              "give 0 or more minutes")
     if "source" in entries:
-        settings["topic"] = _source(where, name, entries["source"][1], servers)
+        settings["topic"] = _source(where, name, entries["source"][1], kafka or Kafka())
     return replace(spec, **settings)
 
 
@@ -426,7 +455,7 @@ def _flag(where: _Where, rules: dict, rule: str, default: bool) -> bool:
 
 
 def _table(where: _Where, item: yaml.Node, streams: dict[str, StreamSpec], windowed: dict[str, EventTimeTableSpec],
-           servers: str | None = None, broken: frozenset[str] = frozenset()
+           kafka: Kafka | None = None, broken: frozenset[str] = frozenset()
            ) -> StateTableSpec | EventTimeTableSpec | TopSpec | object:
     """One item of `state_tables:`: SQL text, or `{sql: ..., ttl_days: N, changelog_topic: name}`."""
     ttl = changelog_topic = None
@@ -442,7 +471,9 @@ def _table(where: _Where, item: yaml.Node, streams: dict[str, StreamSpec], windo
         if "ttl_days" in options:
             ttl = timedelta(days=_number(where, options["ttl_days"][1], "ttl_days"))
         if "changelog_topic" in options:
-            changelog_topic = KafkaTopic(_topic_name(where, options["changelog_topic"][1], "changelog_topic"), servers)
+            kafka = kafka or Kafka()
+            changelog_topic = KafkaTopic(_topic_name(where, options["changelog_topic"][1], "changelog_topic"),
+                                         kafka.servers, options=kafka.options)
     else:
         sql_node = item
     sql = _value(sql_node)

@@ -7,6 +7,7 @@ MERGE and the checks are written once for every stream.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
@@ -36,6 +37,28 @@ class FieldRule:
     max_inclusive: bool = True
 
 
+KAFKA_OPTIONS = {  # option → its allowed values (None: any text)
+    "security.protocol": ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"),
+    "sasl.mechanism": ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"),
+    "sasl.username": None, "sasl.password": None, "ssl.ca.location": None,
+}
+KAFKA_SECRETS = ("sasl.username", "sasl.password")  # from the environment only
+_VARIABLE = re.compile(r"^\$\{([A-Za-z_][A-Za-z0-9_]*)\}$")
+
+
+def _from_environment(value: str, option: str) -> str:
+    """`${NAME}` → $NAME (an error naming it when unset); any other value as written."""
+    match = _VARIABLE.match(value)
+    if match is None:
+        return value
+    found = os.environ.get(match.group(1))
+    if found is None:
+        from pipelines.errors import ConfigurationError
+        raise ConfigurationError(f"kafka option {option} is ${{{match.group(1)}}}, and {match.group(1)} is not set. "
+                                 f"Fix: export {match.group(1)} in the environment of the runs (never in the file).")
+    return found
+
+
 LATE_EVENTS = "late_events"  # the events behind a windowed or session table's watermark, of every stream
 KAFKA_BOOTSTRAP_ENV = "STATETABLES_KAFKA_BOOTSTRAP_SERVERS"
 
@@ -49,6 +72,31 @@ class KafkaTopic:
     topic: str
     bootstrap_servers: str | None = None
     max_records_per_batch: int | None = None  # a source: at most this many records a micro-batch (None: no limit)
+    # The project file's `kafka: options:` (security.protocol, sasl.*, ssl.ca.location), values as written: a secret
+    # is `${VARIABLE}`, read from the environment when a client is made (KAFKA_OPTIONS says which are allowed).
+    options: tuple[tuple[str, str], ...] = ()
+
+    def client_options(self) -> dict[str, str]:
+        """The options as librdkafka (confluent-kafka) takes them, variables read from the environment."""
+        return {name: _from_environment(value, name) for name, value in self.options}
+
+    def spark_options(self) -> dict[str, str]:
+        """The same for Spark's Kafka source and sink (the Java client, `kafka.`-prefixed): a user name and password
+        become the JAAS login its SASL mechanism needs, a PEM CA file a PEM truststore."""
+        given = self.client_options()
+        options = {f"kafka.{k}": v for k, v in given.items()
+                   if k not in ("sasl.username", "sasl.password", "ssl.ca.location")}
+        if "sasl.username" in given:
+            mechanism = given.get("sasl.mechanism", "PLAIN").upper()
+            module = ("org.apache.kafka.common.security.plain.PlainLoginModule" if mechanism == "PLAIN"
+                      else "org.apache.kafka.common.security.scram.ScramLoginModule")
+            quoted = {k: given.get(k, "").replace("\\", "\\\\").replace('"', '\\"')
+                      for k in ("sasl.username", "sasl.password")}
+            options["kafka.sasl.jaas.config"] = (f'{module} required username="{quoted["sasl.username"]}" '
+                                                 f'password="{quoted["sasl.password"]}";')
+        if "ssl.ca.location" in given:
+            options.update({"kafka.ssl.truststore.type": "PEM", "kafka.ssl.truststore.location": given["ssl.ca.location"]})
+        return options
 
     @property
     def servers(self) -> str:

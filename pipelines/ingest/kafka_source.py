@@ -44,7 +44,7 @@ def source_id(topic: KafkaTopic) -> str:
 def client_config(topic: KafkaTopic, **settings) -> dict:
     """A confluent-kafka client's settings for the topic's brokers; librdkafka's informational lines (a client
     closing, purging its queues) are left out of the run's output, its warnings and errors are not."""
-    return {"bootstrap.servers": topic.servers, "log_level": 4, **settings}
+    return {"bootstrap.servers": topic.servers, "log_level": 4, **topic.client_options(), **settings}
 
 
 def admin(topic: KafkaTopic):
@@ -58,6 +58,10 @@ def topic_partitions(topic: KafkaTopic, timeout_s: float = 15.0) -> list[int]:
     try:
         metadata = admin(topic).list_topics(topic=topic.topic, timeout=timeout_s)
     except KafkaException as exc:
+        if "auth" in str(exc).lower() or "SASL" in str(exc):
+            raise ConfigurationError(f"The Kafka brokers {topic.servers} refused this client's login ({exc}). Fix: "
+                                     f"check kafka: options in the project file and the variables its sasl.username "
+                                     f"and sasl.password name.") from None
         raise ConfigurationError(f"The Kafka brokers {topic.servers} did not answer ({exc}). Fix: start them (`make "
                                  f"kafka-broker` for development) or correct kafka: bootstrap_servers.") from None
     found = metadata.topics.get(topic.topic)
@@ -130,7 +134,8 @@ def topic_records(spark: SparkSession, topic: KafkaTopic, starting: str) -> Data
               .option("subscribe", topic.topic).option("startingOffsets", starting)
               # A transactional producer's aborted records are never read (Spark's default reads them).
               .option("kafka.isolation.level", "read_committed")
-              .option("failOnDataLoss", "true"))
+              .option("failOnDataLoss", "true")
+              .options(**topic.spark_options()))
     if topic.max_records_per_batch is not None:
         reader = reader.option("maxOffsetsPerTrigger", str(topic.max_records_per_batch))
     return reader.load()

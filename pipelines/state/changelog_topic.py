@@ -196,7 +196,7 @@ def topic_table(spark: SparkSession, table: StateTableSpec) -> tuple[DataFrame, 
     topic = table.changelog_topic
     records = (spark.read.format("kafka").option("kafka.bootstrap.servers", topic.servers)
                .option("subscribe", topic.topic).option("startingOffsets", "earliest").option("includeHeaders", "true")
-               .option("kafka.isolation.level", "read_committed").load())
+               .option("kafka.isolation.level", "read_committed").options(**topic.spark_options()).load())
 
     def header(name: str) -> F.Column:
         return F.expr(f"cast(filter(headers, h -> h.key = '{name}')[0].value as string)").cast("bigint")
