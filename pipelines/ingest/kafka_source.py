@@ -47,19 +47,26 @@ def client_config(topic: KafkaTopic, **settings) -> dict:
     return {"bootstrap.servers": topic.servers, "log_level": 4, **topic.client_options(), **settings}
 
 
-def admin(topic: KafkaTopic):
+def admin(topic: KafkaTopic, errors: list | None = None):
+    """An admin client of the topic's brokers; the errors librdkafka reports on the side (a refused login is one:
+    the failing call itself only says the transport failed) go into `errors` when given."""
     from confluent_kafka.admin import AdminClient
-    return AdminClient(client_config(topic, **{"socket.timeout.ms": 10_000}))
+    settings = {"socket.timeout.ms": 10_000, **({"error_cb": errors.append} if errors is not None else {})}
+    return AdminClient(client_config(topic, **settings))
 
 
 def topic_partitions(topic: KafkaTopic, timeout_s: float = 15.0) -> list[int]:
     """The topic's partition numbers; a clear error when the brokers do not answer or the topic does not exist."""
-    from confluent_kafka import KafkaException
+    from confluent_kafka import KafkaError, KafkaException
+    errors: list = []
+    client = admin(topic, errors)
     try:
-        metadata = admin(topic).list_topics(topic=topic.topic, timeout=timeout_s)
+        metadata = client.list_topics(topic=topic.topic, timeout=timeout_s)
     except KafkaException as exc:
-        if "auth" in str(exc).lower() or "SASL" in str(exc):
-            raise ConfigurationError(f"The Kafka brokers {topic.servers} refused this client's login ({exc}). Fix: "
+        client.poll(1)  # serves the error callbacks
+        refused = next((e for e in errors if e.code() == KafkaError._AUTHENTICATION), None)
+        if refused is not None:
+            raise ConfigurationError(f"The Kafka brokers {topic.servers} refused this client's login ({refused.str()}). Fix: "
                                      f"check kafka: options in the project file and the variables its sasl.username "
                                      f"and sasl.password name.") from None
         raise ConfigurationError(f"The Kafka brokers {topic.servers} did not answer ({exc}). Fix: start them (`make "
