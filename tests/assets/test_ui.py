@@ -111,8 +111,24 @@ def test_an_operator_sees_every_asset_what_a_run_did_and_why_a_recovery_ran(layo
     landing = layout.landing(PAYMENTS.name)
 
     def shot(page: Page, name: str) -> None:
+        # A page shows "Loading…" until its queries answer: the picture is of the data, not of the spinners.
+        expect(page.get_by_text(re.compile(r"^Loading(…|\.\.\.)$"))).to_have_count(0, timeout=60_000)
         page.wait_for_timeout(800)  # let the last poll's data render
         page.screenshot(path=str(shots / f"{name}.png"))
+
+    def asset_graph(page: Page) -> None:
+        """The asset graph, every group expanded (a tall window: the graph draws only the nodes in view)."""
+        page.set_viewport_size({"width": 1600, "height": 1500})
+        page.goto(f"{url}/asset-groups")
+        expect(page.get_by_text("Global asset lineage")).to_be_visible()
+        for group in STREAMS:
+            expect(page.get_by_text(group, exact=True).first).to_be_visible()
+        page.mouse.click(600, 960, button="right")  # the graph's empty corner: its context menu
+        page.get_by_role("menuitem", name="Expand all groups").click()
+        for _ in range(2):
+            page.get_by_role("img", name="zoom_out").click()
+        for name in _all_asset_names():
+            expect(page.get_by_text(name, exact=True).first).to_be_visible()
 
     def launch_advance_payments(page: Page) -> str:
         page.goto(f"{url}/locations/{LOCATION}/jobs/advance_payments")
@@ -133,19 +149,8 @@ def test_an_operator_sees_every_asset_what_a_run_did_and_why_a_recovery_ran(layo
     remote = f"sc://127.0.0.1:{engine_port}"
     with dagster_dev(layout, port=free_port(), engine_port=engine_port, extra_env=dagster_env) as url, \
             chromium() as page:
-        # 1. The asset graph, grouped by stream (a tall window: the graph draws only the nodes in view).
-        page.set_viewport_size({"width": 1600, "height": 1500})
-        page.goto(f"{url}/asset-groups")
-        expect(page.get_by_text("Global asset lineage")).to_be_visible()
-        for group in STREAMS:
-            expect(page.get_by_text(group, exact=True).first).to_be_visible()
-        page.mouse.click(600, 960, button="right")  # the graph's empty corner: its context menu
-        page.get_by_role("menuitem", name="Expand all groups").click()
-        for _ in range(2):
-            page.get_by_role("img", name="zoom_out").click()
-        for name in _all_asset_names():
-            expect(page.get_by_text(name, exact=True).first).to_be_visible()
-        shot(page, "1-asset-graph")
+        # 1. Every asset in the graph, grouped by stream (its picture is taken at the end, with the runs' data).
+        asset_graph(page)
         page.set_viewport_size({"width": 1600, "height": 1000})
 
         # 2. Runs by hand: the landing sensor off (its page's switch), files in landing, "Materialize all".
@@ -219,6 +224,9 @@ def test_an_operator_sees_every_asset_what_a_run_did_and_why_a_recovery_ran(layo
         expect(page.get_by_text("duration_s", exact=True).first).to_be_visible()
         expect(page.get_by_text("lines_read", exact=True).first).to_be_visible()
         shot(page, "9-state-table-plots")
+        # The asset graph again, now with each asset's latest event and checks.
+        asset_graph(page)
+        shot(page, "1-asset-graph")
         assert first_run != failed_run
         assert {run["tags"].get(ENGINE_TAG) for run in list_runs(url)} == {remote}
 
