@@ -105,7 +105,7 @@ def test_an_engine_without_the_projects_jar_fails_naming_the_fix(tmp_path):
               "from pipelines.ingest.validate import register_validator\n"
               "register_validator(build_spark_session())\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, JARS_ENV: str(tmp_path)}, cwd=Path(__file__).resolve().parents[2])
+                          env={**os.environ, JARS_ENV: str(tmp_path)}, cwd=Path(__file__).resolve().parents[3])
     assert done.returncode != 0
     assert "ConfigurationError" in done.stderr and "statetables.jvm.ValidateLine" in done.stderr
     assert "Fix: run `make jars`" in done.stderr
