@@ -25,6 +25,7 @@ from urllib.parse import unquote
 import pytest
 
 from pipelines import faults
+from pipelines.declare.project import SHIPPED
 from pipelines.errors import StreamBusyError
 from pipelines.runtime.locks import Fence, LeaseLostError, lock_state, writer_lock
 from pipelines.storage.files import S3Path
@@ -98,7 +99,8 @@ def test_one_writer_across_processes_and_a_killed_holder_loses_its_lease(store, 
 
 
 def _statetables(home: str, dagster: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "STATETABLES_HOME": home, "DAGSTER_HOME": str(dagster)}
+    # From a folder of its own: the project file is named (a command never falls back to the checkout's).
+    env = {**os.environ, "STATETABLES_HOME": home, "DAGSTER_HOME": str(dagster), "STATETABLES_PROJECT": str(SHIPPED)}
     done = subprocess.run([*COMMAND, *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done
