@@ -36,7 +36,7 @@ from pipelines.declare.specs import (
     KAFKA_OPTIONS, KAFKA_SECRETS, LATE_EVENTS, EventTimeTableSpec, FieldRule, KafkaTopic, StateTableSpec, StreamSpec,
     TopSpec,
 )
-from pipelines.declare.sql import NAME, SQL_HELP, over_broken_stream, parse_table
+from pipelines.declare.sql import NAME, SQL_HELP, over_broken_source, parse_table
 from pipelines.errors import ConfigurationError, did_you_mean
 
 PROJECT_ENV = "STATETABLES_PROJECT"
@@ -59,7 +59,13 @@ REPLACED_KEYS = {
 TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,249}$")  # Kafka's own rule for topic names
 SECTIONS = {"streams", "state_tables", "kafka"}
 TABLE_OPTIONS = {"sql", "ttl_days", "changelog_topic"}
-_OVER_A_BROKEN_STREAM = object()  # a table over a stream whose declaration failed: that problem is listed
+
+
+@dataclass(frozen=True)
+class _OverABrokenSource:
+    """A table over a stream or table whose declaration failed: that problem is listed, not this table's."""
+
+    name: str
 
 
 @dataclass(frozen=True)
@@ -189,8 +195,10 @@ class ProjectError(ConfigurationError):
 
     def __init__(self, problems: list[ConfigurationError]):
         self.problems = problems
-        count = f"{len(problems)} problems" if len(problems) > 1 else "1 problem"
-        super().__init__(f"the project file has {count}:\n" + "\n".join(f"  {p}" for p in problems))
+        if len(problems) == 1:
+            super().__init__(str(problems[0]))
+        else:
+            super().__init__(f"the project file has {len(problems)} problems:\n" + "\n".join(f"  {p}" for p in problems))
 
 
 def _value(node: yaml.Node):
@@ -249,7 +257,10 @@ def load_project(text: str, path: Path) -> Project:
     taken = {t for s in streams.values() for t in (s.bronze_table, s.quarantine_table, s.files_table)} | {LATE_EVENTS}
     for item in items.value:
         table = where.collect(_table, where, item, streams, windowed, kafka, broken)
-        if table is None or table is _OVER_A_BROKEN_STREAM:
+        if isinstance(table, _OverABrokenSource):
+            broken |= {table.name}  # and a top N over it
+            continue
+        if table is None:
             continue
         owned = (table.name, table.state_table) if isinstance(table, EventTimeTableSpec) else (table.name,)
         if clash := next((name for name in owned if name in taken), None):
@@ -456,7 +467,7 @@ def _flag(where: _Where, rules: dict, rule: str, default: bool) -> bool:
 
 def _table(where: _Where, item: yaml.Node, streams: dict[str, StreamSpec], windowed: dict[str, EventTimeTableSpec],
            kafka: Kafka | None = None, broken: frozenset[str] = frozenset()
-           ) -> StateTableSpec | EventTimeTableSpec | TopSpec | object:
+           ) -> StateTableSpec | EventTimeTableSpec | TopSpec | _OverABrokenSource:
     """One item of `state_tables:`: SQL text, or `{sql: ..., ttl_days: N, changelog_topic: name}`."""
     ttl = changelog_topic = None
     if isinstance(item, yaml.MappingNode):
@@ -479,8 +490,8 @@ def _table(where: _Where, item: yaml.Node, streams: dict[str, StreamSpec], windo
     sql = _value(sql_node)
     if not isinstance(sql, str):
         raise where.fail(sql_node, "a state table must be SQL text", SQL_HELP)
-    if over_broken_stream(sql, broken):
-        return _OVER_A_BROKEN_STREAM
+    if (name := over_broken_source(sql, broken)) is not None:
+        return _OverABrokenSource(name)
 
     def fail(message: str, at: int | None = None, fix: str | None = None) -> ConfigurationError:
         return where.in_sql(sql_node, sql, at, message, fix or SQL_HELP)

@@ -82,16 +82,23 @@ def _parse_error(sql: str, exc: sqlglot.errors.ParseError) -> tuple[str, int | N
     return text, sum(len(x) + 1 for x in lines[:line - 1]) + max(col - len(error.get("highlight") or "x"), 0)
 
 
-def over_broken_stream(sql: str, broken: frozenset[str]) -> bool:
-    """Whether a table's SQL reads FROM one of the `broken` streams (their declarations failed to load)."""
+def over_broken_source(sql: str, broken: frozenset[str]) -> str | None:
+    """The name of the table `sql` declares when it reads FROM one of the `broken` streams or tables (their
+    declarations failed, and say so), else None."""
     if not broken:
-        return False
+        return None
     try:
         create = sqlglot.parse_one(sql, read="spark")
     except sqlglot.errors.ParseError:
-        return False
-    source = create.expression.args.get("from_") if isinstance(create.expression, exp.Select) else None
-    return source is not None and isinstance(source.this, exp.Table) and source.this.name in broken
+        return None
+    select = create.expression if isinstance(create, exp.Create) else None
+    source = select.args.get("from_") if isinstance(select, exp.Select) else None
+    if source is not None and isinstance(source.this, exp.Subquery):  # a top N: FROM (SELECT ... FROM windowed)
+        inner = source.this.this
+        source = inner.args.get("from_") if isinstance(inner, exp.Select) else None
+    if source is not None and isinstance(source.this, exp.Table) and source.this.name in broken:
+        return create.this.name if isinstance(create.this, exp.Table) else ""
+    return None
 
 
 def parse_table(sql: str, fail: Fail, streams: dict[str, StreamSpec], windowed: dict[str, EventTimeTableSpec], *,

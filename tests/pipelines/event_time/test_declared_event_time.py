@@ -298,6 +298,6 @@ def test_event_time_sql_that_cannot_be_kept_fails_the_load_with_the_reason(sql, 
 
 def test_the_options_that_sql_replaced_fail_the_load_naming_the_replacement():
     text = PROJECT.replace("    watermark_delay_minutes: 5\n", "    windows: {watermark_delay_minutes: 5}\n")
-    with pytest.raises(ConfigurationError, match=r"project.yaml:\d+: stream shipments: `windows:` is no longer an "
+    with pytest.raises(ConfigurationError, match=r"project.yaml:\d+:\d+: stream shipments: `windows:` is no longer an "
                                                  r"option\. Fix: declare a windowed table under `state_tables:`"):
         load_project(text, Path("project.yaml"))
