@@ -190,9 +190,9 @@ def explain(layout: StorageLayout, project: Project, name: str, key_text: str, l
                 late = query(late_table, f"stream = {_literal(spec.name)} AND event_id {within}",
                              columns=["event_id", "table_name", "event_time", "watermark", "late_by_ms"]).to_pylist()
     changes = []
-    for change in _arrow(state.load_cdf(starting_version=0)).to_pylist():
-        if all(change.get(k) == v for k, v in zip(table.keys, values)) and \
-                change["_change_type"] in ("insert", "update_postimage", "delete"):
+    # The change feed of this key only (delta-rs filters it), its post-images.
+    for change in _arrow(state.load_cdf(starting_version=0, predicate=condition)).to_pylist():
+        if change["_change_type"] in ("insert", "update_postimage", "delete"):
             changes.append(change)
     history = {h["version"]: h for h in state.history()}
     rows = [{"version": c["_commit_version"], "operation": history.get(c["_commit_version"], {}).get("operation"),
