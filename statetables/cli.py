@@ -370,8 +370,8 @@ def _init(args: argparse.Namespace) -> int:
     hidden.write_text("\n".join(INIT_LINES) + "\n")
     hidden.rename(sample)
     shown = os.path.relpath(folder) if folder != Path.cwd() else "."
-    print(f"project: {project_file}\n"
-          f"wrote {project_file.name} (stream orders, state table orders_per_region) and "
+    print(f"project: {project_file}", file=sys.stderr)
+    print(f"wrote {project_file.name} (stream orders, state table orders_per_region) and "
           f"{sample.relative_to(folder)} ({len(INIT_LINES)} lines: one delivered twice, one with a negative total)\n"
           f"next:\n"
           + (f"  cd {shown}\n" if shown != "." else "")
@@ -674,8 +674,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command not in NO_PROJECT:
             _use_project(args.project)
-            quiet = getattr(args, "json", False)
-            print(f"project: {os.environ[PROJECT_ENV]}", file=sys.stderr if quiet else sys.stdout, flush=True)
+            # On stderr: a terminal shows it, and what a script reads on stdout (JSON, a list) stays as it was.
+            print(f"project: {os.environ[PROJECT_ENV]}", file=sys.stderr, flush=True)
         return args.func(args)
     except (ConfigurationError, StreamBusyError, StorageError, SavepointError, ValueError) as error:
         print(f"statetables: {error}", file=sys.stderr)

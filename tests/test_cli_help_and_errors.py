@@ -102,7 +102,7 @@ def test_project_after_the_command_and_a_missing_one_named_as_given(tmp_path):
     (tmp_path / "orders.yaml").write_text(STREAM)
     done = _statetables(tmp_path, "check", "--project", "orders.yaml")
     assert done.returncode == 0, done.stderr
-    assert done.stdout.count(f"project: {tmp_path / 'orders.yaml'}") == 1 and "stream orders" in done.stdout
+    assert done.stderr.count(f"project: {tmp_path / 'orders.yaml'}") == 1 and "stream orders" in done.stdout
     missing = _statetables(tmp_path, "status", "--project", "nope.yaml")
     assert missing.returncode == 2 and "--project nope.yaml: no such file" in missing.stderr
     assert "STATETABLES_PROJECT" not in missing.stderr

@@ -29,7 +29,7 @@ def test_the_readmes_first_stream_as_written(tmp_path):
         ["statetables", "show"], ["statetables", "quarantine"], ["statetables", "explain"]]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("STATETABLES_", "DAGSTER_HOME"))}
     env["PATH"] = f"{BIN}{os.pathsep}{env['PATH']}"
-    cwd, out = tmp_path, {}
+    cwd, out, told = tmp_path, {}, {}
     for command in commands:
         words = shlex.split(command)
         if words[0] == "cd":
@@ -39,9 +39,10 @@ def test_the_readmes_first_stream_as_written(tmp_path):
         assert done.returncode == 0, f"{command}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
         assert "Traceback" not in done.stdout + done.stderr
         out[words[1]] = done.stdout
+        told[words[1]] = done.stderr
     project = tmp_path / "shop" / "statetables.yaml"
-    # Every command names the project it acts on, once.
-    for name, text in out.items():
+    # Every command names the project it acts on, once (on stderr: stdout is the command's answer).
+    for name, text in told.items():
         assert text.count(f"project: {project}") == 1, (name, text[:300])
     assert "statetables check" in out["init"] and (tmp_path / "shop/data/landing/orders/orders-0001.jsonl").is_file()
     assert "state table orders_per_region (line 14)" in out["check"]
