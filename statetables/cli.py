@@ -426,8 +426,7 @@ def _show(args: argparse.Namespace) -> int:
     name = _table_name(args)
     table = open_table(StorageLayout.under(), project(), name)
     rows = query(table, args.where, limit=args.limit)
-    total = table.count() if hasattr(table, "count") else None
-    print(f"{name} (version {table.version()}, {total} rows{' in all' if args.where else ''}; "
+    print(f"{name} (version {table.version()}, {table.count()} rows{' in all' if args.where else ''}; "
           f"showing {rows.num_rows}{' where ' + args.where if args.where else ''}):")
     print(_printed(rows))
     return 0
@@ -435,7 +434,7 @@ def _show(args: argparse.Namespace) -> int:
 
 def _quarantine(args: argparse.Namespace) -> int:
     from pipelines.declare.project import project
-    from pipelines.operate.inspect import _literal, open_table, quarantine_summary, query
+    from pipelines.operate.inspect import sql_literal, open_table, quarantine_summary, query
 
     current = project()
     spec = current.stream(args.stream)
@@ -443,7 +442,7 @@ def _quarantine(args: argparse.Namespace) -> int:
     print(f"{spec.quarantine_table}: lines not accepted, by reason")
     print(_printed(quarantine_summary(layout, current, spec)))
     table = open_table(layout, current, spec.quarantine_table)
-    rows = query(table, f"reason = {_literal(args.reason)}" if args.reason else None,
+    rows = query(table, f"reason = {sql_literal(args.reason)}" if args.reason else None,
                  order_by=["ingested_at DESC", "source_file", "line_number"], limit=args.limit,
                  columns=["source_file", "line_number", "reason", "reason_field", "detail", "raw_line"])
     print(f"\nthe newest {rows.num_rows}{' of reason ' + args.reason if args.reason else ''}:")

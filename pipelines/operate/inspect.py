@@ -98,7 +98,7 @@ def _quoted(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
 
-def _literal(value) -> str:
+def sql_literal(value) -> str:
     if value is None:
         return "NULL"
     if isinstance(value, (int, float)):
@@ -108,7 +108,7 @@ def _literal(value) -> str:
 
 def key_condition(keys: tuple[str, ...], values: list) -> str:
     """`k1 = v1 AND k2 = v2`, NULL-safe (a NULL key is a key of its own)."""
-    return " AND ".join(f"{_quoted(k)} IS NULL" if v is None else f"{_quoted(k)} = {_literal(v)}"
+    return " AND ".join(f"{_quoted(k)} IS NULL" if v is None else f"{_quoted(k)} = {sql_literal(v)}"
                         for k, v in zip(keys, values))
 
 
@@ -177,7 +177,7 @@ def explain(layout: StorageLayout, project: Project, name: str, key_text: str, l
     ids = [e[spec.id_field] for e in events]
     conflicting, late = [], []
     if ids:
-        within = f"IN ({', '.join(_literal(i) for i in ids)})"
+        within = f"IN ({', '.join(sql_literal(i) for i in ids)})"
         quarantine = open_table(layout, project, spec.quarantine_table)
         conflicting = query(quarantine, f"record_id {within} AND reason = 'conflicting_duplicate'",
                             columns=["record_id", "source_file", "line_number", "detail", "raw_line"]).to_pylist()
@@ -187,7 +187,7 @@ def explain(layout: StorageLayout, project: Project, name: str, key_text: str, l
             except ConfigurationError:
                 late_table = None
             if late_table is not None:
-                late = query(late_table, f"stream = {_literal(spec.name)} AND event_id {within}",
+                late = query(late_table, f"stream = {sql_literal(spec.name)} AND event_id {within}",
                              columns=["event_id", "table_name", "event_time", "watermark", "late_by_ms"]).to_pylist()
     changes = []
     # The change feed of this key only (delta-rs filters it), its post-images.
