@@ -26,7 +26,7 @@ from assets.automation import (
 )
 from assets.streams import build_stream_assets
 from assets import automation
-from resources.check_policy import blocking_check_names
+from resources.check_policy import DEEP_CHECK, blocking_check_names
 from assets.keys import (
     CONTINUOUS_JOB, MAX_RECOVERY_ATTEMPTS, RECOVERY_ATTEMPT_TAG, RECOVERY_CHAIN_TAG, RECOVERY_OF_TAG, RECOVERY_REASON_TAG,
     STREAM_TAG,
@@ -130,20 +130,40 @@ def test_a_grown_landing_file_warns_and_a_ttl_set_in_the_project_file_expires_ke
         assert _materialized(again, "payments", "payments_bronze")["rows_accepted"].value == 1
 
 
-def test_a_failing_blocking_check_fails_the_run(spark, layout):
-    generate(PAYMENTS, layout.landing("payments"), events=300, seed=4)
+def test_without_event_time_a_failing_blocking_check_fails_the_run_and_the_deep_check_names_the_key(
+        spark, layout, monkeypatch):
+    """$STATETABLES_EVENT_TIME=movie_ticket_sales: the code location gives payments no sessions, and its job
+    materializes bronze, quarantine, the state table and the changelog only, creating none of the sessions' tables.
+    Then the state table is corrupted behind the pipeline's back: the per-run check fails the next run, the
+    operator's `warn_only` lets one run pass with a warning, and the nightly deep check names the key."""
+    assert event_time_streams("movie_ticket_sales") == {"movie_ticket_sales"}
+    assert event_time_streams("none") == set() and event_time_streams("all") == {"movie_ticket_sales", "payments"}
+    sessions_tables = set(event_time_tables(PAYMENTS)) - {LATE}
+    assert {key.path[-1] for key in build_stream_assets(PAYMENTS)[0].keys} >= sessions_tables
+    stream, *checks = build_stream_assets(PAYMENTS, keeps_event_time=False)
+    assert not {key.path[-1] for key in stream.keys} & sessions_tables
+    per_run = [c for c in checks if DEEP_CHECK not in {key.name for key in c.check_keys}]
+    assert len(per_run) == len(checks) - 1
+
+    def advance_payments(instance, check_policy=CheckPolicyResource()):
+        return dg.materialize([stream, *per_run], instance=instance, raise_on_error=False, resources={
+            "spark": SparkSessionResource(), "storage": StorageResource(), "check_policy": check_policy})
+
+    generate(PAYMENTS, layout.landing("payments"), events=300, seed=4, events_per_file=300)
     with dg.DagsterInstance.ephemeral() as instance:
-        assert _job("advance_payments").execute_in_process(instance=instance).success
+        first = advance_payments(instance)
+        assert first.success
+        assert {event.asset_key.path[-1] for event in first.get_asset_materialization_events()} == {
+            "payments_bronze", "payments_quarantine", "payments_per_customer", "payments_per_customer_changelog"}
+        assert not any(layout.table(name).exists() for name in sessions_tables | {LATE})
         # corrupt the state table behind the pipeline's back: one customer counted twice
         table = DeltaTable.forPath(spark, str(layout.table("payments_per_customer")))
         key = table.toDF().first()["customer_id"]
         table.update(F.col("customer_id") == key, {"payment_count": F.col("payment_count") + 1})
-        result = _job("advance_payments").execute_in_process(instance=instance, raise_on_error=False)
+        result = advance_payments(instance)
         # the operator's switch for a check they have shown wrong (docs/recovery.md): for one run it warns
-        warn_only = {"resources": {"check_policy": {"config": {
-            "warn_only": ["payments_per_customer:totals_match_bronze"]}}}}
-        warned = _job("advance_payments").execute_in_process(instance=instance, run_config=warn_only)
-        # the deep check (nightly job) compares every key with all of bronze and names the key
+        warned = advance_payments(instance, CheckPolicyResource(warn_only=["payments_per_customer:totals_match_bronze"]))
+        # the code location's nightly job of deep checks compares every key with all of bronze and names the key
         deep = _job("reconcile_state_tables").execute_in_process(instance=instance, raise_on_error=False)
     assert not result.success
     failed = [e.event_specific_data for e in result.all_events
@@ -372,27 +392,6 @@ def test_bad_configuration_fails_fast_with_the_fix(tmp_path, monkeypatch):
         require_java()
     with pytest.raises(ConfigurationError, match="names no stream refunds.*Fix: set it to all, none, or some of"):
         event_time_streams("payments, refunds")
-
-
-def test_a_stream_configured_without_event_time_has_no_such_assets_and_writes_no_such_tables(spark, layout):
-    """$STATETABLES_EVENT_TIME=movie_ticket_sales: payments keeps no sessions. Its step materializes bronze,
-    quarantine, the state table and the changelog only, and creates none of the sessions' tables."""
-    assert event_time_streams("movie_ticket_sales") == {"movie_ticket_sales"}
-    assert event_time_streams("none") == set() and event_time_streams("all") == {"movie_ticket_sales", "payments"}
-    sessions_tables = set(event_time_tables(PAYMENTS)) - {LATE}
-    stream, *checks = build_stream_assets(PAYMENTS, keeps_event_time=False)
-    assert not {key.path[-1] for key in stream.keys} & sessions_tables
-    assert {key.path[-1] for key in build_stream_assets(PAYMENTS)[0].keys} >= sessions_tables
-    generate(PAYMENTS, layout.landing("payments"), events=300, seed=5, events_per_file=300)
-    with dg.DagsterInstance.ephemeral() as instance:
-        result = dg.materialize([stream, *checks], instance=instance, resources={
-            "spark": SparkSessionResource(), "storage": StorageResource(),
-            "check_policy": CheckPolicyResource()})
-    assert result.success
-    assert {event.asset_key.path[-1] for event in result.get_asset_materialization_events()} == {
-        "payments_bronze", "payments_quarantine", "payments_per_customer", "payments_per_customer_changelog"}
-    assert not any(layout.table(name).exists() for name in sessions_tables | {LATE})
-    assert spark.read.format("delta").load(str(layout.table("payments_per_customer"))).count() > 0
 
 
 def test_cli_refuses_an_unknown_stream_before_touching_data(tmp_path):
