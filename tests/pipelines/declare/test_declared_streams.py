@@ -131,6 +131,11 @@ def _rows(layout, table: str, keys: tuple[str, ...]) -> dict:
     return out
 
 
+def _quarantined(layout) -> list[tuple]:
+    rows = IndependentDeltaTable(str(layout.table("orders_quarantine"))).to_pyarrow_table().to_pylist()
+    return [(q["raw_line"], q["reason"], q["reason_field"]) for q in rows]
+
+
 def _write(landing, name: str, lines: list[str]) -> None:
     landing.write("orders", name, lines)
 
@@ -145,20 +150,14 @@ def test_declared_stream_two_runs_refresh_and_a_new_table(spark, layout, landing
 
     first, second = _events(0, 120), _events(120, 80)
     _write(landing, "2026/11/20/a.jsonl", [json.dumps(e) for e in first] + [line for line, _, _ in BAD[:5]])
-    run()
-    reused = dict(first[3], total="999.99")  # an accepted id with other content
-    _write(landing, "b.jsonl", [json.dumps(e) for e in second] + [json.dumps(first[7]), json.dumps(first[8]),
-                                                                   json.dumps(reused)]
-           + [line for line, _, _ in BAD[5:]])
+    _write(landing, "b.jsonl", [json.dumps(e) for e in second] + [line for line, _, _ in BAD[5:]])
     run()
 
     accepted = first + second
     per_region, coupons = _expected(accepted)
     assert _rows(layout, "orders_per_region", ("region",)) == per_region
     assert _rows(layout, "coupon_use", ("region", "coupon")) == coupons
-    quarantine = IndependentDeltaTable(str(layout.table("orders_quarantine"))).to_pyarrow_table().to_pylist()
-    found = sorted((q["raw_line"], q["reason"], q["reason_field"]) for q in quarantine)
-    assert found == sorted([*BAD, (json.dumps(reused), "conflicting_duplicate", "order_id")])
+    assert sorted(_quarantined(layout)) == sorted(BAD)
     assert IndependentDeltaTable(str(layout.table("orders_bronze"))).to_pyarrow_table().num_rows == len(accepted)
 
     # A changed aggregate is refused until the table is refreshed; then the table holds the new definition.
@@ -175,12 +174,15 @@ def test_declared_stream_two_runs_refresh_and_a_new_table(spark, layout, landing
     refreshed = _rows(layout, "orders_per_region", ("region",))
     assert refreshed == {k: {**v, "revenue_again": v["revenue"]} for k, v in per_region.items()}
 
-    # A table added to an existing stream is built from its bronze; later events reach every table.
+    # A table added to an existing stream is built from its bronze; later events reach every table, and lines
+    # delivered again in the later run count once in each, the old tables and the new one.
     project_file.write_text(project_file.read_text() + """\
   - CREATE TABLE coupon_orders AS SELECT coupon, COUNT(*) AS orders FROM orders GROUP BY coupon
 """)
     third = _events(200, 30)
-    _write(landing, "c.jsonl", [json.dumps(e) for e in third])
+    reused = dict(first[3], total="999.99")  # an accepted id with other content
+    _write(landing, "c.jsonl", [json.dumps(e) for e in third] + [json.dumps(first[7]), json.dumps(second[8]),
+                                                                  json.dumps(reused)])
     run()
     everything = accepted + third
     per_region, coupons = _expected(everything)
@@ -191,6 +193,8 @@ def test_declared_stream_two_runs_refresh_and_a_new_table(spark, layout, landing
     for e in everything:
         by_coupon[e.get("coupon")] += 1
     assert _rows(layout, "coupon_orders", ("coupon",)) == {k: {"orders": v} for k, v in by_coupon.items()}
+    assert sorted(_quarantined(layout)) == sorted([*BAD, (json.dumps(reused), "conflicting_duplicate", "order_id")])
+    assert IndependentDeltaTable(str(layout.table("orders_bronze"))).to_pyarrow_table().num_rows == len(everything)
 
 
 REFUSED = [

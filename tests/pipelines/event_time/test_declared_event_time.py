@@ -1,5 +1,6 @@
 """A stream the code has never seen, with a windowed table, a top N and a session table on its own field names, and
-a state table and a windowed table that keep only the events a WHERE keeps, declared only in a project file, over two runs with late, out-of-order, re-delivered, conflicting and malformed
+a state table and a windowed table that keep only the events a WHERE keeps, declared only in a project file, over
+two micro-batches (one file each, in one run) with late, out-of-order, re-delivered, conflicting and malformed
 lines.
 
 The expected tables come from an oracle written here in plain Python (json, Decimal, datetime), importing no
@@ -217,7 +218,8 @@ def test_a_new_streams_windows_top_n_and_sessions_equal_an_independent_oracle(sp
     files = _deliveries()
     for n, lines in enumerate(files):
         landing.write("shipments", f"{n}.jsonl", lines)
-        advance_stream(spark, layout, spec, StreamSettings())
+    # Each file its own micro-batch, in one run: the second batch's watermark is the first's.
+    assert advance_stream(spark, layout, spec, StreamSettings(max_files_per_trigger=1)).micro_batches == len(files)
     oracle = Oracle(files)
     assert len(oracle.late) >= 2 and oracle.quarantined == 2  # the scenario exercises both
 

@@ -5,7 +5,15 @@ Covers: a payment out of order within the watermark joins its session (here it j
 payments behind it land in `late_events` and still count in payments_per_customer; the event-time
 watermark closes a session 30 minutes after its last payment; the previous session and the day's spend
 come from the keyed state table, which TTL forgets; a batch replayed after a crash between any two of its
-commits, and a lost checkpoint, give the outputs of runs that never failed.
+commits, a lost checkpoint, and a table of an earlier statetables (refused until refreshed) give the outputs of
+runs that never failed.
+
+Where a blocking check and its operator meet an edge, they must agree (issue 26: a check that fails a correct
+table is an outage), so the scenario holds payments exactly at the edges and one step inside them, and runs the
+real checks' queries: payments exactly 30:00.000 apart are two sessions, 29:59.999 apart one; a payment arriving
+out of order that bridges two sessions at exactly the gap leaves three, at 1 ms less joins them into one; a key of
+payments_per_customer exactly its TTL behind the newest payment is kept, 1 µs more is expired. The folds' rules on
+hand-written rows, without a stream: test_event_time_folds.py.
 """
 
 from __future__ import annotations
@@ -17,9 +25,7 @@ from datetime import datetime, timedelta, timezone
 from decimal import Decimal
 
 import pytest
-from delta.tables import DeltaTable
 from deltalake import DeltaTable as IndependentDeltaTable
-from pyspark.sql import functions as F
 
 from pipelines import faults
 from pipelines.errors import DefinitionChangedError
@@ -28,7 +34,9 @@ from pipelines.ingest.generate import generate
 from pipelines.operate import table_checks
 from pipelines.operate.refresh import refresh_event_time_table
 from pipelines.storage.delta_log import commits_since
-from tests.contract_oracle import Oracle, expected_sessions, expected_state, file_lines, landing_files
+from tests.contract_oracle import (
+    Oracle, arrival_key, expected_sessions, expected_with_ttl, file_lines, landing_files,
+)
 from tests.streams import PAYMENTS, advance, declared
 
 SPEC = PAYMENTS
@@ -47,16 +55,17 @@ class Rules:
     gap: timedelta = TABLE.size
 
 
-def _rows(layout, name: str) -> list[dict]:
-    return IndependentDeltaTable(str(layout.table(name))).to_pyarrow_table().to_pylist()
+def _rows(layout, name: str, version: int | None = None) -> list[dict]:
+    return IndependentDeltaTable(str(layout.table(name)), version=version).to_pyarrow_table().to_pylist()
 
 
 def _utc(moment: datetime | None) -> datetime | None:
     return moment.replace(tzinfo=UTC) if moment is not None and moment.tzinfo is None else moment
 
 
-def _outputs(layout) -> tuple[dict, dict]:
-    rows = _rows(layout, ACTIVITY)
+def _outputs(layout, activity_version: int | None = None) -> tuple[dict, dict]:
+    """(customer_activity at `activity_version`, default the latest; the payments' late_events rows)."""
+    rows = _rows(layout, ACTIVITY, activity_version)
     sessions = {(r["customer_id"], _utc(r["session_start"])): (
         _utc(r["session_end"]), r["payment_count"], r["total_amount"], r["last_payment_ids"],
         _utc(r["previous_session_end"]), r["day_amount"]) for r in rows}
@@ -65,6 +74,17 @@ def _outputs(layout) -> tuple[dict, dict]:
     late = {r["event_id"]: (_utc(r["event_time"]), _utc(r["watermark"])) for r in late_rows}
     assert len(late) == len(late_rows), "a late payment was written twice"
     return sessions, late
+
+
+def _batches_per_file(layout) -> list[list[dict]]:
+    """Each landing file's accepted payments (judged by the oracle, not by the pipeline), in arrival order: what
+    each micro-batch of a run with one file per trigger holds."""
+    oracle, batches = Oracle(SPEC.name), []
+    for path in sorted(landing_files(layout.landing(SPEC.name)), key=arrival_key):
+        before = set(oracle.expected.events)
+        oracle.deliver(str(path), file_lines(path))
+        batches.append([e for i, e in oracle.expected.events.items() if i not in before])
+    return batches
 
 
 class Deliveries:
@@ -104,31 +124,62 @@ class Deliveries:
                                  self.settings.state_ttl)
 
 
-def _payment(payment_id: str, customer: str, at: str, amount: str = "10.00", day: int = 1) -> str:
+def _payment(payment_id: str, customer: str, at: str, amount: str = "10.00", day: str = "2026-11-01") -> str:
+    """A payment line; `at` is HH:MM, or HH:MM:SS with a fraction."""
+    at = f"{at}:00" if len(at) == 5 else at
     return (f'{{"payment_id":"{payment_id}","customer_id":"{customer}","amount":"{amount}",'
-            f'"paid_at":"2026-11-{day:02d}T{at}:00Z"}}')
+            f'"paid_at":"{day}T{at}Z"}}')
 
 
-def test_sessions_late_payments_and_ttl_equal_the_recomputation(spark, layout, landing):
-    # A state TTL of 40 minutes of event time: a customer idle that long is forgotten.
-    runs = Deliveries(spark, layout, Rules(watermark_delay=DELAY, state_ttl=timedelta(minutes=40)))
-    landing.write(SPEC.name, "1.jsonl", [
+def test_sessions_late_payments_ttls_and_their_edges_equal_the_recomputation_and_the_checks(spark, layout, landing):
+    """Two deliveries, each its own micro-batch of one run. A 2-hour watermark delay, so that a payment of the
+    second batch can bridge two sessions the first left open; a session TTL of 40 minutes of event time, so that a
+    customer idle that long is forgotten; a TTL of 1 day on payments_per_customer. Beside the customers' stories,
+    payments at the gap's edge and at the state table's TTL: the checks must agree with the operators there
+    (issue 26: a check that fails a correct table is an outage)."""
+    rules = Rules(watermark_delay=timedelta(hours=2), state_ttl=timedelta(minutes=40))
+    ttl = timedelta(days=1)
+    files = [landing.write(SPEC.name, "1.jsonl", [
         _payment("a1", "ann", "10:00"), _payment("a2", "ann", "10:20", "5.50"), _payment("a3", "ann", "10:55"),
-        _payment("b1", "bob", "10:05"), _payment("b2", "bob", "10:50", "3.00")])
-    runs.run()  # watermark 10:45: bob's 10:05 closes; ann's [10:00, 10:20] and [10:55] stay open
-    # 10:47 (within the watermark, a run late) joins ann's two sessions into one.
-    landing.write(SPEC.name, "2.jsonl", [_payment("a4", "ann", "10:47"), _payment("b3", "bob", "11:25"),
-                                         _payment("b4", "bob", "12:20"), _payment("c1", "cy", "12:50")])
-    runs.run()  # watermark 12:40: ann's 10:00-10:55 closes; bob's 10:50 and 11:25 close in one batch
-    landing.write(SPEC.name, "3.jsonl", [_payment("b5", "bob", "10:06"), _payment("a5", "ann", "14:00"),
-                                         _payment("c2", "cy", "13:10"), _payment("z1", "zed", "16:00")])
-    result = runs.run()  # watermark 15:50: bob's 10:06 is late; bob's 12:20, cy's, ann's 14:00 close
+        _payment("b1", "bob", "10:05"), _payment("c1", "cy", "09:00"), _payment("c2", "cy", "09:25"),
+        _payment("d1", "dee", "12:00"),  # the newest: the second batch's watermark is 10:00
+        # 30:00.000 apart: two sessions; 29:59.999 apart: one.
+        _payment("e1", "exact", "10:00:00.000"), _payment("e2", "exact", "10:30:00.000"),
+        _payment("l1", "less", "10:00:00.000"), _payment("l2", "less", "10:29:59.999"),
+        # Two sessions each, until the second batch's payment between them.
+        _payment("be1", "bridge_exact", "10:00:00.000"), _payment("be3", "bridge_exact", "11:00:00.000"),
+        _payment("bl1", "bridge_less", "10:00:00.000"), _payment("bl3", "bridge_less", "10:59:59.998"),
+        # Exactly 1 day behind the newest payment once zed's 18:40 arrives: kept; 1 µs more: expired.
+        _payment("t1", "exactly_ttl", "18:40:00.000000", day="2026-10-31"),
+        _payment("t2", "ttl_and_1us", "18:39:59.999999", day="2026-10-31")])]
+    files.append(landing.write(SPEC.name, "2.jsonl", [
+        _payment("a4", "ann", "10:47"),  # behind the newest payment, ahead of the watermark: joins ann's two
+        _payment("b2", "bob", "10:50", "3.00"), _payment("b3", "bob", "11:25"), _payment("b4", "bob", "12:20"),
+        _payment("b5", "bob", "09:40"),  # behind the watermark: late
+        _payment("c3", "cy", "10:03"),  # 38 minutes after cy's last payment: a new session, cy not forgotten
+        _payment("be2", "bridge_exact", "10:30:00.000"),  # exactly 30:00.000 from both neighbours
+        _payment("bl2", "bridge_less", "10:29:59.999"),  # 29:59.999 from both
+        _payment("z1", "zed", "16:00"), _payment("z2", "zed", "18:40")]))  # watermark 16:40: z1 closes, z2 open
+    result = advance(spark, layout, SPEC, watermark_delay=rules.watermark_delay, session_ttl=rules.state_ttl,
+                     ttl=ttl, max_files_per_trigger=1)
+    spec = declared(SPEC, watermark_delay=rules.watermark_delay, session_ttl=rules.state_ttl, ttl=ttl)
+    assert result.micro_batches == 2, result
+    batches = _batches_per_file(layout)
+    at = lambda hh_mm: datetime.fromisoformat(f"2026-11-01T{hh_mm}+00:00")  # noqa: E731
+
+    # After the first batch (watermark 10:00) only cy's 09:00-09:25 and the day before's payments were a gap behind
+    # the watermark: the timers of the sessions still open had not fired.
+    closing = [c for c in result.commits[ACTIVITY] if "watermark_ms" in c["user"]]  # one per batch
+    assert len(closing) == 2, result.commits[ACTIVITY]
+    first_version = closing[0]["version"]
+    first_sessions, _ = _outputs(layout, first_version)
+    assert first_sessions == expected_sessions(batches[:1], rules.watermark_delay, rules.gap, rules.state_ttl).sessions
+    assert sorted(customer for customer, _ in first_sessions) == ["cy", "exactly_ttl", "ttl_and_1us"]
 
     sessions, late = _outputs(layout)
-    expected = runs.expected()
+    expected = expected_sessions(batches, rules.watermark_delay, rules.gap, rules.state_ttl)
     assert sessions == expected.sessions and late == expected.late
     # The same facts by hand, so the recomputation itself is checked:
-    at = lambda hh_mm: datetime.fromisoformat(f"2026-11-01T{hh_mm}:00+00:00")  # noqa: E731
     assert sessions[("ann", at("10:00"))] == (at("10:55"), 4, Decimal("35.50"), ["a3", "a4", "a2", "a1"], None,
                                               Decimal("35.50"))
     # bob's 10:50 came 45 minutes after his 10:05: forgotten (TTL); his 11:25 knows his 10:50 (value and
@@ -136,38 +187,61 @@ def test_sessions_late_payments_and_ttl_equal_the_recomputation(spark, layout, l
     assert sessions[("bob", at("10:50"))][4] is None
     assert sessions[("bob", at("11:25"))][4:] == (at("10:50"), Decimal("13.00"))
     assert sessions[("bob", at("12:20"))][1:] == (1, Decimal("10.00"), ["b4"], None, Decimal("10.00"))
-    assert len(sessions) == 7
-    assert ("zed", at("16:00")) not in sessions  # the timer has not fired: 16:00 + 30 min > 15:50
-    assert set(late) == {"b5"} and late["b5"][1] == at("12:40")
-    assert result.versions[STATE].after > result.versions[STATE].before  # the state moved
-    # The TTL: ann's, bob's and cy's keyed state is dropped once the watermark is 40 minutes past their
-    # last session; zed's session (16:00) closes at 17:50 and his state stays, since his 18:00 is still open.
-    # Read from the operator's state tables.
-    landing.write(SPEC.name, "4.jsonl", [_payment("z2", "zed", "18:00")])
-    before_last_run = runs.run().versions[ACTIVITY].before
-    sessions, late = _outputs(layout)
-    assert sessions == runs.expected().sessions and ("zed", at("16:00")) in sessions
+    # cy's previous session closed in the first batch: carried to the second by the state table.
+    assert sessions[("cy", at("10:03"))][4:] == (at("09:25"), Decimal("30.00"))
+    assert sessions[("dee", at("12:00"))][:2] == (at("12:00"), 1)  # closed by the watermark alone
+    # At the gap's edge: 30:00.000 apart is two sessions, 29:59.999 one; a payment out of order exactly the gap
+    # from both neighbours leaves three, at 1 ms less it joins them into one.
+    spans = {(customer, start): (end, count) for (customer, start), (end, count, *_) in sessions.items()
+             if customer in ("exact", "less", "bridge_exact", "bridge_less")}
+    assert spans == {
+        ("exact", at("10:00:00")): (at("10:00:00"), 1), ("exact", at("10:30:00")): (at("10:30:00"), 1),
+        ("less", at("10:00:00")): (at("10:29:59.999"), 2),
+        ("bridge_exact", at("10:00:00")): (at("10:00:00"), 1),
+        ("bridge_exact", at("10:30:00")): (at("10:30:00"), 1),
+        ("bridge_exact", at("11:00:00")): (at("11:00:00"), 1),
+        ("bridge_less", at("10:00:00")): (at("10:59:59.998"), 3)}
+    assert len(sessions) == 18
+    assert ("zed", at("18:40")) not in sessions  # the timer has not fired: 18:40 + 30 min > 16:40
+    assert set(late) == {"b5"} and late["b5"][1] == at("10:00")
+    # The state moved: the second batch left a newer version of it than the first.
+    assert closing[1]["user"]["state_versions"][STATE] > closing[0]["user"]["state_versions"][STATE]
+    # The session TTL: every customer's keyed state is dropped once the watermark is 40 minutes past their last
+    # session, but zed's: his 16:00 session closed, and his 18:40 is still open. Read from the operator's state.
     state = _rows(layout, STATE)
     assert sorted(r["customer_id"] for r in state if not r["_open"]) == ["zed"]
-    assert sorted(r["customer_id"] for r in state if r["_open"]) == ["zed"]  # his 18:00, still open
-    # The Dagster check's query sees the tables agree with bronze, then sees a corrupted session.
-    mismatched, figures = table_checks.event_time_mismatches(spark, layout, SPEC, TABLE)
-    assert mismatched.count() == 0, mismatched.collect()
-    assert (figures["rows_checked"], figures["late_events"], figures["late_not_in_bronze"]) == (8, 1, 0)
-    DeltaTable.forPath(spark, str(layout.table(ACTIVITY))).update(
-        F.col("customer_id") == "cy", {"payment_count": F.lit(3)})
-    assert table_checks.event_time_mismatches(spark, layout, SPEC, TABLE)[0].count() == 2  # its row, either side
-    # The per-run check reads only the keys of the sessions the last run closed (zed's 16:00), from that session
-    # on: cy's row, closed two runs before, is the deep check's to find; a wrong zed is the per-run check's.
-    mismatched, figures = table_checks.event_time_mismatches(spark, layout, SPEC, TABLE, before_last_run)
-    assert (mismatched.count(), figures["rows_checked"], figures["events"]) == (0, 1, 2)
-    DeltaTable.forPath(spark, str(layout.table(ACTIVITY))).update(
-        F.col("customer_id") == "zed", {"payment_count": F.lit(3)})
-    assert table_checks.event_time_mismatches(spark, layout, SPEC, TABLE, before_last_run)[0].count() == 2
-    # Late payments still count in the all-time table.
-    all_time = {r["customer_id"]: r["payment_count"] for r in _rows(layout, SPEC.state_tables[0].name)}
-    assert all_time == dict(expected_state(SPEC.name, landing_files(layout.landing(SPEC.name))).counts)
-    assert all_time["bob"] == 5
+    assert sorted(r["customer_id"] for r in state if r["_open"]) == ["zed"]
+
+    # The Dagster check's query, on the tables with two sessions corrupted (cy's 09:00, closed by the first batch,
+    # and zed's, closed by the second), finds those two and nothing else: every other session agrees with bronze,
+    # the gap's edges included.
+    IndependentDeltaTable(str(layout.table(ACTIVITY))).update(  # a writer without the JVM: milliseconds
+        predicate="customer_id = 'zed' OR (customer_id = 'cy' AND session_start < '2026-11-01T10:00:00Z')",
+        updates={"payment_count": "3"})
+    mismatched, figures = table_checks.event_time_mismatches(spark, layout, spec, TABLE)
+    found = sorted((r["customer_id"], _utc(r["session_start"]), r["side"]) for r in mismatched.collect())
+    assert found == [(customer, at(start), side) for customer, start in (("cy", "09:00"), ("zed", "16:00"))
+                     for side in (f"missing from {ACTIVITY}", f"only in {ACTIVITY}")], found
+    assert (figures["rows_checked"], figures["events"], figures["late_events"], figures["late_not_in_bronze"]) == (
+        18, 27, 1, 0)
+    # The per-run check reads only the keys of the sessions the last batch closed, from the first of them (10:00)
+    # on, and their payments from a gap before it: cy's 09:00 is the deep check's to find, a wrong zed is its own.
+    mismatched, figures = table_checks.event_time_mismatches(spark, layout, spec, TABLE, first_version)
+    assert sorted(r["customer_id"] for r in mismatched.collect()) == ["zed", "zed"]
+    assert (figures["rows_checked"], figures["events"]) == (15, 23)  # all but cy's 09:00 and the day before's
+
+    # payments_per_customer: late payments still count; the TTL expired the key 1 µs past it, kept the one at it,
+    # and its checks agree.
+    state_table = spec.state_tables[0]
+    all_time = {r[state_table.key]: (r[state_table.count_column], r[state_table.sum_column])
+                for r in _rows(layout, state_table.name)}
+    with_ttl = expected_with_ttl(SPEC.name, [[f] for f in files], ttl)
+    assert all_time == with_ttl.rows and all_time["bob"][0] == 5
+    assert "exactly_ttl" in all_time and "ttl_and_1us" not in all_time
+    assert [key for key, _, _ in with_ttl.expired] == ["ttl_and_1us"]
+    assert table_checks.totals_match_bronze(spark, layout, spec, state_table)["passed"]
+    mismatched, totals = table_checks.mismatches_with_bronze(spark, layout, spec, state_table)
+    assert mismatched.count() == 0 and totals["sum_of_counts"] == totals["distinct_accepted_events"] == 27
 
 
 @pytest.mark.long

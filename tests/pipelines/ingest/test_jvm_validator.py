@@ -189,8 +189,12 @@ def test_integer_boolean_and_upper_bounds_edge_by_edge(spark):
     """Each edge in an otherwise valid order: the expected verdict, and the reference's on every column; then the
     same lines broken at the byte level, against the reference."""
     lines = [_order(field, text) for field, text, *_ in ORDER_EDGES]
-    jvm = _judged(spark, validate_lines, ORDERS, lines)
-    reference = _judged(spark, reference_validate_lines, ORDERS, lines)
+    rng = random.Random(11)
+    broken = [mutate(rng, line) for line in lines for _ in range(4)]
+    # Edges and broken lines in one job per validator.
+    jvm_all = _judged(spark, validate_lines, ORDERS, lines + broken)
+    reference_all = _judged(spark, reference_validate_lines, ORDERS, lines + broken)
+    jvm, reference = jvm_all[:len(lines)], reference_all[:len(lines)]
     wrong = []
     for (field, text, reason, detail, value), raw, mine, theirs in zip(ORDER_EDGES, lines, jvm, reference):
         expected = (reason, field if reason else None, detail, value)
@@ -204,11 +208,8 @@ def test_integer_boolean_and_upper_bounds_edge_by_edge(spark):
     assert hashes["loyalty_points", "null"] == hashes["loyalty_points", ABSENT] != hashes["loyalty_points", "-0"]
     assert hashes["gift", "true"] != hashes["gift", "false"]
 
-    rng = random.Random(11)
-    broken = [mutate(rng, line) for line in lines for _ in range(4)]
     differ = [f"{raw!r}\n    jvm {mine}\n    reference {theirs}" for raw, mine, theirs in
-              zip(broken, _judged(spark, validate_lines, ORDERS, broken),
-                  _judged(spark, reference_validate_lines, ORDERS, broken)) if mine != theirs]
+              zip(broken, jvm_all[len(lines):], reference_all[len(lines):]) if mine != theirs]
     assert not differ, f"{len(differ)} of {len(broken)} broken lines differ:\n" + "\n".join(differ[:20])
 
 

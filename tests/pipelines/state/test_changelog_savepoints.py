@@ -1,21 +1,20 @@
-"""The changelog (CDF → changelog table → rebuilt table), savepoints, one writer, storage faults."""
+"""Savepoints: a restore rolls every state table back and the next run resumes exactly. Racing writers of one
+state table: Delta's conflicts retried, every batch counted once. The changelog (CDF → changelog table → rebuilt
+table), one writer per stream and storage faults: tests/pipelines/state/test_state_tables.py and
+test_state_ttl.py."""
 
 from __future__ import annotations
 
-import subprocess
 import threading
 from decimal import Decimal
 
 import pytest
 from deltalake import DeltaTable as IndependentDeltaTable
+from pyspark.sql import functions as F
 
-from pipelines.errors import StorageError, StreamBusyError
 from pipelines.ingest.generate import generate
 from pipelines.operate.savepoints import create_savepoint, list_savepoints, restore_savepoint
-from pipelines.runtime.locks import writer_lock
-from pipelines.state.changelog import changelog_name, restore_from_changelog
-from pipelines.storage.delta_log import table_version
-from tests.streams import MOVIE_TICKET_SALES, PAYMENTS, STREAMS
+from tests.streams import PAYMENTS, STREAMS
 from tests.contract_oracle import expected_state, landing_files
 from tests.streams import advance
 
@@ -47,26 +46,6 @@ def _expected(layout, spec):
     return {k: (expected.counts[k], expected.sums[k]) for k in expected.counts}
 
 
-def test_changelog_alone_rebuilds_the_table_at_every_version(spark, layout):
-    spec, table = PAYMENTS, PAYMENTS.state_tables[0]
-    for seed in (1, 2):
-        _deliver(layout, spec, seed)
-        _advance(spark, layout, spec)
-    changelog = spark.read.format("delta").load(str(layout.table(changelog_name(table))))
-    published = changelog.count()
-    assert published > 0
-    # its checkpoint lost, the stream reads every landing file again, and the changelog gets nothing twice
-    layout.checkpoint(spec.name).rename(layout.home / "lost")
-    assert _advance(spark, layout, spec).micro_batches >= 1
-    assert spark.read.format("delta").load(str(layout.table(changelog_name(table)))).count() == published
-    assert published == changelog.dropDuplicates(["_commit_version", table.key, "_change_type"]).count()
-
-    state_path = layout.table(table.name)
-    for version in range(1, table_version(spark, state_path) + 1):
-        target = restore_from_changelog(spark, layout, table, version, f"rebuilt_v{version}")
-        assert _rows(spark, target) == _rows(spark, state_path, version), version
-
-
 @pytest.mark.long
 def test_savepoint_restore_rolls_back_and_resumes_exactly(spark, layout):
     for spec in STREAMS.values():
@@ -91,53 +70,10 @@ def test_savepoint_restore_rolls_back_and_resumes_exactly(spark, layout):
         assert _state(layout, spec) == _expected(layout, spec)
 
 
-def test_second_writer_of_a_stream_is_refused_and_nothing_is_written(spark, layout):
-    spec = MOVIE_TICKET_SALES
-    _deliver(layout, spec, seed=1)
-    holding, release = threading.Event(), threading.Event()
-
-    def other_run():
-        with writer_lock(layout.locks, spec.name, 5):
-            holding.set()
-            release.wait(60)
-
-    thread = threading.Thread(target=other_run)
-    thread.start()
-    holding.wait(10)
-    try:
-        with pytest.raises(StreamBusyError, match="Another run is advancing movie_ticket_sales "):
-            _advance(spark, layout, spec, lock_timeout_s=1)
-    finally:
-        release.set()
-        thread.join()
-    assert table_version(spark, layout.table(spec.bronze_table)) is None  # nothing was created or written
-    _advance(spark, layout, spec)
-    assert _state(layout, spec) == _expected(layout, spec)
-
-
-def test_read_only_storage_fails_with_the_fix_and_the_next_run_is_exact(spark, layout):
-    spec = PAYMENTS
-    _deliver(layout, spec, seed=1)
-    _advance(spark, layout, spec)
-    _deliver(layout, spec, seed=2)
-    log = layout.table(spec.state_tables[0].name) / "_delta_log"
-    # As root, permissions do not stop writes; the immutable flag does (EPERM), like a read-only mount.
-    subprocess.run(["chattr", "+i", str(log)], check=True)
-    try:
-        with pytest.raises(StorageError, match=r"Cannot write to .*_delta_log.*Fix: make the folder writable"):
-            _advance(spark, layout, spec)
-    finally:
-        subprocess.run(["chattr", "-i", str(log)], check=True)
-    _advance(spark, layout, spec)
-    assert _state(layout, spec) == _expected(layout, spec)
-
-
 def test_racing_writers_conflict_retry_and_count_exactly_once(spark, layout):
     """Two writers MERGE into one state table at once (as if a manual job raced the pipeline): Delta's
     concurrent-modification errors are retried, and every batch counts once. The collision is made, not hoped
     for: both start each MERGE at the same instant (a barrier), and a MERGE takes far longer than the gap."""
-    from pyspark.sql import functions as F
-
     from pipelines.state.tables import aggregate, ensure_state_table, upsert
     from pipelines.storage.delta_log import conflicts_retried
 
@@ -155,7 +91,7 @@ def test_racing_writers_conflict_retry_and_count_exactly_once(spark, layout):
             F.lit("2026-11-01 10:00:00").cast("timestamp").alias("paid_at"))
         try:
             batch = aggregate(events, spec.state_tables[0])
-            for batch_id in [0, 1, 2, 3, 3]:  # the second 3 is a replay: skipped by its txn id
+            for batch_id in [0, 1, 1]:  # the second 1 is a replay: skipped by its txn id
                 together.wait()
                 upsert(session, path, spec.state_tables[0], batch, app_id, batch_id, {"app_id": app_id})
         except Exception as exc:  # surfaced by the assertion below
@@ -169,4 +105,4 @@ def test_racing_writers_conflict_retry_and_count_exactly_once(spark, layout):
         thread.join()
     assert not errors, errors
     assert conflicts_retried["count"] > retried_before  # the writers really collided
-    assert _state(layout, spec) == {"c1": (8, Decimal("8.00"))}
+    assert _state(layout, spec) == {"c1": (4, Decimal("4.00"))}

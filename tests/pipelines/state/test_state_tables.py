@@ -1,101 +1,193 @@
-"""State tables against an independent oracle, read with an independent Delta reader (`deltalake`).
+"""A state table against an independent oracle, read with an independent Delta reader (`deltalake`), through the
+failures around its runs.
 
-Covers: generated data (malformed lines, re-deliveries, conflicting ids, late events) delivered in
-two runs; both state tables equal the seed query computed by tests/contract_oracle.py with exact
-decimals; Change Data Feed on; a MERGE replayed after its commit but before the checkpoint commit
-is skipped. Not covered: Dagster (tests/assets).
+Covers, in one scenario on movie_tickets_sold: generated data (malformed lines, re-deliveries, conflicting ids, late
+events) delivered in two runs; the table equals the seed query computed by tests/contract_oracle.py with exact
+decimals; one writer per stream (a run that finds the stream busy writes nothing); damaged checkpoint files
+detected; a MERGE replayed after its commit but before the checkpoint commit is skipped; a table log that cannot be
+written fails the run with the fix, and the next run is exact; Change Data Feed on, recording every upsert; the
+changelog alone rebuilds the table as of every version; a state table that records no bronze version (deleted) is
+rebuilt from bronze. The same for a table with a TTL, a crash and a lost checkpoint:
+tests/pipelines/state/test_state_ttl.py. Not covered: Dagster (tests/assets).
 """
 
 from __future__ import annotations
 
 import shutil
+import subprocess
+import threading
 from decimal import Decimal
+from functools import reduce
 
 import pytest
 from deltalake import DeltaTable as IndependentDeltaTable
+from pyspark.sql import DataFrame
+from pyspark.sql import functions as F
 
-from pipelines.errors import ChangelogError
+from pipelines.errors import ChangelogError, StorageError, StreamBusyError
 from pipelines.ingest.generate import generate
-from pipelines.state.changelog import changelog_name
+from pipelines.runtime.checkpoints import verify_checkpoint
+from pipelines.runtime.locks import writer_lock
+from pipelines.state.changelog import changelog_name, restore_from_changelog, table_from_changelog
 from pipelines.storage.delta_log import table_version
-from tests.streams import MOVIE_TICKET_SALES, PAYMENTS, STREAMS
-from tests.contract_oracle import expected_state, landing_files
+from tests.streams import MOVIE_TICKET_SALES
+from tests.contract_oracle import Expected, expected_state, landing_files
 from tests.streams import advance
 
-
-def _read_state(layout, spec) -> dict[str, tuple[int, Decimal]]:
-    table = spec.state_tables[0]
-    rows = IndependentDeltaTable(str(layout.table(table.name))).to_pyarrow_table().to_pylist()
-    return {r[table.key]: (r[table.count_column], r[table.sum_column]) for r in rows}
-
-
-def _advance(spark, layout, spec):
-    return advance(spark, layout, spec, event_time=False, max_files_per_trigger=2)
-
-
-def test_state_tables_equal_the_seed_query_over_two_deliveries(spark, layout):
-    for phase in (1, 2):
-        for spec in STREAMS.values():
-            generate(spec, layout.landing(spec.name), events=1500, malformed=0.02, duplicates=0.03,
-                     conflicts=0.01, late=0.05, seed=phase, events_per_file=400)
-            _advance(spark, layout, spec)
-
-    for spec in STREAMS.values():
-        expected = expected_state(spec.name, landing_files(layout.landing(spec.name)))
-        actual = _read_state(layout, spec)
-        assert expected.accepted > 2500 and expected.duplicates > 25 and expected.quarantined > 40
-        assert {k: (expected.counts[k], expected.sums[k]) for k in expected.counts} == actual
-        quarantined = IndependentDeltaTable(str(layout.table(spec.quarantine_table))).to_pyarrow_table().num_rows
-        assert quarantined == expected.quarantined
+SPEC, TABLE = MOVIE_TICKET_SALES, MOVIE_TICKET_SALES.state_tables[0]
+CHECKPOINT_DAMAGE = {
+    "truncated offsets file": lambda cp, n: (cp / "offsets" / n).write_bytes((cp / "offsets" / n).read_bytes()[:40]),
+    "garbage commit file": lambda cp, n: (cp / "commits" / n).write_bytes(b"\x00\xff garbage"),
+    "truncated commit file, checksum gone": lambda cp, n: (
+        (cp / "commits" / n).write_text("v1\n"), (cp / "commits" / f".{n}.crc").unlink()),
+    # The stream's query reads the landing ledger (a Delta source), which keeps no sources/ log.
+    "empty query metadata": lambda cp, n: (cp / "metadata").write_bytes(b""),
+    "offsets folder lost": lambda cp, n: shutil.rmtree(cp / "offsets"),
+    "origin record lost": lambda cp, n: (cp / "statetables_checkpoint.json").unlink(),
+}
 
 
-def test_change_data_feed_is_on_and_records_every_upsert(spark, layout, landing):
-    line = '{"payment_id":"%s","customer_id":"c1","amount":5,"paid_at":"2026-11-01T10:00:00Z"}'
-    landing.write("payments", "a.jsonl", [line % "p1"])
-    _advance(spark, layout, PAYMENTS)
-    landing.write("payments", "b.jsonl", [line % "p2"])
-    _advance(spark, layout, PAYMENTS)
+def _deliver(layout, seed: int) -> None:
+    """A landing file of 300 generated events: a few of every kind of line the oracle judges."""
+    generate(SPEC, layout.landing(SPEC.name), events=300, malformed=0.05, duplicates=0.05, conflicts=0.02, late=0.05,
+             seed=seed, events_per_file=300)
+
+
+def _advance(spark, layout, **settings):
+    return advance(spark, layout, SPEC, event_time=False, **settings)
+
+
+def _expected(layout) -> Expected:
+    return expected_state(SPEC.name, landing_files(layout.landing(SPEC.name)))
+
+
+def _rows(expected: Expected) -> dict[str, tuple[int, Decimal]]:
+    return {k: (expected.counts[k], expected.sums[k]) for k in expected.counts}
+
+
+def _read_state(layout) -> dict[str, tuple[int, Decimal]]:
+    rows = IndependentDeltaTable(str(layout.table(TABLE.name))).to_pyarrow_table().to_pylist()
+    return {r[TABLE.key]: (r[TABLE.count_column], r[TABLE.sum_column]) for r in rows}
+
+
+def _spark_rows(spark, path, version=None) -> list[tuple]:
+    reader = spark.read.format("delta")
+    if version is not None:
+        reader = reader.option("versionAsOf", version)
+    return sorted(tuple(r) for r in reader.load(str(path)).drop("updated_at").collect())
+
+
+def test_a_state_table_stays_exact_through_a_busy_stream_a_replay_read_only_storage_and_a_rebuild(spark, layout):
+    _deliver(layout, seed=1)
+    after_first = _rows(_expected(layout))
+
+    # One writer per stream: a run that finds the stream busy writes nothing.
+    holding, release = threading.Event(), threading.Event()
+
+    def other_run():
+        with writer_lock(layout.locks, SPEC.name, 5):
+            holding.set()
+            release.wait(60)
+
+    thread = threading.Thread(target=other_run)
+    thread.start()
+    holding.wait(10)
+    try:
+        with pytest.raises(StreamBusyError, match="Another run is advancing movie_ticket_sales "):
+            _advance(spark, layout, lock_timeout_s=1)
+    finally:
+        release.set()
+        thread.join()
+    assert table_version(spark, layout.table(SPEC.bronze_table)) is None  # nothing was created or written
+    assert not layout.tables_root.exists() or not any(layout.tables_root.iterdir())
+    first = _advance(spark, layout).versions[TABLE.name].after
+
+    # Its checkpoint is trusted; each kind of damage to a copy of it is detected.
+    checkpoint, bronze = layout.checkpoint(SPEC.name), [layout.table(SPEC.bronze_table)]
+    assert verify_checkpoint(spark, checkpoint, bronze).problem is None
+    for name, damage in CHECKPOINT_DAMAGE.items():
+        copy = layout.home / "copies" / name.replace(" ", "_").replace(",", "")
+        shutil.copytree(checkpoint, copy)
+        damage(copy, "0")  # the last batch's files
+        assert verify_checkpoint(spark, copy, bronze).problem, name
+
+    # The query dies after batch 0's last commit, before Spark wrote its commit file: the next run replays it.
+    commits = layout.checkpoint(SPEC.name) / "commits"
+    (commits / "0").unlink()
+    (commits / ".0.crc").unlink(missing_ok=True)
+
+    # A table log that cannot be written fails that run with the fix, at batch 1's MERGE (after bronze's commit):
+    # batch 0's replay before it wrote nothing there.
+    _deliver(layout, seed=2)
+    log = layout.table(TABLE.name) / "_delta_log"
+    # As root, permissions do not stop writes; the immutable flag does (EPERM), like a read-only mount.
+    subprocess.run(["chattr", "+i", str(log)], check=True)
+    try:
+        with pytest.raises(StorageError, match=r"Cannot write to .*_delta_log.*Fix: make the folder writable"):
+            _advance(spark, layout)
+    finally:
+        subprocess.run(["chattr", "-i", str(log)], check=True)
+    assert (commits / "0").exists() and not (commits / "1").exists()
+
+    # The next run is exact: batch 1's MERGE (a catch-up before the query), then batch 1 replayed.
+    result = _advance(spark, layout)
+    assert result.micro_batches == 1 + 1 and (commits / "1").exists()
+    history = IndependentDeltaTable(str(layout.table(TABLE.name))).history()
+    assert sum(c["operation"] == "MERGE" for c in history) == 2  # a MERGE per delivery: neither replay wrote one
+    second = result.versions[TABLE.name].after
+    expected = _expected(layout)
+    assert expected.accepted > 450 and expected.duplicates > 10 and expected.quarantined > 20  # every kind of line
+    after_second = _rows(expected)
+    assert _read_state(layout) == after_second
+    for name, rows in ((SPEC.bronze_table, expected.accepted), (SPEC.quarantine_table, expected.quarantined)):
+        assert IndependentDeltaTable(str(layout.table(name))).to_pyarrow_table().num_rows == rows, name
+
+    # The Change Data Feed: each MERGE's new keys inserted, every key it counted events for updated (both images).
     changes = (spark.read.format("delta").option("readChangeFeed", "true").option("startingVersion", 0)
-               .load(str(layout.table("payments_per_customer"))).orderBy("_commit_version", "_change_type").collect())
-    assert [(c["_change_type"], c["payment_count"]) for c in changes] == [
-        ("insert", 1), ("update_postimage", 2), ("update_preimage", 1)]
+               .load(str(layout.table(TABLE.name))).collect())
+    found: dict[int, list] = {}
+    for c in changes:
+        found.setdefault(c["_commit_version"], []).append(
+            (c["_change_type"], c[TABLE.key], c[TABLE.count_column], c[TABLE.sum_column]))
+    updated = [key for key, row in after_second.items() if key in after_first and row != after_first[key]]
+    assert updated
+    assert {version: sorted(rows) for version, rows in found.items()} == {
+        first: sorted(("insert", key, *row) for key, row in after_first.items()),
+        second: sorted([("insert", key, *row) for key, row in after_second.items() if key not in after_first]
+                       + [("update_preimage", key, *after_first[key]) for key in updated]
+                       + [("update_postimage", key, *after_second[key]) for key in updated]),
+    }
 
+    # From the changelog alone, which holds nothing twice, the table as of every version (time travel says what it
+    # was), in one Spark job; then a restore written to a table of its own.
+    published = IndependentDeltaTable(str(layout.table(changelog_name(TABLE)))).to_pyarrow_table().to_pylist()
+    assert len({(r["_commit_version"], r[TABLE.key], r["_change_type"]) for r in published}) == len(published)
+    changelog = spark.read.format("delta").load(str(layout.table(changelog_name(TABLE))))
+    state_path = layout.table(TABLE.name)
+    versions = range(1, second + 1)
+    frames = [frame.drop("updated_at").withColumn("_version", F.lit(version)).withColumn("_from", F.lit(source))
+              for version in versions
+              for source, frame in (("changelog", table_from_changelog(changelog, TABLE, version)),
+                                    ("time travel", spark.read.format("delta").option("versionAsOf", version)
+                                     .load(str(state_path))))]
+    restored: dict[tuple[str, int], list] = {(source, version): [] for version in versions
+                                             for source in ("changelog", "time travel")}
+    for r in reduce(DataFrame.unionByName, frames).collect():
+        restored[(r["_from"], r["_version"])].append(tuple(r)[:-2])
+    for version in versions:
+        assert sorted(restored[("changelog", version)]) == sorted(restored[("time travel", version)]), version
+    target = restore_from_changelog(spark, layout, TABLE, first, "rebuilt")
+    assert _spark_rows(spark, target) == _spark_rows(spark, state_path, first)
 
-def test_replayed_merge_is_not_applied_twice(spark, layout, landing):
-    """The stream's query dies after the batch's last commit, before Spark wrote the batch's commit file."""
-    good = '{"event_id":"%s","title":"Dune","ticket_total_value":10.25,"sale_ts":"2026-11-01T10:00:00Z"}'
-    landing.write("movie_ticket_sales", "a.jsonl", [good % "e1"])
-    _advance(spark, layout, MOVIE_TICKET_SALES)  # micro-batch 0
-    landing.write("movie_ticket_sales", "a2.jsonl", [good % "e2"])
-    _advance(spark, layout, MOVIE_TICKET_SALES)  # micro-batch 1
-    commits = layout.checkpoint(MOVIE_TICKET_SALES.name) / "commits"
-    (commits / "1").unlink()
-    (commits / ".1.crc").unlink(missing_ok=True)
-
-    result = advance(spark, layout, MOVIE_TICKET_SALES, event_time=False)
-
-    assert result.micro_batches == 1 and (commits / "1").exists()  # the batch was replayed...
-    assert result.versions["movie_tickets_sold"].before == result.versions["movie_tickets_sold"].after  # ...as a no-op
-    assert _read_state(layout, MOVIE_TICKET_SALES) == {"Dune": (2, Decimal("20.50"))}
-    # and the next batch still applies
-    landing.write("movie_ticket_sales", "b.jsonl", [good % "e3"])
-    _advance(spark, layout, MOVIE_TICKET_SALES)
-    assert _read_state(layout, MOVIE_TICKET_SALES) == {"Dune": (3, Decimal("30.75"))}
-
-
-def test_a_state_table_that_records_no_bronze_version_is_rebuilt_from_bronze(spark, layout):
-    """A state table deleted (with its changelog) is built again from all of bronze, exactly, in one commit that
-    records the bronze version; the changelog then starts from the new table's first version."""
-    spec = PAYMENTS
-    generate(spec, layout.landing(spec.name), events=600, malformed=0.02, duplicates=0.03, seed=5, events_per_file=300)
-    _advance(spark, layout, spec)
-    shutil.rmtree(layout.table(spec.state_tables[0].name))
+    # Deleted (with its changelog, refused while it holds the old table's changes), the table is built again from
+    # all of bronze, exactly, in one commit that records the bronze version; the changelog then starts from the new
+    # table's first version.
+    shutil.rmtree(layout.table(TABLE.name))
     with pytest.raises(ChangelogError, match="deleted and created again.*Fix: move"):
-        _advance(spark, layout, spec)
-    shutil.rmtree(layout.table(changelog_name(spec.state_tables[0])))
-    result = _advance(spark, layout, spec)
-    assert result.built_through[spec.state_tables[0].name] == table_version(spark, layout.table(spec.bronze_table))
-    expected = expected_state(spec.name, landing_files(layout.landing(spec.name)))
-    assert _read_state(layout, spec) == {k: (expected.counts[k], expected.sums[k]) for k in expected.counts}
-    changelog = IndependentDeltaTable(str(layout.table(changelog_name(spec.state_tables[0])))).to_pyarrow_table()
-    assert changelog.num_rows == len(expected.counts)  # the rebuild's inserts
+        _advance(spark, layout)
+    shutil.rmtree(layout.table(changelog_name(TABLE)))
+    result = _advance(spark, layout)
+    assert result.built_through[TABLE.name] == table_version(spark, layout.table(SPEC.bronze_table))
+    assert _read_state(layout) == after_second
+    rebuilt_changelog = IndependentDeltaTable(str(layout.table(changelog_name(TABLE)))).to_pyarrow_table()
+    assert rebuilt_changelog.num_rows == len(after_second)  # the rebuild's inserts
