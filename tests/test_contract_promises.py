@@ -2,9 +2,9 @@
 and Dagster, each assertion one that fails when the promise breaks:
 
 - the event-time range with `event_time_max_ahead_hours` set in the project file, which the next Dagster run follows
-  without a reload (tests/pipelines/ingest/test_ingest.py has both ends of the default allowance, and
-  tests/pipelines/ingest/test_dedup_horizon.py the dedup horizon: a re-delivery far behind counts once, an id reused
-  with other content inside the horizon is `conflicting_duplicate`);
+  without a reload (tests/pipelines/ingest/test_ingest.py has both ends of the default allowance, and the dedup
+  horizon: a re-delivery far behind counts once, an id reused with other content inside the horizon is
+  `conflicting_duplicate`);
 - one writer between two OS processes: a run is refused, naming the lock and its holder, while another process
   holds the stream's writer lock; two runs that wait for it at once then advance the stream one after the other,
   and nothing counts twice;
@@ -86,7 +86,7 @@ def test_the_event_time_allowance_set_in_the_project_file_is_followed_by_the_nex
         _sale("ahead-1h", "Dune", "2.00", now + timedelta(hours=1)),
         _sale("ahead-1h-offset", "Dune", "2.00", ahead_1h_offset.isoformat(timespec="seconds")),
         _sale("ahead-3h", "Dune", "2.00", now + timedelta(hours=3)),
-        _sale("ahead-23h-again", "Dune", "2.00", now + timedelta(hours=23)),
+        _sale("ahead-23h", "Dune", "2.00", now + timedelta(hours=23)),
     ])
     project = layout.home.parent / "statetables.yaml"
     shipped = SHIPPED.read_text()
@@ -100,7 +100,7 @@ def test_the_event_time_allowance_set_in_the_project_file_is_followed_by_the_nex
     quarantined = {r["record_id"]: r for r in _read(layout, SALES.quarantine_table)}
     assert {k: (r["reason"], r["reason_field"], Path(r["source_file"]).name) for k, r in quarantined.items()} == {
         "ahead-3h": ("out_of_range", "sale_ts", "two-hours.jsonl"),
-        "ahead-23h-again": ("out_of_range", "sale_ts", "two-hours.jsonl")}
+        "ahead-23h": ("out_of_range", "sale_ts", "two-hours.jsonl")}
     assert "2 h after ingestion" in quarantined["ahead-3h"]["detail"]
     assert _state(layout) == {"Dune": (2, Decimal("4.00"))}
 

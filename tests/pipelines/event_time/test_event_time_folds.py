@@ -7,7 +7,7 @@ commit, a version cut).
 
 The same rules through whole runs (the edges included), crashes and the Dagster checks: test_sessions.py,
 test_windows.py, test_state_ttl.py. Not covered here: writing, replay, recovery. Each fold's outputs are collected
-once: every action on them runs the fold's plan again.
+once: every action on them is a Spark job of its own.
 """
 
 from __future__ import annotations

@@ -77,8 +77,8 @@ def _outputs(layout, activity_version: int | None = None) -> tuple[dict, dict]:
 
 
 def _batches_per_file(layout) -> list[list[dict]]:
-    """Each landing file's accepted payments (judged by the oracle, not by the pipeline), in arrival order: what
-    each micro-batch of a run with one file per trigger holds."""
+    """Each landing file's accepted payments (judged by the oracle, not by the pipeline), in arrival order: every
+    file is one micro-batch here (a run with one file per trigger)."""
     oracle, batches = Oracle(SPEC.name), []
     for path in sorted(landing_files(layout.landing(SPEC.name)), key=arrival_key):
         before = set(oracle.expected.events)

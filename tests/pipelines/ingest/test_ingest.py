@@ -3,15 +3,20 @@ written out by hand and against the independent oracle (tests/contract_oracle.py
 
 One scenario per stream, each over one storage root: its landing folder holds a file (or a few) per rule, so one
 micro-batch per run exercises them all, and three files of lines that Hypothesis draws anew on every run
-(test_validation_properties.py's strategies), which only the oracle decides. Both streams: file names with `:`, `[x]`, `{a,b}`, `*`, `?`, `%`, spaces (and
-for payments `+` and non-ASCII letters), date folders at any depth and gzip files, each read once; in-flight names
-(`_x.jsonl`, `.y.jsonl`, files in `_tmp/` and `.hidden/`) and other extensions ignored; between runs, lines appended
-to an ingested file and a file deleted and written again under its name (its next version, `#v2`), both reported as
-changed files, and a new file.
+(test_validation_properties.py's strategies), which only the oracle decides. Both streams: file names with `:`,
+`[x]`, `{a,b}`, `*`, `?`, `%`, spaces (and for payments `+` and non-ASCII letters), date folders at any depth and gzip
+files, each read once; in-flight names (`_x.jsonl`, `.y.jsonl`, files in `_tmp/` and `.hidden/`) and other
+extensions ignored; between runs, lines appended to an ingested file and a file deleted and written again under its
+name (its next version, `#v2`), both reported as changed files, and new files.
 - payments: the amount must be positive; poison values (amounts of 1e16, 1e30, 1e400, 1e-30, "NaN", event times in
   year 0001, 1582-10-10, 9999 and 10000 in UTC, before the epoch, far ahead) quarantined and the stream goes on; an
-  mtime tie broken by the full path; after the changes, nothing read again; a line that makes the engine fail
-  isolated as `unprocessable` while the rest of its batch goes on; timestamps written as INT64 for every reader.
+  mtime tie broken by the full path; the dedup horizon of an event's own event time whatever the micro-batches: the
+  same lines cut three ways (one micro-batch; micro-batches that never hold an id twice, so every line is judged
+  against bronze alone; a cut that mixes both) give the same tables, written out by hand, and every micro-batch's
+  accounting is the oracle's; a re-delivery whose original lies a month behind the stream's newest events counts
+  once, an id reused with other content inside the horizon but before its batch's oldest event is
+  `conflicting_duplicate`; after the changes, nothing read again; a line that makes the engine fail isolated as
+  `unprocessable` while the rest of its batch goes on; timestamps written as INT64 for every reader.
 - movie_ticket_sales: every malformed kind of the contract with its reason, field and raw bytes; type coercion,
   unknown fields accepted, the title trimmed; re-deliveries counted once (same batch and across runs) and conflicting
   ids quarantined; a missing optional field against "\\u0000" (and null, which is missing); event time at both ends
@@ -20,8 +25,7 @@ changed files, and a new file.
 After each run: every line ever delivered is in exactly one of bronze, quarantine or the recognised duplicates, with
 the oracle's counts, events and reasons; quarantine names real files (`#v2` for the second version of a rewritten
 one); the state table equals the oracle's counts and exact sums key by key; `deltalake` reads every Delta table.
-Not covered: the dedup horizon across micro-batches (test_dedup_horizon.py), crashed processes and recovery
-(test_recovery.py, chaos), Dagster (tests/assets).
+Not covered: crashed processes and recovery (test_recovery.py, chaos), Dagster (tests/assets).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+from collections import Counter
 from datetime import datetime, timedelta, timezone
 from decimal import Decimal
 from pathlib import Path
@@ -41,7 +46,7 @@ from hypothesis import strategies as st
 
 from pipelines.faults import FAULTS_ENV, INGEST_POISON, arm
 from pipelines.storage.layout import StorageLayout
-from tests.contract_oracle import EPOCH, Oracle, file_lines, landing_files
+from tests.contract_oracle import DEFAULT_HORIZON, EPOCH, Oracle, file_lines, landing_files
 from tests.pipelines.ingest.test_validation_properties import FIXED_TIMESTAMPS, SEARCH, line_batch
 from tests.streams import MOVIE_TICKET_SALES, PAYMENTS, advance
 
@@ -94,8 +99,8 @@ def write(path: Path, lines: list[str | bytes], mtime_ns: int) -> Path:
 class Delivery:
     """Landing files of one stream and the oracle that receives the same content in arrival order."""
 
-    def __init__(self, folder: Path, stream: str):
-        self.folder, self.oracle = folder, Oracle(stream)
+    def __init__(self, folder: Path, stream: str, horizon: timedelta = DEFAULT_HORIZON):
+        self.folder, self.oracle = folder, Oracle(stream, horizon=horizon)
         self.visible: set[Path] = set()
         self.ignored_ids: list[str] = []
         self._rules_written = 0
@@ -154,10 +159,10 @@ def _drawn_files(d: Delivery, spec, data) -> list[Path]:
     now = datetime.now(timezone.utc).replace(microsecond=0)
     # Event times near the real clock, but never within an hour of the one-day allowance: the oracle and the run
     # read the clock a few seconds apart.
-    boundaries = FIXED_TIMESTAMPS + [(now + timedelta(days=1, hours=h)).strftime("%Y-%m-%dT%H:%M:%SZ") for h in (-1, 1)]
-    return [d.file(name, data.draw(line_batch(spec, data.draw(st.integers(20, 80)), around=now, boundaries=boundaries),
-                                   label=name), T_DRAWN + n * SECOND)
-            for n, name in enumerate(DRAWN)]
+    near_limit = [(now + timedelta(days=1, hours=h)).strftime("%Y-%m-%dT%H:%M:%SZ") for h in (-1, 1)]
+    drawn = [data.draw(line_batch(spec, data.draw(st.integers(20, 80)), around=now,
+                                  boundaries=FIXED_TIMESTAMPS + near_limit), label=name) for name in DRAWN]
+    return [d.file(name, lines, T_DRAWN + n * SECOND) for n, (name, lines) in enumerate(zip(DRAWN, drawn))]
 
 
 def _layout(tmp_path_factory, stream: str) -> StorageLayout:
@@ -195,12 +200,15 @@ def _check_with_oracle(layout, spec, delivery: Delivery, results) -> None:
     placed = [(r["source_file"], r["line_number"]) for r in bronze + quarantine]
     assert len(placed) == len(set(placed)) == expected.accepted + expected.quarantined
 
-    fields = [f for f in spec.field_names if f != spec.event_time_field]
-    actual_events = {r[spec.id_field]: ({f: r[f] for f in fields}, _micros(r[spec.event_time_field])) for r in bronze}
-    expected_events = {i: ({f: e[f] for f in fields}, _micros(e[spec.event_time_field]))
-                       for i, e in expected.events.items()}
-    assert actual_events == expected_events, spec.name
     assert sorted(r[spec.id_field] for r in bronze) == sorted(expected.accepted_ids)  # an id reused past the horizon
+    # The event of every id accepted once (the oracle keeps only the newest of an id reused past the horizon).
+    once = {i for i, n in Counter(expected.accepted_ids).items() if n == 1}
+    fields = [f for f in spec.field_names if f != spec.event_time_field]
+    actual_events = {r[spec.id_field]: ({f: r[f] for f in fields}, _micros(r[spec.event_time_field]))
+                     for r in bronze if r[spec.id_field] in once}
+    expected_events = {i: ({f: e[f] for f in fields}, _micros(e[spec.event_time_field]))
+                       for i, e in expected.events.items() if i in once}
+    assert actual_events == expected_events, spec.name
     actual_reasons = {(r["source_file"], r["line_number"]): r["reason"] for r in quarantine}
     expected_reasons = {(source, number): reason for source, number, reason in expected.quarantine}
     differ = sorted({key for key, _ in set(actual_reasons.items()) ^ set(expected_reasons.items())})
@@ -223,9 +231,10 @@ def _check_with_oracle(layout, spec, delivery: Delivery, results) -> None:
     assert all(isinstance(total, Decimal) for _, total in state.values())
 
 
-def _raw_line(source_file: str, line_number: int) -> bytes:
-    """A line as its file holds it now (a rewritten file: its latest version)."""
-    return file_lines(Path(source_file.partition("#v")[0]))[line_number - 1]
+def _raw_line(source_file: str, line_number: int) -> bytes | None:
+    """A line as its file holds it now (a rewritten file: its latest version), for a failure's message."""
+    lines = file_lines(Path(source_file.partition("#v")[0]))
+    return lines[line_number - 1] if line_number <= len(lines) else None
 
 
 def _every_table_reads(layout, names: set[str]) -> None:
@@ -258,7 +267,7 @@ def _in(rows: list[dict], path: Path) -> list[dict]:
 # --- payments ------------------------------------------------------------------------------------------------------
 
 PAY = '{"payment_id":"%s","customer_id":"c1","amount":%s,"paid_at":"%s"}'
-TS = "2026-01-01T00:00:00Z"
+TS = "2026-11-20T00:00:00Z"  # after the dedup horizon's lines: never the oldest event of their micro-batch
 POISON = [  # (line, reason)
     (PAY % ("big", "10000000000000000", TS), "out_of_range"),
     (PAY % ("big2", "99999999999999999999999999999999999999999", TS), "out_of_range"),
@@ -339,12 +348,157 @@ def _hostile_payments(d: Delivery) -> dict[str, Path]:
     }
 
 
+# The dedup horizon: the contract compares an event with the accepted events of its id whose event time lies within
+# the horizon of its own; same content is a duplicate, other content `conflicting_duplicate`, none there a new event.
+# The payments runs keep a one-day horizon. The same lines are cut three ways into micro-batches; each cut has ids and
+# customers of its own (lines of different ids never meet under the rule), so part k of every cut lands in the same
+# file, in micro-batch k: run 1's, then run 2's four.
+HORIZON = timedelta(days=1)
+RUN_2_FILES_PER_BATCH = 3
+
+
+def _nov(day: int, hh_mm: str) -> str:
+    return f"2026-11-{day:02d}T{hh_mm}:00Z"
+
+
+LINES = [  # in arrival order: (id, customer, amount, event time)
+    ("r1", "ann", "10.00", _nov(1, "10:00")),  # accepted
+    ("r3", "cy", "1.00", _nov(1, "09:00")),  # accepted
+    ("r2", "bob", "5.00", _nov(2, "08:00")),  # accepted
+    ("r1", "ann", "10.00", _nov(1, "10:00")),  # the same content: a duplicate
+    ("r3", "cy", "2.00", _nov(1, "23:00")),  # 14 h after r3's 09:00, other content: conflicting
+    ("r1", "ann", "20.00", _nov(4, "10:00")),  # 3 days after r1's accepted event: a new event
+    ("r2", "bob", "6.00", _nov(2, "20:00")),  # 12 h after r2: conflicting
+    ("r3", "cy", "3.00", _nov(2, "12:00")),  # 27 h after r3's 09:00 (the conflicting 23:00 was not accepted): new
+    ("r1", "ann", "30.00", _nov(4, "11:00")),  # 1 h after r1's day-4 event: conflicting
+    ("r1", "ann", "20.00", _nov(4, "10:00")),  # the day-4 event again: a duplicate
+    ("r4", "dee", "7.00", _nov(3, "10:00")),  # accepted
+    ("r3", "cy", "3.00", _nov(2, "12:00")),  # r3's day-2 event again: a duplicate
+]
+ACCEPTED = {("r1", "2026-11-01 10:00"), ("r3", "2026-11-01 09:00"), ("r2", "2026-11-02 08:00"),
+            ("r1", "2026-11-04 10:00"), ("r3", "2026-11-02 12:00"), ("r4", "2026-11-03 10:00")}
+CONFLICTING = 3
+CUTS = {  # cut → its parts, part k in micro-batch k
+    "one": [LINES],
+    # Each part as long as no id comes twice: no line is compared with a line of its own batch, only with bronze,
+    # as one line per micro-batch would be.
+    "no-id-twice": [LINES[0:3], LINES[3:5], LINES[5:8], LINES[8:9], LINES[9:12]],
+    "another": [LINES[:5], LINES[5:7], LINES[7:]],
+}
+# A re-delivery far behind, and a reuse inside the horizon before its batch's oldest event. A month before LINES, so
+# micro-batch 4's event-time range starts at its h1 and only the horizon's widening of it reaches d2's original.
+FAR_T0 = datetime(2026, 10, 1, 10, tzinfo=timezone.utc)
+
+
+def _far(**delta) -> str:
+    return (FAR_T0 + timedelta(**delta)).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+FAR = {  # micro-batch → lines
+    1: [("d1", "dune", "10.00", _far()), ("d2", "dune", "10.00", _far(hours=1)),
+        ("h1", "heat", "5.00", _far(hours=2))],
+    # h1 again (the very same line); d2 with another value 12 h after its original, which lies 1 h before this
+    # batch's oldest event time (h1's); a new sale.
+    4: [("h1", "heat", "5.00", _far(hours=2)), ("d2", "dune", "99.00", _far(hours=13)),
+        ("n1", "dune", "7.00", _far(hours=14))],
+    # Ten horizons later: new sales, and d1's line once more, ten days behind them.
+    5: [("n2", "heat", "6.00", _far(days=10)), ("d1", "dune", "10.00", _far()),
+        ("n3", "heat", "4.00", _far(days=10, hours=1))],
+}
+# What the far case's lines leave after micro-batches 1, 4 and 5 (batches 2 and 3 hold none of them).
+FAR_STATE = {1: {"dune": (2, Decimal("20.00")), "heat": (1, Decimal("5.00"))},
+             4: {"dune": (3, Decimal("27.00")), "heat": (1, Decimal("5.00"))},
+             5: {"dune": (3, Decimal("27.00")), "heat": (3, Decimal("15.00"))}}
+HORIZON_BATCHES = 5
+
+
+def _tagged(tag: str, lines) -> list[str]:
+    """The lines with the cut's own ids and customers: `tag/id`, `tag/customer`."""
+    return [json.dumps({"payment_id": f"{tag}/{pid}", "customer_id": f"{tag}/{customer}", "amount": amount,
+                        "paid_at": paid_at}) for pid, customer, amount, paid_at in lines]
+
+
+def _horizon_files() -> list[list[str]]:
+    """The dedup horizon's landing files, one per micro-batch: part k of every cut, and the far case's lines."""
+    files = [[] for _ in range(HORIZON_BATCHES)]
+    for tag, parts in CUTS.items():
+        for k, part in enumerate(parts):
+            files[k] += _tagged(tag, part)
+    for batch, lines in FAR.items():
+        files[batch - 1] += _tagged("far", lines)
+    return files
+
+
+def _untagged(tag: str, rows: list[dict], column: str) -> list[dict]:
+    """The rows of one cut, its tag taken off `column`."""
+    return [{**r, column: r[column].split("/", 1)[1]} for r in rows if (r[column] or "").startswith(tag + "/")]
+
+
+def _per_customer(rows: list[dict], tag: str) -> dict:
+    return {r["customer_id"]: (r["payment_count"], r["total_amount"]) for r in _untagged(tag, rows, "customer_id")}
+
+
+def _counts(d: Delivery) -> tuple[int, int, int, int]:
+    e = d.oracle.expected
+    return e.lines, e.accepted, e.quarantined, e.duplicates
+
+
+def _check_every_batch_with_oracle(results, oracle_after_each: list[tuple]) -> None:
+    """Every micro-batch's accounting, as the oracle has it after the units of that batch."""
+    commits = [c for result in results for c in result.commits[PAYMENTS.bronze_table]]
+    assert [c["user"]["batch_id"] for c in commits] == list(range(len(oracle_after_each)))
+    before = (0, 0, 0, 0)
+    for commit, after in zip(commits, oracle_after_each):
+        user = commit["user"]
+        assert (user["lines"], user["accepted"], user["quarantined"], user["duplicates"]) == tuple(
+            a - b for a, b in zip(after, before)), user["batch_id"]
+        before = after
+
+
+def _check_the_cuts(layout) -> None:
+    """The same tables from every cut, and the outcomes written out by hand above."""
+    for tag, parts in CUTS.items():
+        assert len(parts) <= HORIZON_BATCHES and sum(parts, []) == LINES, tag
+    assert all(len({line[0] for line in part}) == len(part) for part in CUTS["no-id-twice"])
+    bronze, quarantine = _read(layout.table("payments_bronze")), _read(layout.table("payments_quarantine"))
+    state = _read(layout.table("payments_per_customer"))
+    found = {}
+    for tag in CUTS:
+        found[tag] = ({(r["payment_id"], r["paid_at"].strftime("%Y-%m-%d %H:%M"))
+                       for r in _untagged(tag, bronze, "payment_id")},
+                      sorted(r["reason"] for r in _untagged(tag, quarantine, "record_id")),
+                      _per_customer(state, tag))
+    bronze_of_one, reasons, per_customer = found["one"]
+    assert bronze_of_one == ACCEPTED and reasons == ["conflicting_duplicate"] * CONFLICTING
+    assert per_customer == {"ann": (2, Decimal("30.00")), "cy": (2, Decimal("4.00")), "bob": (1, Decimal("5.00")),
+                            "dee": (1, Decimal("7.00"))}
+    assert found["no-id-twice"] == found["one"] == found["another"]
+
+
+def _check_the_far_case(layout, results) -> None:
+    """Its state after each of its micro-batches, then what bronze and quarantine hold of it."""
+    path = layout.table("payments_per_customer")
+    merges = {c["user"]["batch_id"]: c["version"] for result in results
+              for c in result.commits["payments_per_customer"] if "batch_id" in c["user"]}
+    for batch, expected in FAR_STATE.items():
+        state = IndependentDeltaTable(str(path), version=merges[batch - 1]).to_pyarrow_table().to_pylist()
+        assert _per_customer(state, "far") == expected, batch
+    quarantine = _untagged("far", _read(layout.table("payments_quarantine")), "record_id")
+    assert [(r["record_id"], r["reason"], r["reason_field"], Path(r["source_file"]).name) for r in quarantine] == [
+        ("d2", "conflicting_duplicate", "payment_id", "horizon-3.jsonl")]
+    bronze = sorted((r["payment_id"], r["amount"]) for r in _untagged("far", _read(layout.table("payments_bronze")),
+                                                                     "payment_id"))
+    assert bronze == [("d1", Decimal("10.00")), ("d2", Decimal("10.00")), ("h1", Decimal("5.00")),
+                      ("n1", Decimal("7.00")), ("n2", Decimal("6.00")), ("n3", Decimal("4.00"))]
+
+
 def _landing_payments(folder: Path, data) -> tuple[Delivery, dict[str, Path]]:
-    d = Delivery(folder, "payments")
+    """Run 1's landing folder: drawn lines, the rules' files, the others, the dedup horizon's first file."""
+    d = Delivery(folder, "payments", HORIZON)
     _drawn_files(d, PAYMENTS, data)
     rules, others = _payment_rules(d), _hostile_payments(d)
     assert not rules.keys() & others.keys()
-    files = {**rules, **others}
+    files = {**rules, **others, "horizon-0": d.file("horizon-0.jsonl", _horizon_files()[0], T0 + 6 * SECOND)}
     for name, record_id in (("_x.jsonl", "p90"), (".y.jsonl", "p91"), ("_tmp/z.jsonl", "p92"),
                             ("2026/_tmp/w.jsonl", "p93"), (".hidden/v.jsonl", "p94"), ("notes.txt", "p95"),
                             ("x.jsonl.bak", "p96"), ("x.json", "p97"), ("2026/11/22/_part.jsonl.gz", "p98")):
@@ -352,18 +506,30 @@ def _landing_payments(folder: Path, data) -> tuple[Delivery, dict[str, Path]]:
     return d, files
 
 
-def _change_payments(d: Delivery, files: dict[str, Path]) -> None:
-    """Between runs 1 and 2: appends, deletes-and-rewrites under the same name, new files."""
+def _change_payments(d: Delivery, files: dict[str, Path]) -> list[tuple]:
+    """Between runs 1 and 2, in arrival order, RUN_2_FILES_PER_BATCH units for each of run 2's micro-batches, each
+    led by the dedup horizon's file: appends, deletes-and-rewrites under the same name, new files. Returns the
+    oracle's counts after each micro-batch."""
+    horizon, after = _horizon_files(), []
+    d.new_file("horizon-1.jsonl", horizon[1], T1)
     d.appended(files["percent"], [pay("p30", "c1", "4.00", at(20)), pay("p12", "c1", "1.01", at(7)),
                                   pay("p31", "c8", '"abc"', at(21))], T1 + 1 * SECOND)
     d.rewritten(files["dated"], [pay("p1", "c1", "10.00", at(0)), pay("p2", "c2", "5.50", at(1)),
                                  pay("p40", "c9", "6.66", at(22)), pay("p9", "c2", "9.99", at(3)),
                                  pay("p41", "c9", "1", "9999-12-31T23:59:59Z")], T1 + 2 * SECOND)
+    after.append(_counts(d))
+    d.new_file("horizon-2.jsonl", horizon[2], T1 + 3 * SECOND)
     d.new_file("2026/11/23/new%20file.jsonl", [pay("p50", "c1", "1.00", at(23)), pay("p10", "c4", "7.25", at(5)),
-                                               pay("p51", "c10", "2", at(24))], T1 + 3 * SECOND)
-    d.appended(files["grows"], [PAY % ("g2", "1", TS), "broken"], T1 + 4 * SECOND)
-    d.rewritten(files["redo"], [PAY % ("r1", "1", TS), PAY % ("r2", "5", TS), PAY % ("r3", "3", TS)], T1 + 5 * SECOND)
-    files["next"] = d.new_file("next.jsonl", [PAY % ("after", "1", TS)], T1 + 6 * SECOND)
+                                               pay("p51", "c10", "2", at(24))], T1 + 4 * SECOND)
+    d.appended(files["grows"], [PAY % ("g2", "1", TS), "broken"], T1 + 5 * SECOND)
+    after.append(_counts(d))
+    d.new_file("horizon-3.jsonl", horizon[3], T1 + 6 * SECOND)
+    d.rewritten(files["redo"], [PAY % ("r1", "1", TS), PAY % ("r2", "5", TS), PAY % ("r3", "3", TS)], T1 + 7 * SECOND)
+    files["next"] = d.new_file("next.jsonl", [PAY % ("after", "1", TS)], T1 + 8 * SECOND)
+    after.append(_counts(d))
+    d.new_file("horizon-4.jsonl", horizon[4], T1 + 9 * SECOND)
+    after.append(_counts(d))
+    return after
 
 
 def _check_payment_rules(layout, files: dict[str, Path]) -> None:
@@ -431,23 +597,30 @@ def _check_int64_timestamps(layout, poison: Path) -> None:
 
 @settings(max_examples=1, **SEARCH)  # each example is three runs of the stream: the search is in its drawn lines
 @given(data=st.data())
-def test_payments_rules_poison_values_odd_names_changed_files_and_an_unprocessable_line(spark, tmp_path_factory, data):
+def test_payments_rules_poison_values_odd_names_dedup_horizon_changed_files_and_an_unprocessable_line(
+        spark, tmp_path_factory, data):
     layout = _layout(tmp_path_factory, "payments")
     d, files = _landing_payments(layout.landing("payments"), data)
     d.deliver_present_files()
+    oracle_after_each = [_counts(d)]
 
-    first = advance(spark, layout, PAYMENTS, event_time=False)
+    first = advance(spark, layout, PAYMENTS, event_time=False, dedup_horizon=HORIZON)
     assert first.micro_batches == 1 and first.changed_files == []
     _check_with_oracle(layout, PAYMENTS, d, [first])
     _check_payment_rules(layout, files)
 
-    _change_payments(d, files)
-    second = advance(spark, layout, PAYMENTS, event_time=False)
+    oracle_after_each += _change_payments(d, files)
+    second = advance(spark, layout, PAYMENTS, event_time=False, dedup_horizon=HORIZON,
+                     max_files_per_trigger=RUN_2_FILES_PER_BATCH)
+    assert second.micro_batches == HORIZON_BATCHES - 1
     _check_with_oracle(layout, PAYMENTS, d, [first, second])
+    _check_every_batch_with_oracle([first, second], oracle_after_each)
     _check_changed_payments(layout, files, second)
+    _check_the_cuts(layout)
+    _check_the_far_case(layout, [first, second])
     # The poison and the conflicts really were exercised (the oracle agrees with itself on them).
     reasons = _reasons_outside_drawn(d)
-    assert (reasons["out_of_range"], reasons["conflicting_duplicate"]) == (20, 4)
+    assert (reasons["out_of_range"], reasons["conflicting_duplicate"]) == (20, 4 + 3 * CONFLICTING + 1)
 
     faults = layout.home.parent / "faults"
     arm(faults, INGEST_POISON, "poison POISON-7")
@@ -457,7 +630,7 @@ def test_payments_rules_poison_values_odd_names_changed_files_and_an_unprocessab
     after = write(d.folder / "after-unprocessable.jsonl", [PAY % ("b1", "1", TS)], T2 + SECOND)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(FAULTS_ENV, str(faults))
-        third = advance(spark, layout, PAYMENTS, event_time=False)
+        third = advance(spark, layout, PAYMENTS, event_time=False, dedup_horizon=HORIZON)
     _check_unprocessable(layout, d, third, poisoned, after)
 
     _check_int64_timestamps(layout, files["poison"])
@@ -568,6 +741,7 @@ def _hostile_sales(d: Delivery) -> dict[str, Path]:
 
 
 def _landing_sales(folder: Path, data) -> tuple[Delivery, dict[str, Path]]:
+    """Run 1's landing folder: drawn lines, the rules' files, the others."""
     d = Delivery(folder, "movie_ticket_sales")
     _drawn_files(d, MOVIE_TICKET_SALES, data)
     rules, others = _sale_rules(d), _hostile_sales(d)

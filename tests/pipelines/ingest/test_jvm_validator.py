@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pyspark.sql import Row
 from pyspark.sql import functions as F
 
 from pipelines.declare.specs import FieldRule
@@ -54,12 +55,23 @@ EDGES = [
 ]
 
 
-def _judged(spark, validate, spec, lines: list[bytes]) -> list:
+def _judged(spark, spec, lines: list[bytes]) -> tuple[list, list]:
+    """The JVM validator's and the reference's verdicts on `lines`, each in line order, from one Spark job."""
     frame = spark.createDataFrame([("/landing/f.jsonl", INGESTED_AT, n, raw) for n, raw in enumerate(lines, 1)],
                                   LINE_SCHEMA)
-    judged = validate(frame, spec, ingested_at=INGESTED_AT)
-    return judged.select("line_number", *COLUMNS, *[F.col(f).cast("string").alias(f) for f in spec.field_names]
-                         ).orderBy("line_number").collect()
+
+    def verdicts(validate, by: str):
+        judged = validate(frame, spec, ingested_at=INGESTED_AT)
+        return judged.select(F.lit(by).alias("_by"), "line_number", *COLUMNS,
+                             *[F.col(f).cast("string").alias(f) for f in spec.field_names])
+
+    rows = (verdicts(validate_lines, "jvm").unionByName(verdicts(reference_validate_lines, "reference"))
+            .orderBy("_by", "line_number").collect())
+    by: dict[str, list] = {"jvm": [], "reference": []}
+    for row in rows:
+        values = row.asDict()
+        by[values.pop("_by")].append(Row(**values))
+    return by["jvm"], by["reference"]
 
 
 def _read_through_a_double(raw: bytes) -> bool:
@@ -78,8 +90,7 @@ def test_the_jvm_validator_judges_every_line_as_the_sql_reference(spark, data):
             lines += data.draw(line_batch(spec, odd=i % 2 == 0))
         lines += [mutate(rng, line) for line in data.draw(st.lists(odd_line(), min_size=50, max_size=50))]
         assert len(lines) >= 2_000
-        jvm = _judged(spark, validate_lines, spec, lines)
-        reference = _judged(spark, reference_validate_lines, spec, lines)
+        jvm, reference = _judged(spark, spec, lines)
         assert [r["line_number"] for r in jvm] == list(range(1, len(lines) + 1))
         differ, exact_only = [], 0
         for raw, mine, theirs in zip(lines, jvm, reference):
@@ -191,9 +202,7 @@ def test_integer_boolean_and_upper_bounds_edge_by_edge(spark):
     lines = [_order(field, text) for field, text, *_ in ORDER_EDGES]
     rng = random.Random(11)
     broken = [mutate(rng, line) for line in lines for _ in range(4)]
-    # Edges and broken lines in one job per validator.
-    jvm_all = _judged(spark, validate_lines, ORDERS, lines + broken)
-    reference_all = _judged(spark, reference_validate_lines, ORDERS, lines + broken)
+    jvm_all, reference_all = _judged(spark, ORDERS, lines + broken)  # the edges and the broken lines in one job
     jvm, reference = jvm_all[:len(lines)], reference_all[:len(lines)]
     wrong = []
     for (field, text, reason, detail, value), raw, mine, theirs in zip(ORDER_EDGES, lines, jvm, reference):

@@ -4,10 +4,10 @@ recomputation of its rule (tests/contract_oracle.py `expected_with_ttl`), read w
 Covers: a key expiring once the stream's event time is a TTL past its newest event; a key arriving
 already past it; a key coming back after its expiry with a new row, and expiring again; a re-delivered payment
 of an expired key counting nothing; a crash between the batch's MERGE and its expiry commit; a lost checkpoint,
-whose landing files are read again without bringing an expired key back; expiries as deletes in the changelog,
-which holds nothing twice, and a restore from the changelog equal to the table after every delivery; the per-run
-and deep checks passing, then failing on a corrupted row. The rule at exactly the TTL is
-tests/pipelines/operate/test_check_boundaries.py's.
+whose landing files are read again without bringing an expired key back; the changelog holding the table's Change
+Data Feed, each row once, with expiries as deletes, and a restore from the changelog equal to the table after every
+delivery; the per-run and deep checks passing, then failing on a corrupted row. A key exactly the TTL behind the
+clock, and 1 µs more: tests/pipelines/event_time/test_sessions.py.
 """
 
 from __future__ import annotations
@@ -40,15 +40,14 @@ DELIVERIES = [
     [("p1", "c1", "5", "2026-11-01T10:00:00Z"), ("p2", "c2", "7", "2026-11-01T11:00:00Z"),
      ("p3", "c3", "9", "2026-10-30T08:00:00Z")],  # c3 is past the TTL on arrival: expires in its own batch
     [("p4", "c1", "3", "2026-11-02T12:00:00Z")],  # the clock passes c2's newest payment + 1 day: c2 expires
-    [("p5", "c2", "4", "2026-11-02T13:00:00Z"),  # c2 comes back: a new row
-     ("p2", "c2", "7", "2026-11-01T11:00:00Z")],  # its expired payment re-delivered counts nothing
-    [("p6", "c4", "1", "2026-11-04T00:00:00Z")],  # c1 and c2 (again) expire
+    [("p5", "c2", "4", "2026-11-02T13:00:00Z"),  # c2 comes back: a new row...
+     ("p2", "c2", "7", "2026-11-01T11:00:00Z"),  # ...its expired payment re-delivered counts nothing...
+     ("p6", "c4", "1", "2026-11-04T00:00:00Z")],  # ...and the clock passes c1 and c2: both expire, c2 again
 ]
 
 
 def _advance(spark, layout):
-    """One run; each landing file is a micro-batch of its own (the expiry follows each batch's MERGE)."""
-    return advance(spark, layout, SPEC, event_time=False, ttl=TTL, max_files_per_trigger=1)
+    return advance(spark, layout, SPEC, event_time=False, ttl=TTL)
 
 
 def _rows(layout, version: int) -> dict[str, tuple[int, Decimal]]:
@@ -56,15 +55,11 @@ def _rows(layout, version: int) -> dict[str, tuple[int, Decimal]]:
     return {r[TABLE.key]: (r[TABLE.count_column], r[TABLE.sum_column]) for r in table.to_pyarrow_table().to_pylist()}
 
 
-def _versions_after_each_delivery(layout) -> list[int]:
-    """The state table's version after each delivery's micro-batch (its MERGE, then its expiry): the one before the
-    next delivery's MERGE, and the latest after the last. A MERGE that folded events records their newest
+def _folds(layout) -> list[int]:
+    """The state table's versions that folded a delivery's events: each MERGE that did records their newest
     `ingested_at`; the empty MERGEs of batches that found their lines already in bronze record none."""
-    table = IndependentDeltaTable(str(layout.table(TABLE.name)))
-    folds = sorted(c["version"] for c in table.history()
-                   if json.loads(c.get("userMetadata") or "{}").get(INGESTED_THROUGH) is not None)
-    assert len(folds) == len(DELIVERIES), folds  # each delivery folded once, the crash and the lost checkpoint too
-    return [version - 1 for version in folds[1:]] + [table.version()]
+    history = IndependentDeltaTable(str(layout.table(TABLE.name))).history()
+    return sorted(c["version"] for c in history if json.loads(c.get("userMetadata") or "{}").get(INGESTED_THROUGH))
 
 
 def test_keys_expire_on_event_time_and_the_changelog_agrees(spark, layout, landing, monkeypatch):
@@ -83,28 +78,39 @@ def test_keys_expire_on_event_time_and_the_changelog_agrees(spark, layout, landi
     with pytest.raises(Exception, match="fault injected"):
         _advance(spark, layout)
     shutil.rmtree(layout.checkpoint(SPEC.name))  # ...and its checkpoint is lost
-    deliver(3, 4)
+    deliver(3)
     # The cut-off expiry and the changelog first, then deliveries 1-2 read again (their lines are in bronze:
-    # nothing counts, c2 stays expired), then 3-4: a micro-batch each.
-    assert _advance(spark, layout).micro_batches == 1 + 4
+    # nothing counts, c2 stays expired), then 3: a micro-batch each.
+    assert _advance(spark, layout).micro_batches == 1 + 3
 
-    versions = _versions_after_each_delivery(layout)
+    folds = _folds(layout)
+    assert len(folds) == len(DELIVERIES), folds  # each delivery folded once, the crash and the lost checkpoint too
+    # After each delivery's batch (its MERGE, then its expiry): the version before the next one's MERGE.
+    versions = [version - 1 for version in folds[1:]] + [IndependentDeltaTable(str(layout.table(TABLE.name))).version()]
     expected_after = [expected_with_ttl("payments", files[:number], TTL) for number in range(1, len(files) + 1)]
     for number, (version, expected) in enumerate(zip(versions, expected_after), start=1):
         assert _rows(layout, version) == expected.rows, f"after delivery {number}"
+    # Between delivery 3's MERGE and its expiry, c2's new row counted its new payment only.
+    assert _rows(layout, folds[2]) == {"c1": (2, Decimal("8.00")), "c2": (1, Decimal("4.00")),
+                                       "c4": (1, Decimal("1.00"))}
     expected = expected_after[-1]
-    assert [key for key, _, _ in expected.expired] == ["c3", "c2", "c1", "c2"]
-    assert expected.rows == {"c4": (1, Decimal("1.00"))} and ("c2", 1, Decimal("4.00")) in expected.expired
+    assert expected.expired == [("c3", 1, Decimal("9.00")), ("c2", 1, Decimal("7.00")), ("c1", 2, Decimal("8.00")),
+                                ("c2", 1, Decimal("4.00"))]
+    assert expected.rows == {"c4": (1, Decimal("1.00"))}
     expired = expired_totals(spark, layout.table(TABLE.name))
     assert (expired.keys, expired.events, expired.value) == (4, 5, Decimal("28.00"))  # counted once, crash or not
 
-    # Expiries are deletes in the changelog, with the expired rows' totals; nothing is in it twice.
-    changes = IndependentDeltaTable(str(layout.table(changelog_name(TABLE)))).to_pyarrow_table().to_pylist()
-    deletes = sorted((r["_commit_version"], r[TABLE.key], r[TABLE.count_column], r[TABLE.sum_column])
-                     for r in changes if r["_change_type"] == "delete")
-    assert [delete[1:] for delete in deletes] == expected.expired
-    published = [(r["_commit_version"], r[TABLE.key], r["_change_type"]) for r in changes]
-    assert len(published) == len(set(published))
+    # The changelog holds the table's Change Data Feed, each row once (the lost checkpoint's batches added
+    # nothing); expiries are deletes in it, with the expired rows' totals.
+    def change(r) -> tuple:
+        return r["_commit_version"], r["_change_type"], r[TABLE.key], r[TABLE.count_column], r[TABLE.sum_column]
+
+    published = IndependentDeltaTable(str(layout.table(changelog_name(TABLE)))).to_pyarrow_table().to_pylist()
+    feed = (spark.read.format("delta").option("readChangeFeed", "true").option("startingVersion", 0)
+            .load(str(layout.table(TABLE.name))).collect())
+    assert sorted(map(change, published)) == sorted(map(change, feed))
+    deletes = sorted(change(r) for r in published if r["_change_type"] == "delete")
+    assert [(key, count, total) for _, _, key, count, total in deletes] == expected.expired
     # A restore from the changelog alone after every delivery, in one Spark job.
     changelog = spark.read.format("delta").load(str(layout.table(changelog_name(TABLE))))
     restores = reduce(DataFrame.unionByName, [
