@@ -6,7 +6,6 @@ in this process: no JVM starts, so a look at a table takes a second, not a Spark
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -15,24 +14,8 @@ from pipelines.declare.project import Project
 from pipelines.declare.specs import LATE_EVENTS, EventTimeTableSpec, StateTableSpec, StreamSpec
 from pipelines.errors import ConfigurationError, did_you_mean
 from pipelines.state.changelog import changelog_name
-from pipelines.storage.files import S3Path
+from pipelines.storage.delta_rs import delta_table
 from pipelines.storage.layout import StorageLayout
-
-
-def _storage_options(path) -> dict[str, str] | None:
-    """delta-rs's options for an s3a:// path: the credentials and endpoint of the environment, as the S3 client
-    of the storage layer reads them (plain HTTP when the endpoint is)."""
-    if not isinstance(path, S3Path):
-        return None
-    options = {"AWS_REGION": os.environ.get("AWS_REGION") or "us-east-1"}
-    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
-        if os.environ.get(name):
-            options[name] = os.environ[name]
-    endpoint = os.environ.get("AWS_ENDPOINT_URL")
-    if endpoint:
-        options.update({"AWS_ENDPOINT_URL": endpoint, "AWS_ALLOW_HTTP": str(endpoint.startswith("http:")).lower(),
-                        "AWS_VIRTUAL_HOSTED_STYLE_REQUEST": "false"})
-    return options
 
 
 def table_names(project: Project) -> list[str]:
@@ -52,19 +35,16 @@ def table_names(project: Project) -> list[str]:
 def open_table(layout: StorageLayout, project: Project, name: str):
     """The Delta table `name` under the storage root, through delta-rs; a name the project does not write, or a
     table no run has written yet, is refused with the fix."""
-    from deltalake import DeltaTable
-
     known = table_names(project)
     if name not in known:
         raise ConfigurationError(f"No table {name!r} in {project.path}{did_you_mean(name, known)}. Fix: use one of "
                                  f"{', '.join(known)}.")
     path = layout.table(name)
-    uri = str(path).replace("s3a://", "s3://", 1) if isinstance(path, S3Path) else str(path)
-    options = _storage_options(path)
-    if not DeltaTable.is_deltatable(uri, storage_options=options):
+    table = delta_table(path)
+    if table is None:
         raise ConfigurationError(f"{name} has no data yet at {path}. Fix: `statetables run` writes it from the "
                                  f"landing files (`statetables status` shows what is waiting).")
-    return DeltaTable(uri, storage_options=options)
+    return table
 
 
 def query(table, sql_where: str | None = None, *, order_by: list[str] | None = None, limit: int | None = None,

@@ -69,8 +69,7 @@ def _landing(spark: SparkSession | None, layout: StorageLayout, spec: StreamSpec
     """Landing files (or changes to one) the ledger does not hold, and whether the query has read the whole ledger."""
     ledger = layout.table(spec.files_table)
     ledger_version = table_version(spark, ledger)
-    view = LedgerView.read(spark, ledger) if spark is not None and ledger_version is not None else LedgerView({}, 0)
-    pending = unrecorded_files(layout.landing(spec.name), view)
+    pending = unrecorded_files(layout.landing(spec.name), LedgerView.read(ledger))
     return {
         "folder": str(layout.landing(spec.name)),
         "pending": len(pending),

@@ -253,7 +253,7 @@ def _scan_continuously(spark: SparkSession, layout: StorageLayout, spec: StreamS
             planned = planned_source_version(checkpoint)
             if planned is not None and (table_version(spark, ledger) or 0) > planned:
                 continue  # a backlog: wait for the query to take it
-            view = view or LedgerView.read(spark, ledger)
+            view = view or LedgerView.read(ledger)
             scan = scan_landing(spark, landing, ledger, staging, view)
             record_units(spark, ledger, scan.units, per_commit)
             view.add(scan.units)

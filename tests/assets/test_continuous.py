@@ -6,8 +6,9 @@ and passing checks as it goes, and the landing sensor starts no orchestrated run
 worker: the run-failure sensor starts it again, tagged with why, and it resumes from the checkpoints → more
 files, still equal to the oracle (nothing counted twice) → a cancel stops it, CANCELED, tables intact.
 
-The embedded run keeps `event_time_steps` off to stay short (`make chaos` runs them); the Connect run keeps them on.
-Not covered here: freshness figures (`make bench-freshness`).
+As `make serve` runs it: every query in a warm Spark Connect server beside Dagster, windows and sessions on. The
+continuous job on the run's own JVM, killed at a named point and resumed: tests/test_chaos.py (its continuous
+round). Not covered here: freshness figures (`make bench-freshness`).
 """
 
 from __future__ import annotations
@@ -31,14 +32,10 @@ from tests.contract_oracle import expected_state, landing_files
 
 pytestmark = pytest.mark.long
 
-CONFIG = {"ops": {"keep_streams_running": {"config": {
-    "trigger_seconds": 1.0, "report_every_seconds": 5.0, "event_time_steps": False}}}}
 # The run-failure sensor's interval under this test's daemon: a recovery starts seconds after the kill.
 FAILURE_SENSOR_S = 5
-CONFIG_WITH_EVENT_TIME = {"ops": {"keep_streams_running": {"config": {
+CONFIG = {"ops": {"keep_streams_running": {"config": {
     "trigger_seconds": 1.0, "report_every_seconds": 5.0, "event_time_steps": True}}}}
-
-
 
 
 def _state(layout, spec) -> dict | None:
@@ -117,16 +114,15 @@ def _drop(layout, seed: int, sub: str) -> None:
                  seed=seed, events_per_file=150)
 
 
-@pytest.mark.parametrize("engine", ["embedded", "connect"])
-def test_continuous_job_follows_landing_survives_kill_9_and_cancels(layout, engine, monkeypatch):
-    """`embedded`: the run's own JVM. `connect`: as `make serve` runs it, every query in a warm Spark Connect server
-    beside Dagster, each from a Connect session of its own; the kill -9 then kills the client only, and the
-    recovery run's queries take over the checkpoints from the queries the dead client left running."""
+def test_continuous_job_follows_landing_survives_kill_9_and_cancels(layout, monkeypatch):
+    """Every query in a warm Spark Connect server, each from a Connect session of its own; the kill -9 kills the
+    client only, and the recovery run's queries take over the checkpoints from the queries the dead client left
+    running."""
     monkeypatch.setenv(FAILURE_SENSOR_ENV, str(FAILURE_SENSOR_S))  # the daemon's copy of the code location reads it
-    with dagster_dev(layout, port=free_port(), engine_port=free_port() if engine == "connect" else None) as url:
+    with dagster_dev(layout, port=free_port(), engine_port=free_port()) as url:
         dagster_home = Path(layout.dagster_home)
-        # Over Connect with the windows and sessions too: their first state is kept frames made in each query's thread.
-        run_id = launch_run(url, CONTINUOUS_JOB, CONFIG_WITH_EVENT_TIME if engine == "connect" else CONFIG)
+        # With the windows and sessions: their first state is kept frames made in each query's thread.
+        run_id = launch_run(url, CONTINUOUS_JOB, CONFIG)
         _drop(layout, seed=11, sub="first")  # while the run starts: the files land during the run
         # Generous: on 2 oversubscribed cores a run took 100 s to start its queries, and a Python worker that misses
         # its connect-back is tried again for minutes (pipelines/runtime/query.py). A passing run waits far less.
