@@ -18,7 +18,7 @@ and, decided later against bronze, conflicting_duplicate.
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta
 from decimal import Decimal
 
 from pyspark.sql import Column, DataFrame

@@ -9,7 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 COMMAND = [sys.executable, "-m", "statetables.cli"]
 STREAM = """\
