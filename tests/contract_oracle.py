@@ -631,3 +631,14 @@ def expected_from_topic(stream: str, bootstrap: str, topic: str, consumer_option
         for offset, value in records:
             oracle.deliver(f"kafka:{topic}/{partition}", [value], first_line_number=offset)
     return oracle.expected
+
+
+def accepted_per_file(stream: str, folder) -> list[list[dict]]:
+    """Each landing file's accepted events under `folder` (judged by this oracle, not by the pipeline), in arrival
+    order: what each micro-batch holds when every file is one micro-batch (a run with one file per trigger)."""
+    oracle, batches = Oracle(stream), []
+    for path in sorted(landing_files(folder), key=arrival_key):
+        before = set(oracle.expected.events)
+        oracle.deliver(str(path), file_lines(path))
+        batches.append([e for i, e in oracle.expected.events.items() if i not in before])
+    return batches

@@ -35,7 +35,7 @@ from pipelines.operate import table_checks
 from pipelines.operate.refresh import refresh_event_time_table
 from pipelines.storage.delta_log import commits_since
 from tests.contract_oracle import (
-    Oracle, arrival_key, expected_sessions, expected_with_ttl, file_lines, landing_files,
+    Oracle, accepted_per_file, expected_sessions, expected_with_ttl, file_lines, landing_files,
 )
 from tests.streams import PAYMENTS, advance, declared
 
@@ -74,17 +74,6 @@ def _outputs(layout, activity_version: int | None = None) -> tuple[dict, dict]:
     late = {r["event_id"]: (_utc(r["event_time"]), _utc(r["watermark"])) for r in late_rows}
     assert len(late) == len(late_rows), "a late payment was written twice"
     return sessions, late
-
-
-def _batches_per_file(layout) -> list[list[dict]]:
-    """Each landing file's accepted payments (judged by the oracle, not by the pipeline), in arrival order: every
-    file is one micro-batch here (a run with one file per trigger)."""
-    oracle, batches = Oracle(SPEC.name), []
-    for path in sorted(landing_files(layout.landing(SPEC.name)), key=arrival_key):
-        before = set(oracle.expected.events)
-        oracle.deliver(str(path), file_lines(path))
-        batches.append([e for i, e in oracle.expected.events.items() if i not in before])
-    return batches
 
 
 class Deliveries:
@@ -164,7 +153,7 @@ def test_sessions_late_payments_ttls_and_their_edges_equal_the_recomputation_and
                      ttl=ttl, max_files_per_trigger=1)
     spec = declared(SPEC, watermark_delay=rules.watermark_delay, session_ttl=rules.state_ttl, ttl=ttl)
     assert result.micro_batches == 2, result
-    batches = _batches_per_file(layout)
+    batches = accepted_per_file(SPEC.name, layout.landing(SPEC.name))
     at = lambda hh_mm: datetime.fromisoformat(f"2026-11-01T{hh_mm}+00:00")  # noqa: E731
 
     # After the first batch (watermark 10:00) only cy's 09:00-09:25 and the day before's payments were a gap behind

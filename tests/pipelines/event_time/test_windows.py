@@ -32,7 +32,7 @@ from pipelines.ingest.generate import generate
 from pipelines.operate import table_checks
 from pipelines.operate.refresh import refresh_event_time_table
 from tests.contract_oracle import (
-    Oracle, arrival_key, expected_state, expected_windows, file_lines, landing_files,
+    Oracle, accepted_per_file, expected_state, expected_windows, file_lines, landing_files,
 )
 from tests.streams import MOVIE_TICKET_SALES, advance
 
@@ -61,17 +61,6 @@ def _outputs(layout, hourly_version: int | None = None) -> tuple[dict, dict, dic
     for r in sorted(_rows(layout, TOP), key=lambda r: (r["window_start"], r["rank"])):
         top.setdefault(_utc(r["window_start"]), []).append((r["rank"], r["title"], r["tickets_sold"]))
     return windows, late, top
-
-
-def _batches_per_file(layout) -> list[list[dict]]:
-    """Each landing file's accepted sales (judged by the oracle, not by the pipeline), in arrival order: every
-    file is one micro-batch here."""
-    oracle, batches = Oracle(SPEC.name), []
-    for path in sorted(landing_files(layout.landing(SPEC.name)), key=arrival_key):
-        before = set(oracle.expected.events)
-        oracle.deliver(str(path), file_lines(path))
-        batches.append([e for i, e in oracle.expected.events.items() if i not in before])
-    return batches
 
 
 class Deliveries:
@@ -141,7 +130,8 @@ def test_a_changed_window_is_refused_until_a_refresh_then_out_of_order_late_and_
     refreshed_version = figures["table_version"]
     # As one batch from nothing: the watermark 10:55 (11:05 minus 10 minutes) has passed only the 09:00 hour's end.
     refreshed, _, top = _outputs(layout)
-    assert refreshed == expected_windows(_batches_per_file(layout), SPEC.watermark_delay,
+    assert refreshed == expected_windows(accepted_per_file(SPEC.name, layout.landing(SPEC.name)),
+                                         SPEC.watermark_delay,
                                          watermark_after_last=True).windows
     assert refreshed == {("A", hour(9)): (1, Decimal("2.50"))} and top == {hour(9): [(1, "A", 1)]}
 
@@ -156,7 +146,8 @@ def test_a_changed_window_is_refused_until_a_refresh_then_out_of_order_late_and_
         _sale("j", "Heat", "15:00")])  # the watermark moves to 14:50 once this batch is done: 10, 11, 12 close
     advance(spark, layout, SPEC)
     windows, late, top = _outputs(layout)
-    expected = expected_windows(_batches_per_file(layout), SPEC.watermark_delay, watermark_after_last=True)
+    expected = expected_windows(accepted_per_file(SPEC.name, layout.landing(SPEC.name)), SPEC.watermark_delay,
+                                watermark_after_last=True)
     assert windows == expected.windows and late == expected.late and top == expected.top
     # The same facts by hand, so the recomputation itself is checked:
     assert windows[("Dune", hour(10))] == (3, Decimal("32.50"))  # e (10:56) arrived a batch later, in its window
