@@ -137,8 +137,7 @@ def unrecorded_files(landing_dir: files.AnyPath, view: LedgerView) -> list[tuple
             if not view.has_seen(name, size, mtime_ns)]
 
 
-def scan_landing(spark: SparkSession, landing_dir: files.AnyPath, ledger_path: files.AnyPath,
-                 staging_dir: files.AnyPath,
+def scan_landing(landing_dir: files.AnyPath, ledger_path: files.AnyPath, staging_dir: files.AnyPath,
                  view: LedgerView | None = None) -> ScanResult:
     """Find the content that arrived since the last scan, link it under staging names; returns the new
     ledger rows (not yet committed: `record_units` does that, after the links exist).

@@ -254,7 +254,7 @@ def _scan_continuously(spark: SparkSession, layout: StorageLayout, spec: StreamS
             if planned is not None and (table_version(spark, ledger) or 0) > planned:
                 continue  # a backlog: wait for the query to take it
             view = view or LedgerView.read(ledger)
-            scan = scan_landing(spark, landing, ledger, staging, view)
+            scan = scan_landing(landing, ledger, staging, view)
             record_units(spark, ledger, scan.units, per_commit)
             view.add(scan.units)
             changed.extend(scan.changed)
@@ -283,7 +283,7 @@ def advance_stream(spark: SparkSession, layout: StorageLayout, spec: StreamSpec,
         states = [state_table_stage(spark, layout, spec, table) for table in spec.state_tables]
         event_time = _event_time_stages(spark, layout, spec, settings)
         if spec.topic is None:
-            scan = scan_landing(spark, layout.landing(spec.name), ledger_path, staging_dir)
+            scan = scan_landing(layout.landing(spec.name), ledger_path, staging_dir)
             record_units(spark, ledger_path, scan.units, settings.max_files_per_trigger)
             source = table_id(spark, ledger_path)
         else:
