@@ -46,7 +46,7 @@ from pipelines.faults import (
     SESSIONS_AFTER_LATE_COMMIT, SESSIONS_AFTER_STATE_COMMIT, SESSIONS_BEFORE_CLOSING_COMMIT, fault_point,
 )
 from pipelines.storage.delta_log import table_version
-from pipelines.storage.frames import kept_on_disk
+from pipelines.storage.frames import kept
 from pipelines.storage.layout import StorageLayout
 
 OPEN, FIRST, LAST = "_open", "_first", "_last"
@@ -119,14 +119,14 @@ def fold_sessions(table: EventTimeTableSpec, spec: StreamSpec, state: DataFrame,
     in_order = Window.partitionBy(*keys).orderBy(FIRST, LAST)
     latest_end = F.max(F.unix_micros(LAST)).over(in_order.rowsBetween(Window.unboundedPreceding, -1))
     starts = F.when(latest_end.isNull() | (F.unix_micros(FIRST) - latest_end >= gap_us), 1).otherwise(0)
-    cut = kept_on_disk(pieces.withColumn("_starts", starts).withColumn(
+    cut = kept(pieces.withColumn("_starts", starts).withColumn(
         "_session", F.sum("_starts").over(in_order.rowsBetween(Window.unboundedPreceding, 0))))
     from_events = (cut.where(~F.col("_held")).groupBy(*keys, "_session")
                    .agg(*partial_columns(table.aggregates, kinds),
                         F.min(FIRST).alias(FIRST), F.max(LAST).alias(LAST)))
     from_state = cut.where(F.col("_held")).select(*keys, "_session", *(F.col(f"_s{p}").alias(p) for p in partials),
                                                    FIRST, LAST)
-    sessions = kept_on_disk(
+    sessions = kept(
         from_events.unionByName(from_state).groupBy(*keys, "_session")
         .agg(*combined_columns(table.aggregates, kinds),
              F.min(FIRST).alias(FIRST), F.max(LAST).alias(LAST)).drop("_session"))
@@ -134,7 +134,7 @@ def fold_sessions(table: EventTimeTableSpec, spec: StreamSpec, state: DataFrame,
     after = next_watermark(watermark_ms, newest, spec.watermark_delay)
     closes = F.unix_micros(LAST) + F.lit(gap_us) <= F.lit(after * 1000)
     carried = state.where(~F.col(OPEN))
-    closed = kept_on_disk(_closed_rows(table, sessions.where(closes), carried))  # written; the state reads it
+    closed = kept(_closed_rows(table, sessions.where(closes), carried))  # written; the state reads it
     still_open = sessions.where(~closes)
     typed = {f.name: f.dataType for f in schema}
     open_rows = still_open.select(*keys, F.lit(True).alias(OPEN), FIRST, LAST, *partials,

@@ -36,9 +36,9 @@ from pipelines.faults import fault_point
 from pipelines.state.tables import DEFINITION_PROPERTY
 from pipelines.storage import delta_sql
 from pipelines.storage.delta_log import (
-    BronzeRows, commits_since, create_table_if_missing, history_rows, retry_on_conflict, table_version,
+    BronzeRows, NewTable, commits_since, create_tables_if_missing, history_rows, retry_on_conflict, table_version,
 )
-from pipelines.storage.frames import kept_on_disk
+from pipelines.storage.frames import kept
 from pipelines.storage.layout import StorageLayout
 
 LATE = LATE_EVENTS
@@ -226,7 +226,7 @@ def undo_late_rows(spark: SparkSession, layout: StorageLayout, table: str, marke
     added = rows_at(unfinished[0]).subtract(rows_at(unfinished[0] - 1))
     for version in unfinished[1:]:
         added = added.union(rows_at(version).subtract(rows_at(version - 1)))
-    added = kept_on_disk(added)
+    added = kept(added)
     count = added.count()
     # The table's name travels as a column of the source, not as SQL text.
     doomed = added.withColumn("table_name", F.lit(table))
@@ -350,22 +350,27 @@ def recorded_changes(layout: StorageLayout, spec: StreamSpec) -> list[str]:
     return changed
 
 
+def event_time_new_tables(layout: StorageLayout, spec: StreamSpec, table: EventTimeTableSpec,
+                          state_schema: StructType) -> list[NewTable]:
+    """The table, its operator state, its top N tables and late_events; the table and its top N record their
+    definition at creation."""
+    return [NewTable(layout.table(LATE), LATE_SCHEMA),
+            NewTable(layout.table(table.name), output_schema(table),
+                     properties={DEFINITION_PROPERTY: definition_of(table, spec.watermark_delay)}),
+            NewTable(layout.table(table.state_table), state_schema, change_data_feed=False),
+            *(NewTable(layout.table(top.name), top_schema(top, table),
+                       properties={DEFINITION_PROPERTY: definition_of(top, spec.watermark_delay)}) for top in table.tops)]
+
+
 def ensure_tables(spark: SparkSession, layout: StorageLayout, spec: StreamSpec, table: EventTimeTableSpec,
                   state_schema: StructType) -> None:
-    """The table, its operator state, its top N tables and late_events, created if missing; the table and its
-    top N record their definition at creation."""
+    """`event_time_new_tables`, created if missing."""
     late = layout.table(LATE)
-    if table_version(spark, late) is None:
-        create_table_if_missing(spark, late, LATE_SCHEMA)
-    elif "table_name" not in spark.read.format("delta").load(str(late)).schema.fieldNames():
+    if table_version(spark, late) is not None and \
+            "table_name" not in spark.read.format("delta").load(str(late)).schema.fieldNames():
         # Written by an earlier statetables, before late events named their table: their rows keep NULL there.
         delta_sql.add_column(spark, late, "table_name", "STRING")
-    create_table_if_missing(spark, layout.table(table.name), output_schema(table),
-                            properties={DEFINITION_PROPERTY: definition_of(table, spec.watermark_delay)})
-    create_table_if_missing(spark, layout.table(table.state_table), state_schema, change_data_feed=False)
-    for top in table.tops:
-        create_table_if_missing(spark, layout.table(top.name), top_schema(top, table),
-                                properties={DEFINITION_PROPERTY: definition_of(top, spec.watermark_delay)})
+    create_tables_if_missing(spark, event_time_new_tables(layout, spec, table, state_schema))
 
 
 def resume(spark: SparkSession, stage: EventTimeStage, undone: list[str]) -> EventTimeStage:

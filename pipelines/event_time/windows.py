@@ -39,7 +39,7 @@ from pipelines.faults import (
 )
 from pipelines.storage import delta_sql
 from pipelines.storage.delta_log import commits_since, table_version
-from pipelines.storage.frames import kept_on_disk
+from pipelines.storage.frames import kept
 from pipelines.storage.layout import StorageLayout
 
 START = "_window_start"  # the open window's start, in the operator state
@@ -77,7 +77,7 @@ def fold_windows(table: EventTimeTableSpec, spec: StreamSpec, open_windows: Data
     at = F.col(table.event_time_field)
     behind = behind_watermark(table, watermark_ms)
     ms = F.unix_millis(at)
-    on_time = kept_on_disk(
+    on_time = kept(
         events.where(~behind).groupBy(*table.keys, F.timestamp_millis(ms - F.pmod(ms, F.lit(size_ms))).alias(START))
         .agg(*partial_columns(table.aggregates, kinds), F.max(ms).alias("_newest")))
     newest = newest_of_stream(table, stream_events, watermark_ms, on_time.agg(F.max("_newest")).first()[0])
@@ -144,7 +144,7 @@ class WindowsStage(EventTimeStage):
         state_path = layout.table(table.state_table)
         before = read_state(spark, state_path, self.last.state_version, state_schema(table))
         fold = fold_windows(table, self.spec, before, rows, self.last.watermark_ms)
-        closed = kept_on_disk(fold.closed)  # ranked, written and counted
+        closed = kept(fold.closed)  # ranked, written and counted
         windows_closed, late_count = closed.count(), fold.late.count()
         if late_count:
             append_late(fold.late, layout, table, app_id, batch_id, marker)

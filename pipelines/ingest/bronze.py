@@ -34,9 +34,9 @@ from pipelines.ingest.kafka_source import (
 from pipelines.ingest.landing import LEDGER_SCHEMA, read_units, split_lines
 from pipelines.ingest.validate import content_identity, validate_lines
 from pipelines.storage.delta_log import (
-    Appended, create_table_if_missing, history_rows, retry_on_conflict, table_version,
+    Appended, NewTable, history_rows, retry_on_conflict, table_version,
 )
-from pipelines.storage.frames import kept_on_disk
+from pipelines.storage.frames import kept
 from pipelines.storage.layout import StorageLayout
 
 DEFAULT_MAX_FILES_PER_TRIGGER = 100
@@ -73,12 +73,12 @@ def bronze_schema(spec: StreamSpec) -> StructType:
     )
 
 
-def ensure_bronze_tables(spark: SparkSession, layout: StorageLayout, spec: StreamSpec) -> None:
+def bronze_tables(layout: StorageLayout, spec: StreamSpec) -> list[NewTable]:
+    """Bronze, quarantine and (a stream from files) its landing ledger."""
     tables = [(spec.bronze_table, bronze_schema(spec)), (spec.quarantine_table, quarantine_schema(spec))]
     if spec.topic is None:
         tables.append((spec.files_table, LEDGER_SCHEMA))
-    for name, schema in tables:
-        create_table_if_missing(spark, layout.table(name), schema)
+    return [NewTable(layout.table(name), schema) for name, schema in tables]
 
 
 def line_file(column: str = "source_file") -> Column:
@@ -272,7 +272,7 @@ def _classify(lines: DataFrame, batch_id: int, settings: IngestSettings, ingeste
     })
     # Validated once, kept, and its (large) plan cut off: every later step plans on a small one.
     # Planning the validation again for each of the batch's queries cost more than running it.
-    stamped = kept_on_disk(stamped)
+    stamped = kept(stamped)
     valid_ts = F.when(F.col("reason").isNull(), F.col(ts_col))
     valid_id = F.when(F.col("reason").isNull(), F.col(spec.id_field))
     facts = stamped.agg(F.unix_micros(F.min(valid_ts)).alias("lo"), F.unix_micros(F.max(valid_ts)).alias("hi"),
@@ -373,7 +373,7 @@ def ingest_records(records: DataFrame, batch_id: int, *, settings: IngestSetting
     ingested_at = datetime.now(timezone.utc)
     topic = settings.spec.topic
     # Read from the brokers once: every later step of the batch reads these.
-    lines = kept_on_disk(record_lines(records))
+    lines = kept(record_lines(records))
     ranges = batch_ranges(lines)
     recheck = settings.recheck_offsets or {}
     may_repeat = any(first < recheck.get(partition, 0) for partition, (first, _) in ranges.items())
@@ -448,7 +448,7 @@ def _write_batch(lines: DataFrame, batch_id: int, settings: IngestSettings, inge
     the bronze commit with its rows."""
     spec = settings.spec
     classified, facts = _classify(lines, batch_id, settings, ingested_at, unprocessable, error, may_repeat)
-    classified = kept_on_disk(classified)
+    classified = kept(classified)
     by_outcome = classified.groupBy("outcome").agg(F.count("*").alias("count"),
                                                    F.sum(spec.value_field or F.lit(0)).alias("value"))
     outcomes = {r["outcome"]: r for r in by_outcome.collect()}

@@ -25,7 +25,7 @@ from pipelines.state.expiry import EXPIRED, TTL_PROPERTY, ExpiredTotals, expire_
 from pipelines.state.tables import DEFINITION_PROPERTY, FOLDED_THROUGH, aggregate, definition_of
 from pipelines.storage import delta_sql
 from pipelines.storage.delta_log import USER_METADATA, commit_confs, new_app_id, table_id, table_version
-from pipelines.storage.frames import kept_on_disk
+from pipelines.storage.frames import kept
 from pipelines.storage.layout import StorageLayout
 
 
@@ -107,7 +107,7 @@ def refresh_event_time_table(spark: SparkSession, layout: StorageLayout, spec: S
         (state.write.format("delta").mode("overwrite").option("overwriteSchema", "true")
          .save(str(state_path)))
         closed = closed.select(*(F.col(f.name).cast(f.dataType) for f in output_schema(table)))
-        closed = kept_on_disk(closed)  # ranked and written
+        closed = kept(closed)  # ranked and written
         for top in table.tops:
             delta_sql.replace_table(spark, layout.table(top.name), windows.top_rows(top, table, closed).select(
                 *(F.col(f.name).cast(f.dataType) for f in top_schema(top, table))),

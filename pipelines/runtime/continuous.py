@@ -25,12 +25,9 @@ from typing import Callable, Iterator
 from pyspark.sql import SparkSession
 
 from pipelines.declare.project import streams
-from pipelines.event_time import sessions, windows
-from pipelines.event_time.watermark import ensure_tables
-from pipelines.ingest.bronze import ensure_bronze_tables
+from pipelines.runtime.micro_batch import new_tables
 from pipelines.runtime.query import Continuous, StreamRunResult
-from pipelines.state.changelog import ensure_changelog
-from pipelines.state.tables import ensure_state_table
+from pipelines.storage.delta_log import create_tables_if_missing
 from pipelines.storage.layout import StorageLayout
 
 
@@ -45,14 +42,7 @@ def create_tables(spark: SparkSession, layout: StorageLayout) -> None:
     """Every table the streams write, created before they start: both write late_events, and would otherwise race
     to create it (Delta refuses the second creation, DELTA_PROTOCOL_CHANGED); and the run's first report then
     compares each table with its first version, not with nothing."""
-    for spec in streams().values():
-        ensure_bronze_tables(spark, layout, spec)
-        for table in spec.state_tables:
-            ensure_state_table(spark, layout, table)
-            ensure_changelog(spark, layout, table)
-        for table in spec.event_time_tables:
-            ensure_tables(spark, layout, spec, table, (windows if table.kind == "window" else sessions)
-                          .state_schema(table))
+    create_tables_if_missing(spark, [table for spec in streams().values() for table in new_tables(layout, spec)])
 
 
 def run_steps_continuously(steps: list[ContinuousStep], continuous: Continuous, *, tick_s: float) -> Iterator[None]:

@@ -40,12 +40,13 @@ from pyspark.sql import DataFrame, SparkSession
 from pipelines.declare.project import streams
 from pipelines.declare.specs import StreamSpec
 from pipelines.errors import ConfigurationError
+from pipelines.event_time import sessions, windows
 from pipelines.event_time.sessions import sessions_stage
-from pipelines.event_time.watermark import LATE, EventTimeStage
+from pipelines.event_time.watermark import LATE, EventTimeStage, event_time_new_tables
 from pipelines.event_time.windows import windows_stage
 from pipelines.faults import STREAM_BATCH_END, fault_point
 from pipelines.ingest.bronze import (
-    DEFAULT_MAX_FILES_PER_TRIGGER, IngestSettings, ensure_bronze_tables, ingest_batch, ingest_records,
+    DEFAULT_MAX_FILES_PER_TRIGGER, IngestSettings, bronze_tables, ingest_batch, ingest_records,
 )
 from pipelines.ingest.kafka_source import recorded_offsets, source_id, starting_offsets, topic_partitions, topic_records
 from pipelines.ingest.landing import LedgerView, ScanResult, landing_listing, record_units, scan_landing
@@ -58,10 +59,13 @@ from pipelines.runtime.query import (
     run_query, session_confs_during, storage_errors,
 )
 from pipelines.runtime.spark import require_kafka_jars
-from pipelines.state.changelog import ChangelogStage, changelog_name, changelog_stage
+from pipelines.state.changelog import ChangelogStage, changelog_name, changelog_new_table, changelog_stage
 from pipelines.state.changelog_topic import ChangelogTopicStage, changelog_topic_stage, close_producers
-from pipelines.state.tables import StateTableStage, state_table_stage
-from pipelines.storage.delta_log import Appended, BronzeRows, commits_since, new_app_id, table_id, table_version
+from pipelines.state.tables import StateTableStage, state_new_table, state_table_stage
+from pipelines.storage.delta_log import (
+    Appended, BronzeRows, NewTable, commits_since, create_tables_if_missing, new_app_id, table_id, table_version,
+)
+from pipelines.storage.frames import kept_in_memory
 from pipelines.storage.layout import StorageLayout
 
 
@@ -176,7 +180,7 @@ class StreamBatch:
         # A topic's records cannot be sized without reading them: its batches keep the session's settings.
         small = self.spec.topic is None and batch_bytes(units) < SMALL_BATCH_BYTES
         steps_s: dict[str, float] = {}
-        with session_confs_during(units.sparkSession, INTERPRETED if small else {}):
+        with session_confs_during(units.sparkSession, INTERPRETED if small else {}), kept_in_memory(small):
             ingest = ingest_batch if self.spec.topic is None else ingest_records
             with timed(steps_s, "ingest"):
                 ingested = ingest(units, batch_id, settings=self.ingest)
@@ -223,6 +227,18 @@ class StreamBatch:
                 self.fence()
             self.fold(spark, new_app_id(f"{self.spec.name}/catch-up"), 0)
         return behind
+
+
+def new_tables(layout: StorageLayout, spec: StreamSpec, event_time: bool = True) -> list[NewTable]:
+    """Every table a run of the stream writes (with `event_time`, its event-time tables too), as each is created
+    when missing."""
+    tables = bronze_tables(layout, spec)
+    for table in spec.state_tables:
+        tables += [state_new_table(layout, table), changelog_new_table(layout, table)]
+    for table in spec.event_time_tables if event_time else ():
+        operator = windows if table.kind == "window" else sessions
+        tables += event_time_new_tables(layout, spec, table, operator.state_schema(table))
+    return tables
 
 
 def _event_time_stages(spark: SparkSession, layout: StorageLayout, spec: StreamSpec,
@@ -276,7 +292,7 @@ def advance_stream(spark: SparkSession, layout: StorageLayout, spec: StreamSpec,
     names = stream_tables(spec, settings)
     require_writable([layout.locks, layout.tables_root, staging_dir, layout.checkpoints_root])
     with writer_lock(layout.locks, spec.name, settings.lock_timeout_s) as fence, storage_errors():
-        ensure_bronze_tables(spark, layout, spec)
+        create_tables_if_missing(spark, new_tables(layout, spec, settings.event_time))
         before = {name: table_version(spark, layout.table(name)) for name in names}
         # The changelogs first: one refuses to follow a state table created again before that table is rebuilt.
         changelogs = [changelog_stage(spark, layout, table) for table in spec.state_tables]

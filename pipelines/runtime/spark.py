@@ -66,8 +66,9 @@ LOCAL_DEFAULTS = {
     "spark.sql.sources.parallelPartitionDiscovery.parallelism": "8",
     "spark.ui.enabled": "false",
     "spark.ui.showConsoleProgress": "false",
-    # Every batch keeps its frames on local disk (streaming.kept_on_disk), not in the heap: then 1M payments ran as
-    # fast with 1 GiB as with 4 GiB. But 1M sales (files of 100k lines, each split in one task) ran out of 1 GiB.
+    # A batch that is not small keeps its frames on local disk (storage.frames.kept), not in the heap: then 1M
+    # payments ran as fast with 1 GiB as with 4 GiB. But 1M sales (files of 100k lines, each split in one task) ran
+    # out of 1 GiB.
     "spark.driver.memory": "2g",
     "spark.sql.streaming.stopGracefullyOnShutdown": "true",
 }

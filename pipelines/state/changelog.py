@@ -17,8 +17,10 @@ from pyspark.sql.types import LongType, StringType, TimestampType
 
 from pipelines.declare.specs import StateTableSpec
 from pipelines.errors import ChangelogError
-from pipelines.state.tables import ensure_state_table, state_schema
-from pipelines.storage.delta_log import commits_since, create_table_if_missing, rows_changed, table_id, table_version
+from pipelines.state.tables import state_new_table, state_schema
+from pipelines.storage.delta_log import (
+    NewTable, commits_since, create_tables_if_missing, rows_changed, table_id, table_version,
+)
 from pipelines.storage.layout import StorageLayout
 
 def changelog_name(table: StateTableSpec) -> str:
@@ -56,8 +58,8 @@ class ChangelogStage:
         self.covers = now
 
 
-def ensure_changelog(spark: SparkSession, layout: StorageLayout, table: StateTableSpec) -> None:
-    create_table_if_missing(spark, layout.table(changelog_name(table)), changelog_schema(table), change_data_feed=False)
+def changelog_new_table(layout: StorageLayout, table: StateTableSpec) -> NewTable:
+    return NewTable(layout.table(changelog_name(table)), changelog_schema(table), change_data_feed=False)
 
 
 def coverage_record(spark: SparkSession, path: Path) -> dict | None:
@@ -72,8 +74,7 @@ def changelog_stage(spark: SparkSession, layout: StorageLayout, table: StateTabl
     """The changelog step as the changelog's newest commits left it. A changelog written by an earlier
     statetables (a query of its own, without the record) covers the newest version its rows hold."""
     path, state_path = layout.table(changelog_name(table)), layout.table(table.name)
-    ensure_state_table(spark, layout, table)
-    ensure_changelog(spark, layout, table)
+    create_tables_if_missing(spark, [state_new_table(layout, table), changelog_new_table(layout, table)])
     latest = table_version(spark, path) or 0
     newest = coverage_record(spark, path)
     state_id = table_id(spark, state_path)

@@ -31,7 +31,7 @@ from pipelines.state.expiry import (
 from pipelines.storage import delta_sql
 from pipelines.storage.delta_log import (
     TXN_APP_ID, TXN_VERSION, USER_METADATA, BronzeRows, commit_actions, commit_confs, commits_since,
-    create_table_if_missing, history_rows, new_app_id, retry_on_conflict, table_version,
+    NewTable, create_tables_if_missing, history_rows, new_app_id, retry_on_conflict, table_version,
 )
 from pipelines.storage.delta_sql import ident
 from pipelines.storage.layout import StorageLayout
@@ -54,10 +54,13 @@ def state_schema(table: StateTableSpec) -> StructType:
     return StructType([*visible, StructField("updated_at", TimestampType()), *hidden])
 
 
-def ensure_state_table(spark: SparkSession, layout: StorageLayout, table: StateTableSpec) -> None:
+def state_new_table(layout: StorageLayout, table: StateTableSpec) -> NewTable:
     # The definition is recorded by the creation itself: a commit of its own would be a version with no rows.
-    create_table_if_missing(spark, layout.table(table.name), state_schema(table),
-                            properties={DEFINITION_PROPERTY: definition_of(table)})
+    return NewTable(layout.table(table.name), state_schema(table), properties={DEFINITION_PROPERTY: definition_of(table)})
+
+
+def ensure_state_table(spark: SparkSession, layout: StorageLayout, table: StateTableSpec) -> None:
+    create_tables_if_missing(spark, [state_new_table(layout, table)])
 
 
 DEFINITION_PROPERTY = "statetables.definition"  # a fingerprint of the keys and aggregates that wrote the rows
