@@ -24,7 +24,7 @@ EXPECTED_SECONDS = {
     "tests/assets/test_ui.py": 175,
     "tests/test_kafka.py::test_topics": 130,
     "tests/assets/test_maintenance.py": 100,
-    "tests/pipelines/state/test_state_ttl.py::test_keys": 105,
+    "tests/pipelines/state/test_state_ttl.py::test_keys": 95,
     "tests/pipelines/event_time/test_sessions.py::test_sessions_late": 46,
     "tests/pipelines/state/test_state_tables.py::test_a_state_table_stays": 75,
     "tests/pipelines/ingest/test_ingest.py::test_payments_rules": 55,
