@@ -220,7 +220,7 @@ def rows_added(spark: SparkSession, path: Path, after: int, through: int) -> Dat
 
 @dataclass(frozen=True)
 class Appended:
-    """The bronze commit a micro-batch has just made: its version and its rows (kept on local disk)."""
+    """The bronze commit a micro-batch has just made: its version and its rows (a kept frame: `frames.kept`)."""
 
     version: int
     rows: DataFrame
