@@ -31,7 +31,7 @@ from pipelines.faults import (
 from pipelines.ingest.kafka_source import (
     KAFKA_FIELDS, SOURCE_OFFSETS, batch_ranges, offsets_record, record_lines, recorded_offsets,
 )
-from pipelines.ingest.landing import LEDGER_SCHEMA, read_units, split_lines
+from pipelines.ingest.landing import LEDGER_SCHEMA, BatchUnits, read_units, split_lines
 from pipelines.ingest.validate import content_identity, validate_lines
 from pipelines.storage.delta_log import (
     Appended, NewTable, history_rows, retry_on_conflict, table_version,
@@ -347,7 +347,7 @@ def _isolate(lines: DataFrame, batch_id: int, settings: IngestSettings, ingested
     return culprits if passed_any or len(keys) == 1 else []
 
 
-def ingest_batch(units: DataFrame, batch_id: int, *, settings: IngestSettings) -> Ingested:
+def ingest_batch(units: BatchUnits, batch_id: int, *, settings: IngestSettings) -> Ingested:
     """The ingest step of a stream's micro-batch: read the batch's units, validate, dedup, append to quarantine
     then bronze, both idempotently. Returns the batch's counts, as its commits record them, and its bronze commit
     (`_write_batch`).
@@ -361,7 +361,7 @@ def ingest_batch(units: DataFrame, batch_id: int, *, settings: IngestSettings) -
     ingested_at = datetime.now(timezone.utc)
     lines_of_units, vanished, unit_numbers = read_units(units, settings.staging_dir)
     # A unit is one row until it is split: spread its lines over every core before validating them.
-    lines = split_lines(lines_of_units).repartition(_partitions(units.sparkSession))
+    lines = split_lines(lines_of_units).repartition(_partitions(units.frame.sparkSession))
     recheck = settings.recheck_through_unit
     may_repeat = recheck is None or any(u <= recheck for u in unit_numbers)
     return _ingest_lines(lines, batch_id, settings, ingested_at, vanished, may_repeat, {})

@@ -209,7 +209,49 @@ def record_units(spark: SparkSession, ledger_path: files.AnyPath, units: list[di
             .coalesce(1).write.format("delta").mode("append").save(str(ledger_path))
 
 
-def read_units(units: DataFrame, staging_dir: files.AnyPath) -> tuple[DataFrame, list[str], list[int]]:
+# A new checkpoint reads a ledger of at most this many commits commit by commit from its first (each commit's
+# JSON file, no Spark job), instead of as an initial snapshot (a Spark job listing it: 0.5–1.0 s of every first
+# run). A longer ledger's snapshot, read from its Delta checkpoint, costs less than its commits one by one.
+REPLAYABLE_LEDGER_COMMITS = 20
+
+
+def ledger_replayable(ledger_path: files.AnyPath) -> bool:
+    """Whether a new query may read the ledger from version 0 and plan exactly the units its snapshot holds: every
+    commit since its creation is still in the log and is an append (no OPTIMIZE since, whose compacted files VACUUM
+    may have removed, and no row removed). Read with delta-rs, in this process."""
+    table = delta_table(ledger_path)
+    if table is None or table.version() > REPLAYABLE_LEDGER_COMMITS:
+        return False
+    history = table.history()
+    return (len(history) == table.version() + 1
+            and all(entry.get("operation") == "CREATE TABLE"
+                    or (entry.get("operation") == "WRITE"
+                        and (entry.get("operationParameters") or {}).get("mode") == "Append")
+                    for entry in history))
+
+
+GZIP_RATIO = 10  # a compressed unit's landing bytes count this many times its size
+
+
+@dataclass(frozen=True)
+class BatchUnits:
+    """A micro-batch of ledger units, and the few columns the driver needs of them, read in the batch's one Spark
+    job over the ledger: which links to read, and how many landing bytes they hold."""
+
+    frame: DataFrame
+    rows: list  # unit, source_file, staged_name, compressed, byte_length of each unit
+
+    @classmethod
+    def of(cls, units: DataFrame) -> "BatchUnits":
+        return cls(units, units.select("unit", "source_file", "staged_name", "compressed", "byte_length").collect())
+
+    @property
+    def landing_bytes(self) -> int:
+        """The landing bytes the batch reads, a compressed unit at GZIP_RATIO times its size."""
+        return sum(r["byte_length"] * (GZIP_RATIO if r["compressed"] else 1) for r in self.rows)
+
+
+def read_units(units: BatchUnits, staging_dir: files.AnyPath) -> tuple[DataFrame, list[str], list[int]]:
     """The content of a micro-batch's units, one row per unit: unit, source_file (label),
     file_modified_at, first_line, content (the unit's bytes). Also the files that vanished before
     they could be read (deleted from landing before ingestion), and the numbers of the units read.
@@ -217,8 +259,8 @@ def read_units(units: DataFrame, staging_dir: files.AnyPath) -> tuple[DataFrame,
     Each link is read by its exact, safe path; `byte_offset`/`byte_length` keep only the unit's bytes
     (gzip files are always whole units, Spark decompresses them by their `.gz` name).
     """
-    spark = units.sparkSession
-    wanted = units.where(F.col("staged_name").isNotNull()).select("unit", "source_file", "staged_name").collect()
+    spark = units.frame.sparkSession
+    wanted = [r for r in units.rows if r["staged_name"] is not None]
     present = [r for r in wanted if (staging_dir / r["staged_name"]).exists()]  # follows the link
     vanished = sorted({r["source_file"] for r in wanted if r not in present})
     schema = "unit bigint, source_file string, file_modified_at timestamp, first_line bigint, content binary"
@@ -235,7 +277,7 @@ def read_units(units: DataFrame, staging_dir: files.AnyPath) -> tuple[DataFrame,
     label = F.when(F.col("file_version") == 1, F.col("source_file")).otherwise(
         F.concat(F.col("source_file"), F.lit("#v"), F.col("file_version").cast("string")))
     return (
-        units.join(texts, "staged_name")
+        units.frame.join(texts, "staged_name")
         .select("unit", label.alias("source_file"), "file_modified_at", "first_line", content.alias("content"))
     ), vanished, [r["unit"] for r in present]
 

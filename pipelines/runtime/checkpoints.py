@@ -263,6 +263,12 @@ def checkpoint_for_run(spark: SparkSession, checkpoint_dir: Path, set_aside_root
     return verdict, moved
 
 
+def has_planned(checkpoint_dir: Path) -> bool:
+    """Whether the query planned a batch under this checkpoint: from then on its offsets say where it resumes, and a
+    source's starting options are not read."""
+    return bool(_batch_files(checkpoint_dir / "offsets"))
+
+
 def planned_source_version(checkpoint_dir: Path) -> int | None:
     """The newest source Delta version that the query's newest planned batch (its offset log, written
     before the batch runs) reads whole; None before the first batch or when it stops inside a version."""

@@ -49,13 +49,15 @@ from pipelines.ingest.bronze import (
     DEFAULT_MAX_FILES_PER_TRIGGER, IngestSettings, bronze_tables, ingest_batch, ingest_records,
 )
 from pipelines.ingest.kafka_source import recorded_offsets, source_id, starting_offsets, topic_partitions, topic_records
-from pipelines.ingest.landing import LedgerView, ScanResult, landing_listing, record_units, scan_landing
+from pipelines.ingest.landing import (
+    BatchUnits, LedgerView, ScanResult, landing_listing, ledger_replayable, record_units, scan_landing,
+)
 from pipelines.runtime.checkpoints import (
-    checkpoint_for_run, planned_source_version, read_through, start_checkpoint, write_origin,
+    checkpoint_for_run, has_planned, planned_source_version, read_through, start_checkpoint, write_origin,
 )
 from pipelines.runtime.locks import Fence, writer_lock
 from pipelines.runtime.query import (
-    INTERPRETED, SMALL_BATCH_BYTES, Continuous, StreamRunResult, TableVersions, batch_bytes, require_writable,
+    INTERPRETED, SMALL_BATCH_BYTES, Continuous, StreamRunResult, TableVersions, require_writable,
     run_query, session_confs_during, storage_errors,
 )
 from pipelines.runtime.spark import require_kafka_jars
@@ -178,12 +180,13 @@ class StreamBatch:
         if self.fence is not None:  # an object-store root: this run must still hold the stream's lease
             self.fence()
         # A topic's records cannot be sized without reading them: its batches keep the session's settings.
-        small = self.spec.topic is None and batch_bytes(units) < SMALL_BATCH_BYTES
+        listed = BatchUnits.of(units) if self.spec.topic is None else None
+        small = listed is not None and listed.landing_bytes < SMALL_BATCH_BYTES
         steps_s: dict[str, float] = {}
         with session_confs_during(units.sparkSession, INTERPRETED if small else {}), kept_in_memory(small):
-            ingest = ingest_batch if self.spec.topic is None else ingest_records
             with timed(steps_s, "ingest"):
-                ingested = ingest(units, batch_id, settings=self.ingest)
+                ingested = (ingest_batch(listed, batch_id, settings=self.ingest) if listed is not None
+                            else ingest_records(units, batch_id, settings=self.ingest))
             self.fold(units.sparkSession, self.ingest.app_id, batch_id, ingested.appended, steps_s)
         log_batch(self.spec.name, batch_id, ingested.counts, time.monotonic() - started, steps_s)
         fault_point(STREAM_BATCH_END)
@@ -343,7 +346,10 @@ def advance_stream(spark: SparkSession, layout: StorageLayout, spec: StreamSpec,
         caught_up = batch.catch_up(spark)
         if spec.topic is None:
             # One ledger commit file per micro-batch, in unit order (record_units writes them that way).
-            units = spark.readStream.format("delta").option("maxFilesPerTrigger", "1").load(str(ledger_path))
+            reader = spark.readStream.format("delta").option("maxFilesPerTrigger", "1")
+            if not has_planned(checkpoint) and ledger_replayable(ledger_path):
+                reader = reader.option("startingVersion", "0")
+            units = reader.load(str(ledger_path))
         else:
             # Read only without a checkpoint (Spark's own offsets win): where bronze's newest commit ends.
             units = topic_records(spark, spec.topic,

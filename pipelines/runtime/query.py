@@ -20,7 +20,6 @@ from typing import Callable, Iterator
 
 from pyspark.errors import StreamingQueryException
 from pyspark.sql import DataFrame, SparkSession
-from pyspark.sql import functions as F
 
 from pipelines.errors import ConfigurationError, StorageError, storage_fault
 from pipelines.storage import files
@@ -245,14 +244,7 @@ def storage_errors() -> Iterator[None]:
 # first run of a process 7-13%: docs/performance.md). Above SMALL_BATCH_BYTES of input compiled code wins again, and
 # the session's own settings stand.
 INTERPRETED = {"spark.sql.codegen.wholeStage": "false", "spark.sql.codegen.factoryMode": "NO_CODEGEN"}
-SMALL_BATCH_BYTES = 8 << 20
-GZIP_RATIO = 10  # a compressed unit's bytes count this many times
-
-
-def batch_bytes(units: DataFrame) -> int:
-    """The landing bytes a micro-batch of ledger units reads (compressed units at GZIP_RATIO times their size)."""
-    size = F.when(F.col("compressed"), F.col("byte_length") * GZIP_RATIO).otherwise(F.col("byte_length"))
-    return int(units.agg(F.sum(size)).first()[0] or 0)
+SMALL_BATCH_BYTES = 8 << 20  # of landing bytes (pipelines/ingest/landing.py `BatchUnits`)
 
 
 @contextmanager
