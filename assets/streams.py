@@ -201,13 +201,21 @@ def _state_table_specs(spec: StreamSpec, table: StateTableSpec) -> list[dg.Asset
     ]
 
 
+# A MERGE's metrics of a fold, as an append's commit (a new table's first fold) names them.
+APPENDED_AS = {"numSourceRows": "numOutputRows", "numTargetRowsInserted": "numOutputRows"}
+
+
 def _state_result(session: SparkSession, layout, spec: StreamSpec, table: StateTableSpec, result: StreamRunResult,
                   counts: dict, common: dict) -> dg.MaterializeResult:
     commits = result.commits[table.name]
-    # Expiries are MERGE commits too (pipelines/state/expiry.py), told apart by their commit metadata.
+    # Expiries are MERGE commits too (pipelines/state/expiry.py), told apart by their commit metadata. A new table's
+    # first fold is an append (WRITE): its rows are the batch's keys, all inserted.
     expiries = [c for c in commits if EXPIRY in c["user"]]
-    merges = [c for c in commits if c["operation"] == "MERGE" and EXPIRY not in c["user"]]
-    metric = lambda name: sum(int(c["metrics"].get(name, 0)) for c in merges)  # noqa: E731
+    folds = [c for c in commits if c["operation"] in ("MERGE", "WRITE") and EXPIRY not in c["user"]]
+
+    def metric(name: str) -> int:
+        return sum(int(c["metrics"].get(name if c["operation"] == "MERGE" else APPENDED_AS.get(name, ""), 0))
+                   for c in folds)
     current = session.read.format("delta").load(str(layout.table(table.name)))
     totals = state_totals(session, layout, table)
     found = folded_through(session, layout.table(table.name))

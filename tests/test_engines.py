@@ -130,6 +130,10 @@ def run_embedded(landing: Path, home: Path) -> StorageLayout:
     state = materialized("movie_ticket_sales", "movie_tickets_sold")
     assert state["events_counted"].value == bronze["rows_accepted"].value
     assert state["lines_read"].value == 1500 and state["rows_accepted"].value == bronze["rows_accepted"].value
+    # Every key inserted once (a new table's first fold appends them, a MERGE inserts the later ones), each batch's
+    # other keys updated.
+    assert state["rows_inserted"].value == state["keys"].value > 0
+    assert state["keys_in_batches"].value == state["rows_inserted"].value + state["rows_updated"].value
     top = state["top_rows"]  # a real table in the UI: typed columns, the 10 titles with most tickets
     assert top.schema.columns[0].name == "title" and len(top.records) == 10
     assert top.records[0].data["tickets_sold"] >= top.records[-1].data["tickets_sold"]

@@ -31,7 +31,7 @@ from pipelines.state.expiry import (
 from pipelines.storage import delta_sql
 from pipelines.storage.delta_log import (
     TXN_APP_ID, TXN_VERSION, USER_METADATA, BronzeRows, commit_actions, commit_confs, commits_since,
-    NewTable, create_tables_if_missing, history_rows, new_app_id, retry_on_conflict, table_version,
+    NewTable, create_tables_if_missing, history_rows, holds_no_rows, new_app_id, retry_on_conflict, table_version,
 )
 from pipelines.storage.delta_sql import ident
 from pipelines.storage.layout import StorageLayout
@@ -183,6 +183,7 @@ class StateTableStage:
         self.layout, self.spec, self.table, self.ttl, self.through = layout, spec, table, table.ttl, through
         self.rebuilt_through: int | None = None
         self.note: str | None = None  # why the table folds bronze it had folded before (a RESTORE)
+        self.empty = False  # holds no row yet: its first fold appends (`upsert`)
 
     def advance(self, spark: SparkSession, bronze: BronzeRows, app_id: str, batch_id: int) -> None:
         through = bronze.through
@@ -199,8 +200,8 @@ class StateTableStage:
             metadata[EXPIRED] = expired.as_metadata()
             metadata[INGESTED_THROUGH] = newest_ingested_us(events)
 
-        upsert(spark, table_path, table, batch, app_id, batch_id, metadata)
-        self.through = through
+        upsert(spark, table_path, table, batch, app_id, batch_id, metadata, empty=self.empty)
+        self.through, self.empty = through, False
         fault_point(STATE_AFTER_MERGE_COMMIT)
         if self.ttl is not None:
             self.expire(spark, metadata[INGESTED_THROUGH], app_id, batch_id, expired)
@@ -239,6 +240,8 @@ def state_table_stage(spark: SparkSession, layout: StorageLayout, spec: StreamSp
         if (table_version(spark, layout.table(spec.bronze_table)) or 0) > 0:
             stage.through = stage.rebuilt_through = rebuild_state_table(
                 spark, layout, spec, table, new_app_id(f"{spec.name}/rebuild"))
+        else:
+            stage.empty = holds_no_rows(spark, table_path)
     elif ttl is not None:
         newest = commits_since(spark, table_path, found.version - 1)
         through_us = newest[0]["user"].get(INGESTED_THROUGH) if newest else None
@@ -249,14 +252,27 @@ def state_table_stage(spark: SparkSession, layout: StorageLayout, spec: StreamSp
 
 
 def upsert(spark: SparkSession, table_path: str, table: StateTableSpec, batch: DataFrame, app_id: str, batch_id: int,
-           metadata: dict) -> None:
+           metadata: dict, *, empty: bool = False) -> None:
     """MERGE a batch's per-key aggregate (`aggregate`) into the state table under the txn id (app id, batch id):
-    Delta skips it if that batch already committed; a concurrent writer's commit is retried."""
+    Delta skips it if that batch already committed; a concurrent writer's commit is retried.
+
+    Into a table that holds no row (`empty`: a new table's first fold) the batch is appended instead: the rows, and
+    the change rows (inserts), are the MERGE's, without its join of the table (a MERGE costs 1.4-1.6 s warm whatever
+    it holds, an append 0.2-0.3 s)."""
     def merge() -> None:
         with commit_confs(spark, {TXN_APP_ID: app_id, TXN_VERSION: str(batch_id), USER_METADATA: json.dumps(metadata)}):
-            delta_sql.merge(spark, table_path, batch, on=_on_key(table), clauses=_upsert_clauses(table))
+            if empty:
+                _inserted(batch, table).write.format("delta").mode("append").save(str(table_path))
+            else:
+                delta_sql.merge(spark, table_path, batch, on=_on_key(table), clauses=_upsert_clauses(table))
 
-    retry_on_conflict(merge, f"MERGE of micro-batch {batch_id} into {table.name}")
+    retry_on_conflict(merge, f"{'append' if empty else 'MERGE'} of micro-batch {batch_id} into {table.name}")
+
+
+def _inserted(batch: DataFrame, table: StateTableSpec) -> DataFrame:
+    """The rows the MERGE's insert clause (`_upsert_clauses`) makes of a batch's keys."""
+    return batch.select(*(F.current_timestamp().alias(f.name) if f.name == "updated_at"
+                          else F.col(f.name).cast(f.dataType).alias(f.name) for f in state_schema(table)))
 
 
 def merge_text(table: StateTableSpec, path) -> str:

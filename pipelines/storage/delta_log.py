@@ -159,6 +159,20 @@ def commit_actions(path: Path, newest: int, count: int | None = None) -> Iterato
         yield version, (json.loads(line) for line in text.splitlines() if line.strip())
 
 
+def holds_no_rows(spark: SparkSession, path: Path) -> bool:
+    """Whether no commit of the table ever added a file (a table created, then only altered), read from its commit
+    files; False when log retention has cleaned some of them up, as nothing then proves it."""
+    latest = table_version(spark, path)
+    if latest is None:
+        return False
+    seen = 0
+    for _, actions in commit_actions(path, latest):
+        seen += 1
+        if any("add" in action for action in actions):
+            return False
+    return seen == latest + 1
+
+
 def history_rows(spark: SparkSession, path: Path, limit: int | None = None, *,
                  latest: int | None = None) -> list[dict]:
     """DESCRIBE HISTORY's version, operation, operationParameters, operationMetrics, userMetadata and timestamp
