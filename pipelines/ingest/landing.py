@@ -30,6 +30,7 @@ from pyspark.sql.types import BooleanType, IntegerType, LongType, StringType, St
 
 from pipelines.errors import ConfigurationError
 from pipelines.storage import files
+from pipelines.storage.delta_log import history_rows, table_version
 from pipelines.storage.delta_rs import delta_table
 
 LANDING_SUFFIXES = (".jsonl", ".jsonl.gz")
@@ -215,18 +216,17 @@ def record_units(spark: SparkSession, ledger_path: files.AnyPath, units: list[di
 REPLAYABLE_LEDGER_COMMITS = 20
 
 
-def ledger_replayable(ledger_path: files.AnyPath) -> bool:
+def ledger_replayable(spark: SparkSession, ledger_path: files.AnyPath) -> bool:
     """Whether a new query may read the ledger from version 0 and plan exactly the units its snapshot holds: every
     commit since its creation is still in the log and is an append (no OPTIMIZE since, whose compacted files VACUUM
-    may have removed, and no row removed). Read with delta-rs, in this process."""
-    table = delta_table(ledger_path)
-    if table is None or table.version() > REPLAYABLE_LEDGER_COMMITS:
+    may have removed, and no row removed). Read from the log's commit files (`history_rows`), no Spark job."""
+    latest = table_version(spark, ledger_path)
+    if latest is None or latest > REPLAYABLE_LEDGER_COMMITS:
         return False
-    history = table.history()
-    return (len(history) == table.version() + 1
-            and all(entry.get("operation") == "CREATE TABLE"
-                    or (entry.get("operation") == "WRITE"
-                        and (entry.get("operationParameters") or {}).get("mode") == "Append")
+    history = history_rows(spark, ledger_path, latest=latest)
+    return (len(history) == latest + 1
+            and all(entry["operation"] == "CREATE TABLE"
+                    or (entry["operation"] == "WRITE" and entry["operationParameters"].get("mode") == "Append")
                     for entry in history))
 
 

@@ -347,7 +347,7 @@ def advance_stream(spark: SparkSession, layout: StorageLayout, spec: StreamSpec,
         if spec.topic is None:
             # One ledger commit file per micro-batch, in unit order (record_units writes them that way).
             reader = spark.readStream.format("delta").option("maxFilesPerTrigger", "1")
-            if not has_planned(checkpoint) and ledger_replayable(ledger_path):
+            if not has_planned(checkpoint) and ledger_replayable(spark, ledger_path):
                 reader = reader.option("startingVersion", "0")
             units = reader.load(str(ledger_path))
         else:

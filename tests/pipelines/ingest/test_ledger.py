@@ -13,17 +13,17 @@ from pipelines.storage import delta_sql
 
 def test_a_ledger_is_read_from_its_first_commit_only_while_short_and_only_appended_to(spark, tmp_path):
     appended = tmp_path / "appended"
-    assert not ledger_replayable(appended)  # no table yet
+    assert not ledger_replayable(spark, appended)  # no table yet
     for unit in (0, 1):
         spark.range(unit, unit + 1).withColumnRenamed("id", "unit").write.format("delta").mode("append") \
             .save(str(appended))
-    assert ledger_replayable(appended)
+    assert ledger_replayable(spark, appended)
     delta_sql.optimize(spark, appended)  # its compacted files may be vacuumed: the old commits' files with them
-    assert not ledger_replayable(appended)
+    assert not ledger_replayable(spark, appended)
 
     long = tmp_path / "long"  # delta-rs: no Spark job per commit
     for unit in range(REPLAYABLE_LEDGER_COMMITS + 1):  # versions 0 .. REPLAYABLE_LEDGER_COMMITS
         write_deltalake(long, pa.table({"unit": pa.array([unit], pa.int64())}), mode="append")
-    assert ledger_replayable(long)
+    assert ledger_replayable(spark, long)
     write_deltalake(long, pa.table({"unit": pa.array([99], pa.int64())}), mode="append")
-    assert not ledger_replayable(long)
+    assert not ledger_replayable(spark, long)
