@@ -298,7 +298,8 @@ def connect_server_command(port: int, *, jars_dir: str | None = None, conf: dict
     """`spark-submit` of Spark's SparkConnectServer carrying Delta's jars, SQL extension and catalog,
     bound to 127.0.0.1 (Spark binds every interface unless told)."""
     from pipelines.runtime.spark import (
-        LOCAL_DEFAULTS, LOG4J_CONFIG, PARALLEL_GC, SESSION_CONFS, delta_jars, kafka_jars, object_store_confs, object_store_jars, object_store_root, warehouse_dir,
+        LOCAL_DEFAULTS, LOG4J_CONFIG, PARALLEL_GC, SESSION_CONFS, delta_jars, kafka_jars, local_file_system_confs,
+        object_store_confs, object_store_jars, object_store_root, warehouse_dir,
     )
 
     jars = delta_jars(jars_dir)
@@ -314,6 +315,8 @@ def connect_server_command(port: int, *, jars_dir: str | None = None, conf: dict
              "spark.connect.grpc.binding.address": "127.0.0.1",
              "spark.connect.grpc.binding.port": str(port), "spark.driver.host": "127.0.0.1",
              "spark.driver.bindAddress": "127.0.0.1", **(conf or {})}
+    if confs.get("spark.master", "local").startswith("local"):  # the tasks run in the server's JVM
+        confs = {**local_file_system_confs(jars_dir), **confs}
     command = [str(spark_home() / "bin" / "spark-submit"), "--class",
                "org.apache.spark.sql.connect.service.SparkConnectServer", "--name", "statetables-connect",
                "--master", confs.pop("spark.master", "local[2]"),

@@ -38,7 +38,7 @@ from pipelines.storage import delta_sql
 from pipelines.storage.delta_log import (
     BronzeRows, NewTable, commits_since, create_tables_if_missing, history_rows, retry_on_conflict, table_version,
 )
-from pipelines.storage.frames import kept
+from pipelines.storage.frames import frame_of_rows, kept
 from pipelines.storage.layout import StorageLayout
 
 LATE = LATE_EVENTS
@@ -142,7 +142,7 @@ def read_state(spark: SparkSession, path: Path, version: int | None, schema: Str
     """An operator-state table as a batch left it: the version its closing commit recorded, by time travel, so a
     replayed batch never reads what it had half written itself. None: no batch yet, no state."""
     if version is None:
-        return spark.createDataFrame([], schema)
+        return frame_of_rows(spark, [], schema)
     return spark.read.format("delta").option("versionAsOf", version).load(str(path))
 
 

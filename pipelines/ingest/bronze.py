@@ -36,7 +36,7 @@ from pipelines.ingest.validate import content_identity, validate_lines
 from pipelines.storage.delta_log import (
     Appended, NewTable, history_rows, retry_on_conflict, table_version,
 )
-from pipelines.storage.frames import kept
+from pipelines.storage.frames import frame_of_rows, kept
 from pipelines.storage.layout import StorageLayout
 
 DEFAULT_MAX_FILES_PER_TRIGGER = 100
@@ -194,7 +194,7 @@ def _decided_in_order(lines: DataFrame, prior: DataFrame, horizon_us: int) -> Da
             kept.append((row["_at"], row["content_hash"]))
         decided.append((row["unit"], row["line_number"], "accepted" if not near else
                         "duplicates" if row["content_hash"] in near else "conflicting"))
-    return lines.sparkSession.createDataFrame(decided, "unit bigint, line_number bigint, _decided string")
+    return frame_of_rows(lines.sparkSession, decided, "unit bigint, line_number bigint, _decided string")
 
 
 OUTCOMES = ("accepted", "quarantined", "duplicates", "already_ingested")
@@ -321,7 +321,7 @@ def _isolate(lines: DataFrame, batch_id: int, settings: IngestSettings, ingested
     schema = "unit bigint, line_number bigint"
 
     def failing(part: list[tuple[int, int]]) -> bool:
-        subset = lines.join(spark.createDataFrame(part, schema), ["unit", "line_number"], "left_semi")
+        subset = lines.join(frame_of_rows(spark, part, schema), ["unit", "line_number"], "left_semi")
         return _probe(subset, batch_id, settings, ingested_at) is not None
 
     # The batch as a whole just failed: start from its halves. Only single lines (or, past the
@@ -396,7 +396,7 @@ def _ingest_lines(lines: DataFrame, batch_id: int, settings: IngestSettings, ing
         culprits = _isolate(lines, batch_id, settings, ingested_at)
         if not culprits:
             raise
-        bad = lines.sparkSession.createDataFrame(culprits, "unit bigint, line_number bigint")
+        bad = frame_of_rows(lines.sparkSession, culprits, "unit bigint, line_number bigint")
         return write(bad, _first_line(exc))
 
 

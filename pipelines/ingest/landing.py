@@ -32,6 +32,7 @@ from pipelines.errors import ConfigurationError
 from pipelines.storage import files
 from pipelines.storage.delta_log import history_rows, table_version
 from pipelines.storage.delta_rs import delta_table
+from pipelines.storage.frames import frame_of_rows
 
 LANDING_SUFFIXES = (".jsonl", ".jsonl.gz")
 READ_CHUNK = 1 << 20
@@ -206,7 +207,7 @@ def record_units(spark: SparkSession, ledger_path: files.AnyPath, units: list[di
     Delta source then plans at most one commit's file per micro-batch, in unit order."""
     for start in range(0, len(units), per_commit):
         chunk = units[start:start + per_commit]
-        spark.createDataFrame([tuple(u[f] for f in LEDGER_SCHEMA.fieldNames()) for u in chunk], LEDGER_SCHEMA) \
+        frame_of_rows(spark, [tuple(u[f] for f in LEDGER_SCHEMA.fieldNames()) for u in chunk], LEDGER_SCHEMA) \
             .coalesce(1).write.format("delta").mode("append").save(str(ledger_path))
 
 
@@ -265,7 +266,7 @@ def read_units(units: BatchUnits, staging_dir: files.AnyPath) -> tuple[DataFrame
     vanished = sorted({r["source_file"] for r in wanted if r not in present})
     schema = "unit bigint, source_file string, file_modified_at timestamp, first_line bigint, content binary"
     if not present:
-        return spark.createDataFrame([], schema), vanished, []
+        return frame_of_rows(spark, [], schema), vanished, []
     texts = (
         spark.read.format("text").option("wholetext", "true").option("ignoreMissingFiles", "true")
         .load([str(staging_dir / r["staged_name"]) for r in present])

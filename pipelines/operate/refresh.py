@@ -25,7 +25,7 @@ from pipelines.state.expiry import EXPIRED, TTL_PROPERTY, ExpiredTotals, expire_
 from pipelines.state.tables import DEFINITION_PROPERTY, FOLDED_THROUGH, aggregate, definition_of
 from pipelines.storage import delta_sql
 from pipelines.storage.delta_log import USER_METADATA, commit_confs, new_app_id, table_id, table_version
-from pipelines.storage.frames import kept
+from pipelines.storage.frames import frame_of_rows, kept
 from pipelines.storage.layout import StorageLayout
 
 
@@ -95,7 +95,7 @@ def refresh_event_time_table(spark: SparkSession, layout: StorageLayout, spec: S
     path = layout.table(table.name)
     with writer_lock(layout.locks, spec.name, lock_timeout_s):
         bronze_version, events = _bronze(spark, layout, spec, table.name)
-        empty = spark.createDataFrame([], operator.state_schema(table))
+        empty = frame_of_rows(spark, [], operator.state_schema(table))
         if table.kind == "window":
             fold = windows.fold_windows(table, spec, empty, events, NO_PROGRESS.watermark_ms)
             state, closed = fold.open_windows, fold.closed

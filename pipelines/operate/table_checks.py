@@ -25,6 +25,7 @@ from pipelines.ingest.bronze import accepted_totals
 from pipelines.state.expiry import EXPIRED_VALUE, expired_rows, expired_totals, since_last_expiry
 from pipelines.state.tables import aggregate, folded_through
 from pipelines.storage.delta_log import table_version
+from pipelines.storage.frames import frame_of_rows
 from pipelines.storage.layout import StorageLayout
 
 
@@ -145,7 +146,7 @@ def quarantine_reasons(spark: SparkSession, layout: StorageLayout, spec: StreamS
                        after: int | None) -> DataFrame:
     """Lines quarantined by table versions (before, after], by reason, from the change feed (the run's rows only)."""
     if after is None or after <= (before or 0):
-        return spark.createDataFrame([], "reason string, reason_field string, count long")
+        return frame_of_rows(spark, [], "reason string, reason_field string, count long")
     written = (spark.read.format("delta").option("readChangeFeed", "true")
                .option("startingVersion", (before or 0) + 1).option("endingVersion", after)
                .load(str(layout.table(spec.quarantine_table))).where(F.col("_change_type") == "insert"))

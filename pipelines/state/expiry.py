@@ -40,6 +40,7 @@ from pipelines.errors import ExpiryHistoryError
 from pipelines.storage import delta_sql
 from pipelines.storage.delta_log import USER_METADATA, commit_confs, history_rows
 from pipelines.storage.delta_sql import ident
+from pipelines.storage.frames import frame_of_rows
 
 EXPIRED = "expired"
 EXPIRY = "ttl_expiry"
@@ -141,7 +142,7 @@ def expired_rows(spark: SparkSession, table_path: str | Path, table: StateTableS
             expiries[row["version"]] = int(meta[EXPIRY]["ingested_through_us"])
     if not expiries:
         return None
-    through = spark.createDataFrame(sorted(expiries.items()), "_commit_version long, expired_through_us long")
+    through = frame_of_rows(spark, sorted(expiries.items()), "_commit_version long, expired_through_us long")
     deletes = (spark.read.format("delta").option("readChangeFeed", "true")
                .option("startingVersion", min(expiries)).option("endingVersion", max(expiries)).load(path)
                .where(F.col("_change_type") == "delete"))

@@ -1,4 +1,5 @@
-"""The JVM class archive (AppCDS, `make class-archive`): the driver JVM maps it, and a bad one never stops a run."""
+"""How the driver JVM starts: it maps the class archive (AppCDS, `make class-archive`), and a bad one never stops a
+run; it writes local files through jvm/'s file systems, which start no process per file."""
 
 from __future__ import annotations
 
@@ -36,6 +37,24 @@ def test_the_driver_jvm_maps_the_class_archive(spark):
     assert drivers, "the session's driver JVM was started without the class archive"
     # The JVM maps an archive it accepted into its memory; one it rejected (another JDK, other jars) is not.
     assert any(archive in Path(f"/proc/{pid}/maps").read_text() for pid in drivers)
+
+
+def _drivers() -> list[int]:
+    return [pid for pid in _descendants(os.getpid())
+            if b"pyspark-shell" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+
+
+def test_the_driver_writes_local_files_through_the_projects_file_systems(spark, tmp_path):
+    """Hadoop's own would start a `chmod` per file and a `readlink` per rename side (pipelines/runtime/spark.py)."""
+    spark.range(3).write.format("delta").save(str(tmp_path / "table"))  # data files, a commit (a rename)
+    assert spark.read.format("delta").load(str(tmp_path / "table")).count() == 3
+    drivers = _drivers()
+    assert drivers
+    loaded = subprocess.run(["jcmd", str(drivers[0]), "VM.class_hierarchy"], capture_output=True, text=True,
+                            timeout=60).stdout
+    # Loaded only when Hadoop resolved the `file:` scheme to them: one for files, one for renames (FileContext).
+    assert "statetables.jvm.LocalFileSystemWithoutForks$Raw" in loaded
+    assert "statetables.jvm.LocalFsWithoutForks$Raw" in loaded
 
 
 def test_a_damaged_archive_is_ignored_and_the_jvm_starts(tmp_path):
