@@ -144,7 +144,7 @@ kafka-broker: install kafka
 
 # Two workers, each with its own SparkSession: a single test keeps ~65% of the 2 cores busy (much of a
 # small run is waiting on commits and query starts), two keep both busy. tests/conftest.py orders each worker's
-# share longest first. The fast loop: every test but those marked `long`, 6 to 7 minutes on 2 cores.
+# share longest first. The fast loop: every test but those marked `long`, 4 to 7 minutes on 2 cores by the day.
 PYTEST := $(BIN)/pytest -q -n 2 --dist worksteal
 test: install jars class-archive
 	$(PYTEST) --durations=15 -m "not long" tests
