@@ -43,7 +43,7 @@ JVM_JAR = "statetables-jvm.jar"
 # Without Hadoop's native library (Spark ships none), Hadoop's local file system starts a `chmod` process for every
 # file and folder it creates and a `readlink` for each side of every rename (each Delta commit, each checkpoint
 # file): ~250 processes in a micro-batch of 300 payments, spawned by a 2 GiB JVM (profiled). jvm/'s file systems
-# answer both inside the JVM: a warm micro-batch 3.4-3.9 s -> 2.6-2.9 s (docs/performance.md).
+# answer both inside the JVM: a warm micro-batch 3.3-3.8 s -> 2.8-3.0 s (docs/performance.md).
 LOCAL_FILE_SYSTEMS = {
     "spark.hadoop.fs.file.impl": "statetables.jvm.LocalFileSystemWithoutForks",
     "spark.hadoop.fs.AbstractFileSystem.file.impl": "statetables.jvm.LocalFsWithoutForks",
