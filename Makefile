@@ -14,7 +14,7 @@ KAFKA := .tools/kafka/.resolved
 BROWSER := $(VENV)/.browser
 export STATETABLES_HOME ?= $(CURDIR)/data
 
-.PHONY: install jars jars-s3 s3proxy s3-server jars-kafka kafka kafka-broker class-archive browser ui-screenshots demo run dev serve connect-server cluster test test-long test-all bench bench-core bench-quick bench-event-time bench-engines bench-freshness bench-object-store bench-full chaos chaos-s3 chaos-kafka clean
+.PHONY: install jars jars-s3 s3proxy s3-server jars-kafka kafka kafka-broker class-archive browser ui-screenshots demo run dev serve connect-server cluster test test-long test-all bench bench-batch bench-core bench-quick bench-event-time bench-engines bench-freshness bench-object-store bench-full chaos chaos-s3 chaos-kafka clean
 
 install: $(INSTALLED)
 $(INSTALLED): setup.py
@@ -168,6 +168,7 @@ ui-screenshots: install jars class-archive browser
 
 # Side by side with the alternatives on the same files; writes docs/bench/ (see docs/performance.md).
 bench: install jars class-archive jars-s3 s3proxy
+	$(BIN)/python -m benchmarks.run --only batch
 	$(BIN)/python -m benchmarks.run
 	$(BIN)/python -m benchmarks.run --only object-store
 
@@ -178,6 +179,11 @@ bench-object-store: install jars class-archive jars-s3 s3proxy
 
 bench-quick: install jars class-archive
 	$(BIN)/python -m benchmarks.run --quick
+
+# a micro-batch of 300 payments, warm and as a `statetables run` process: each step's seconds, Spark jobs and Delta
+# commits, beside plain delta-spark's two appends and a MERGE of the same rows in the same process (docs/bench/batch.json)
+bench-batch: install jars class-archive
+	$(BIN)/python -m benchmarks.run --only batch
 
 # the incremental and bulk targets alone: Spark's floor, the bulk run, +100k as a process and warm, a full recompute
 bench-core: install jars class-archive

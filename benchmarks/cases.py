@@ -14,6 +14,9 @@ Cases (docs/performance.md):
   paths      (g) the event-time steps (windows, sessions) against the all-time MERGE step on the same bronze
   warm       (f) this project inside a warm process: one catch-up run, then `--repeat` runs that each add an
                  increment's files, timed one by one (the step cost without the process start)
+  batch      a micro-batch of `--events` new payments in a warm process, without event time and with sessions, each
+                 step's seconds, Spark jobs and Delta commits, beside its floor measured in turn in the same process:
+                 plain delta-spark appending the same rows twice and MERGEing them by customer (Change Data Feed on)
 """
 
 from __future__ import annotations
@@ -140,6 +143,98 @@ def warm(args) -> dict:
     return {"work_s": sum(r["run_s"] for r in runs), "runs": runs}
 
 
+def batch(args) -> dict:
+    """`--repeat` rounds, after two of warm-up: the floor, then one micro-batch of each kind on its own storage root
+    (a new landing file of `--events` payments each, so every batch adds to a stream that already has tables); the
+    median of each figure. Spark jobs are read from the process's event log (benchmarks/run.py turns it on)."""
+    import logging
+    import shutil
+    import statistics
+    from dataclasses import replace
+    from datetime import datetime, timedelta, timezone
+    from pyspark.sql import functions as F
+    from pyspark.sql.types import StructType
+    from pipelines.declare.project import stream_spec
+    from pipelines.ingest.generate import generate
+    from pipelines.runtime.micro_batch import StreamSettings, advance_stream
+    from pipelines.storage import delta_sql
+    from pipelines.storage.layout import StorageLayout
+    from benchmarks.run import delta_commits, spark_jobs
+
+    spark, spec, home = _session(), stream_spec("payments"), Path(args.home)
+    events_log = home / "event-log"
+    figures: list[dict] = []
+
+    class Figures(logging.Handler):
+        def emit(self, record):
+            figures.append(getattr(record, "figures", {}))
+
+    logging.getLogger("statetables.progress").addHandler(Figures())
+    start = datetime.now(timezone.utc) - timedelta(days=2)
+
+    def new_file(round_: int) -> Path:
+        """`--events` payments of 100 customers over some minutes, each round later than the last (sessions close)."""
+        folder = home / "generated" / str(round_)
+        generate(spec, folder, events=args.events, seed=round_, customers=100, events_per_file=args.events,
+                 start=start + timedelta(hours=round_), max_step_s=2)
+        return next(folder.glob("*.jsonl"))
+
+    floor_root = home / "floor"
+    state = floor_root / "state"
+    delta_sql.create_table_if_missing(spark, state, StructType.fromDDL(
+        "customer_id string, payment_count bigint, total_amount decimal(28,2), last_paid_at timestamp"),
+        properties={"delta.enableChangeDataFeed": "true"})
+
+    def floor(path: Path) -> dict:
+        timings = {}
+        rows = spark.read.schema(PAYMENT_SCHEMA).json(str(path))
+        for step, table in (("append_s", "bronze"), ("second_append_s", "quarantine")):
+            started = time.monotonic()
+            rows.write.format("delta").mode("append").save(str(floor_root / table))
+            timings[step] = time.monotonic() - started
+        by_key = rows.where(F.col("customer_id").isNotNull()).groupBy("customer_id").agg(
+            F.count("*").alias("payment_count"), F.sum("amount").cast("decimal(28,2)").alias("total_amount"),
+            F.max("paid_at").alias("last_paid_at"))
+        started = time.monotonic()
+        delta_sql.merge(spark, state, by_key, on="t.`customer_id` = s.`customer_id`", clauses=(
+            "WHEN MATCHED THEN UPDATE SET t.payment_count = t.payment_count + s.payment_count, "
+            "t.total_amount = t.total_amount + s.total_amount, "
+            "t.last_paid_at = greatest(t.last_paid_at, s.last_paid_at) WHEN NOT MATCHED THEN INSERT *"))
+        timings["merge_s"] = time.monotonic() - started
+        return {**timings, "floor_s": sum(timings.values())}
+
+    kinds = {"without_event_time": False, "with_sessions": True}
+    roots = {kind: StorageLayout.under(home / kind) for kind in kinds}
+
+    def micro_batch(kind: str, path: Path) -> dict:
+        layout = roots[kind]
+        layout.landing(spec.name).mkdir(parents=True, exist_ok=True)
+        shutil.copy2(path, layout.landing(spec.name) / f"{path.parent.name}-{path.name}")
+        commits, jobs = sum(delta_commits(layout.home).values()), spark_jobs(events_log)
+        figures.clear()
+        started = time.monotonic()
+        result = advance_stream(spark, layout, spec, replace(StreamSettings(), event_time=kinds[kind]))
+        run_s = time.monotonic() - started
+        assert result.micro_batches == 1 and len(figures) == 1, (result.micro_batches, figures)
+        steps = {k: v for k, v in figures[0].items() if k.endswith("_s")}
+        return {"run_s": run_s, "batch_s": steps.pop("elapsed_s"), **steps,
+                "spark_jobs": spark_jobs(events_log) - jobs,
+                "delta_commits": sum(delta_commits(layout.home).values()) - commits}
+
+    warmup, rounds = 2, []
+    for round_ in range(warmup + args.repeat):
+        path = new_file(round_)
+        measured = {"floor": floor(path), **{kind: micro_batch(kind, path) for kind in kinds}}
+        print(f"round {round_}{' (warm-up)' if round_ < warmup else ''}: " + ", ".join(
+            f"{k} {v.get('batch_s', v.get('floor_s')):.2f} s" for k, v in measured.items()), flush=True)
+        if round_ >= warmup:
+            rounds.append(measured)
+    medians = {part: {key: round(statistics.median(r[part][key] for r in rounds), 3)
+                      for key in sorted(set().union(*(r[part] for r in rounds)))} for part in rounds[0]}
+    return {"work_s": sum(medians[kind]["run_s"] for kind in kinds), "events": args.events, "rounds": rounds,
+            "medians": medians}
+
+
 def paths(args) -> dict:
     """(g) The event-time steps against the all-time step, on the same bronze, in one process: run each stream
     without its windowed and session tables, then time, each over all of bronze in one go, a fresh state table's
@@ -212,7 +307,7 @@ def validation(args) -> dict:
 
 
 CASES = {"validation": validation, "paths": paths, "minimal": minimal, "floor": floor, "recompute": recompute, "stateful": stateful, "polars": polars_merge,
-         "warm": warm}
+         "warm": warm, "batch": batch}
 
 
 def main() -> None:
@@ -222,6 +317,8 @@ def main() -> None:
     parser.add_argument("--landing")
     parser.add_argument("--out")
     parser.add_argument("--increment", action="append", default=[])
+    parser.add_argument("--events", type=int, default=300)
+    parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
     if args.home:
         os.environ["STATETABLES_HOME"] = args.home

@@ -450,6 +450,62 @@ def only_core(repeat: int, work: Path, *, keep: bool, quick: bool) -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
+def only_batch(repeat: int, work: Path, *, keep: bool, quick: bool) -> None:
+    """A micro-batch of 300 payments: warm (one process, `batch` case: each step's seconds, Spark jobs and Delta
+    commits, beside plain delta-spark's two appends and a MERGE of the same rows), and as a whole `statetables run`
+    process (medians of `repeat`: a new storage root, then 300 more on it). Writes docs/bench/batch.json."""
+    from pipelines.declare.project import stream_spec
+    from pipelines.ingest.generate import generate
+    started = time.monotonic()
+    events = 300
+    home = work / "warm"
+    warm = measure(case("batch", home=home, events=events, repeat=repeat), env={
+        "STATETABLES_HOME": str(home), **counted(home)})
+    processes: dict[str, list] = {"process_run_new_root": [], "process_run_300_more": []}
+    for rep in range(repeat):
+        home = work / f"process-{rep}"
+        for part, seed in (("process_run_new_root", 2 * rep), ("process_run_300_more", 2 * rep + 1)):
+            folder = work / f"generated-{rep}-{seed}"
+            generate(stream_spec("payments"), folder, events=events, seed=seed, customers=100, events_per_file=events,
+                     start=datetime.now(timezone.utc) - timedelta(days=2, hours=-seed), max_step_s=2)
+            link_into(folder, home / "landing" / "payments", prefix=f"{seed}-")
+            processes[part].append(measure(project_run(home), home))
+    m = warm["medians"]
+    results = {"warm": m, "warm_rounds": warm["rounds"],
+               **{part: {"wall_s": median(runs), "runs": [r["wall_s"] for r in runs],
+                         "spark_jobs": runs[-1]["spark_jobs"], "delta_commits": runs[-1]["delta_commits"]}
+                  for part, runs in processes.items()}}
+    results["ratios"] = {k: round(v, 2) for k, v in {
+        "warm batch without event time / delta-spark floor (two appends and a MERGE) [target <= 1.3]":
+            m["without_event_time"]["batch_s"] / m["floor"]["floor_s"],
+        "warm batch with sessions, seconds [target <= 3]": m["with_sessions"]["batch_s"],
+        "warm run (scan, lock, query start, batch) without event time / floor":
+            m["without_event_time"]["run_s"] / m["floor"]["floor_s"],
+        "process run of 300 on a new root, seconds [target <= 6]": results["process_run_new_root"]["wall_s"],
+        "process run of 300 more, seconds [target <= 6]": results["process_run_300_more"]["wall_s"],
+    }.items()}
+    results["machine"] = {"cpus": os.cpu_count(), "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+                          "repeat": repeat, "events": events, "bench_s": round(time.monotonic() - started)}
+    rows = ["| part | batch s | run s | ingest s | state s | event time s | changelog s | Spark jobs | Delta commits |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for kind in ("without_event_time", "with_sessions"):
+        k = m[kind]
+        rows.append(f"| {kind} | {k['batch_s']} | {k['run_s']} | {k.get('ingest_s', '')} | {k.get('state_s', '')} | "
+                    f"{k.get('event_time_s', '')} | {k.get('changelog_s', '')} | {k['spark_jobs']} | "
+                    f"{k['delta_commits']} |")
+    f = m["floor"]
+    rows.append(f"| floor: append {f['append_s']} + append {f['second_append_s']} + MERGE {f['merge_s']} | "
+                f"{f['floor_s']} | | | | | | | 3 |")
+    print("\n".join(rows))
+    print(json.dumps(results["ratios"], indent=1))
+    target = OUT if not quick else work.parent / f"statetables-bench-quick-{os.getpid()}"
+    target.mkdir(parents=True, exist_ok=True)
+    (target / "batch.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+    print(f"written: {target}/batch.json")
+    if not keep:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def only_event_time_paths(sizes: list[int], repeat: int, work: Path, *, keep: bool, quick: bool) -> None:
     started = time.monotonic()
     data = Data(work / "data", min(INCREMENT_FILE_LINES, max(sizes) // 10 or 1))
@@ -714,8 +770,10 @@ def main() -> None:
     parser.add_argument("--full", action="store_true", help="also 10M events (~1M customers) and 10k increments")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--work", default=None, help="scratch folder (default: a temporary one, removed after)")
-    parser.add_argument("--only", choices=["core", "paths", "engines", "freshness", "freshness-kafka", "object-store"],
-                        help="core: the bulk run, the "
+    parser.add_argument("--only", choices=["batch", "core", "paths", "engines", "freshness", "freshness-kafka", "object-store"],
+                        help="batch: a micro-batch of 300 payments warm and as a process, each step's seconds, "
+                        "jobs and commits, beside plain delta-spark's appends and MERGE of the same rows, into "
+                        "docs/bench/batch.json; core: the bulk run, the "
                         "increment as a process and warm, against Spark's floor and a full recompute, with jobs and "
                         "commits per micro-batch, into docs/bench/core.json; paths: only case (g), the "
                         "event-time paths, into docs/bench/event_time_paths.json; engines: `statetables run` per Spark "
@@ -733,6 +791,8 @@ def main() -> None:
     work = Path(args.work) if args.work else Path(os.environ.get("TMPDIR", "/tmp")) / f"statetables-bench-{os.getpid()}"
     work.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
+    if args.only == "batch":
+        return only_batch(repeat if not args.quick else 1, work, keep=bool(args.work), quick=args.quick)
     if args.only == "core":
         return only_core(repeat, work, keep=bool(args.work), quick=args.quick)
     if args.only == "paths":

@@ -74,7 +74,7 @@ def _print_state_tables(layout: StorageLayout, engine: dict) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from assets.keys import job_names
+    from assets.keys import CONTINUOUS_JOB, job_names
 
     if args.job not in job_names():  # before anything is created under the storage root
         raise ConfigurationError(f"Unknown job {args.job!r}. Fix: use one of {', '.join(job_names())}.")
@@ -100,8 +100,8 @@ def _run(args: argparse.Namespace) -> int:
         run_config["resources"]["check_policy"] = {"config": {"warn_only": args.warn_only_check}}
     # --master means that engine even where $STATETABLES_SPARK_REMOTE names a Connect server.
     engine = {"remote": args.remote} if args.remote else {"master": args.master, "remote": None} if args.master else {}
-    if engine:
-        run_config["resources"]["spark"] = {"config": engine}
+    # An embedded JVM ends with this process, unless the job runs until it is stopped.
+    run_config["resources"]["spark"] = {"config": {**engine, "one_command": args.job != CONTINUOUS_JOB}}
     with dg.DagsterInstance.get() as instance:
         result = job.execute_in_process(instance=instance, raise_on_error=False, run_config=run_config)
     print(f"\nrun {result.run_id}: {'SUCCESS' if result.success else 'FAILURE'} (job {args.job}, "
@@ -126,7 +126,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def _savepoint(args: argparse.Namespace) -> int:
     from pipelines.operate.savepoints import create_savepoint, list_savepoints, restore_savepoint
-    from pipelines.runtime.spark import build_spark_session
+    from pipelines.runtime.spark import SparkSettings, build_spark_session
 
     layout = StorageLayout.under()
     if args.action == "list":
@@ -136,7 +136,7 @@ def _savepoint(args: argparse.Namespace) -> int:
         return 0
     if not args.name:
         raise ConfigurationError(f"`statetables savepoint {args.action}` needs a name. Fix: add one, e.g. before-deploy-42.")
-    spark = build_spark_session()
+    spark = build_spark_session(SparkSettings(one_command=True))
     action = create_savepoint if args.action == "create" else restore_savepoint
     manifest = action(spark, layout, args.name)
     verb = "taken" if args.action == "create" else "restored; the next run resumes from it"
@@ -146,14 +146,14 @@ def _savepoint(args: argparse.Namespace) -> int:
 
 def _restore_changelog(args: argparse.Namespace) -> int:
     from pipelines.state.changelog import restore_from_changelog
-    from pipelines.runtime.spark import build_spark_session
+    from pipelines.runtime.spark import SparkSettings, build_spark_session
 
     from pipelines.declare.project import project
 
     name = _table_name(args)
     _, table = project().state_table(name)
     into = args.into or f"{name}_restored_v{args.version}"
-    target = restore_from_changelog(build_spark_session(), StorageLayout.under(), table, args.version, into)
+    target = restore_from_changelog(build_spark_session(SparkSettings(one_command=True)), StorageLayout.under(), table, args.version, into)
     print(f"{name} as of version {args.version}, rebuilt from its changelog only: {target}")
     return 0
 
@@ -161,11 +161,11 @@ def _restore_changelog(args: argparse.Namespace) -> int:
 def _restore_topic(args: argparse.Namespace) -> int:
     from pipelines.state.changelog_topic import restore_from_topic
     from pipelines.declare.project import project
-    from pipelines.runtime.spark import build_spark_session
+    from pipelines.runtime.spark import SparkSettings, build_spark_session
 
     name = _table_name(args)
     _, table = project().state_table(name)
-    target, version = restore_from_topic(build_spark_session(), StorageLayout.under(), table,
+    target, version = restore_from_topic(build_spark_session(SparkSettings(one_command=True)), StorageLayout.under(), table,
                                          args.into or f"{name}_from_topic")
     print(f"{name} as of version {version}, rebuilt from topic {table.changelog_topic.topic} only: {target}")
     return 0
@@ -174,12 +174,12 @@ def _restore_topic(args: argparse.Namespace) -> int:
 def _refresh(args: argparse.Namespace) -> int:
     from pipelines.declare.project import project
     from pipelines.operate.refresh import refresh_event_time_table, refresh_state_table
-    from pipelines.runtime.spark import build_spark_session
+    from pipelines.runtime.spark import SparkSettings, build_spark_session
     from pipelines.declare.specs import StateTableSpec
 
     spec, table = project().table(_table_name(args))
     refresh = refresh_state_table if isinstance(table, StateTableSpec) else refresh_event_time_table
-    figures = refresh(build_spark_session(), StorageLayout.under(), spec, table)
+    figures = refresh(build_spark_session(SparkSettings(one_command=True)), StorageLayout.under(), spec, table)
     print(f"{table.name} rebuilt from {spec.bronze_table} version {figures['bronze_version']} under its current "
           f"definition: {figures['keys']} rows, table version {figures['table_version']} (one commit)")
     return 0

@@ -1,5 +1,6 @@
 """How the driver JVM starts: it maps the class archive (AppCDS, `make class-archive`), and a bad one never stops a
-run; it writes local files through jvm/'s file systems, which start no process per file."""
+run; it writes local files through jvm/'s file systems, which start no process per file; a JVM that ends with its
+command compiles with C1 only, one that serves many runs (this worker's) with both compilers."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import shlex
 import subprocess
 from pathlib import Path
 
-from pipelines.runtime.spark import CLASS_ARCHIVE, class_archive_options
+from pipelines.runtime.spark import (
+    CLASS_ARCHIVE, ONE_COMMAND_JIT, SparkSettings, class_archive_options, session_confs,
+)
 
 
 def _descendants(pid: int) -> list[int]:
@@ -55,6 +58,14 @@ def test_the_driver_writes_local_files_through_the_projects_file_systems(spark, 
     # Loaded only when Hadoop resolved the `file:` scheme to them: one for files, one for renames (FileContext).
     assert "statetables.jvm.LocalFileSystemWithoutForks$Raw" in loaded
     assert "statetables.jvm.LocalFsWithoutForks$Raw" in loaded
+
+
+def test_only_a_jvm_that_ends_with_its_command_compiles_with_c1_only(spark):
+    assert ONE_COMMAND_JIT in session_confs(SparkSettings(one_command=True))["spark.driver.extraJavaOptions"]
+    assert ONE_COMMAND_JIT not in session_confs(SparkSettings())["spark.driver.extraJavaOptions"]
+    drivers = _drivers()
+    assert drivers and not any(ONE_COMMAND_JIT.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+                               for pid in drivers)
 
 
 def test_a_damaged_archive_is_ignored_and_the_jvm_starts(tmp_path):
