@@ -40,7 +40,7 @@ class ChangelogStage:
     """The changelog step of a stream's micro-batch, its last: the state table's change rows of the versions
     after those the changelog covers, appended in one commit that records the version it now covers. The
     record travels with the rows, so whichever attempt of a batch commits, no change row is appended twice
-    or missed; the txn id makes a replay of the same batch a no-op."""
+    or missed: a replayed batch finds the versions covered and appends nothing."""
 
     def __init__(self, layout: StorageLayout, table: StateTableSpec, covers: int, state_table_id: str):
         self.layout, self.table, self.covers, self.state_table_id = layout, table, covers, state_table_id
@@ -51,7 +51,9 @@ class ChangelogStage:
         if now is None or now <= self.covers:
             return
         changes = rows_changed(spark, state_path, self.covers, now)
-        (changes.write.format("delta").mode("append").option("txnAppId", app_id).option("txnVersion", batch_id)
+        # No Delta txn id: the record of what the commit covers makes a replay append nothing, and the txn check
+        # reconstructs the table's state from its log (Spark jobs on every commit, delta-spark 4.3).
+        (changes.write.format("delta").mode("append")
          .option("userMetadata", json.dumps({"app_id": app_id, "batch_id": batch_id, COVERS: now,
                                              STATE_TABLE_ID: self.state_table_id}))
          .save(str(self.layout.table(changelog_name(self.table)))))
