@@ -44,11 +44,11 @@ def _generate(args: argparse.Namespace) -> int:
 def _print_state_tables(layout: StorageLayout, engine: dict) -> None:
     from pyspark.sql import functions as F
 
-    from pipelines.runtime.spark import SparkSettings, build_spark_session, default_remote
+    from pipelines.runtime.spark import SparkSettings, build_spark_session
 
-    # The run's session, still alive in this process (getOrCreate), on the run's engine.
-    spark = build_spark_session(SparkSettings(remote=engine.get("remote", default_remote()),
-                                              master=engine.get("master", "local[2]")))
+    # The run's session, still alive in this process (getOrCreate), on the run's engine (`spark_config`).
+    spark = build_spark_session(SparkSettings(remote=engine["remote"], master=engine.get("master", "local[2]"),
+                                              one_command=engine["one_command"]))
     for table in [t for spec in streams().values() for t in spec.state_tables]:
         frame = spark.read.format("delta").load(str(layout.table(table.name)))
         print(f"\n== {table.name}: {frame.count()} keys")
@@ -73,8 +73,21 @@ def _print_state_tables(layout: StorageLayout, engine: dict) -> None:
             rows.orderBy(F.desc(order), *table.keys).show(5, truncate=False)
 
 
+def spark_config(remote: str | None, master: str | None, job: str) -> dict:
+    """The `spark` resource's config of a `statetables run`: the engine it names, else the code location's
+    ($STATETABLES_SPARK_REMOTE, or an embedded JVM). Whole, since run config replaces the resource's configured values.
+    An embedded JVM ends with this process, unless the job runs until it is stopped."""
+    from assets.keys import CONTINUOUS_JOB
+    from pipelines.runtime.spark import default_remote
+
+    # --master means that engine even where $STATETABLES_SPARK_REMOTE names a Connect server.
+    engine = ({"remote": remote} if remote else {"master": master, "remote": None} if master
+              else {"remote": default_remote()})
+    return {**engine, "one_command": job != CONTINUOUS_JOB}
+
+
 def _run(args: argparse.Namespace) -> int:
-    from assets.keys import CONTINUOUS_JOB, job_names
+    from assets.keys import job_names
 
     if args.job not in job_names():  # before anything is created under the storage root
         raise ConfigurationError(f"Unknown job {args.job!r}. Fix: use one of {', '.join(job_names())}.")
@@ -98,10 +111,8 @@ def _run(args: argparse.Namespace) -> int:
 
         CheckPolicyResource(warn_only=args.warn_only_check).severity("", "")  # an unknown name fails here, not mid-run
         run_config["resources"]["check_policy"] = {"config": {"warn_only": args.warn_only_check}}
-    # --master means that engine even where $STATETABLES_SPARK_REMOTE names a Connect server.
-    engine = {"remote": args.remote} if args.remote else {"master": args.master, "remote": None} if args.master else {}
-    # An embedded JVM ends with this process, unless the job runs until it is stopped.
-    run_config["resources"]["spark"] = {"config": {**engine, "one_command": args.job != CONTINUOUS_JOB}}
+    engine = spark_config(args.remote, args.master, args.job)
+    run_config["resources"]["spark"] = {"config": engine}
     with dg.DagsterInstance.get() as instance:
         result = job.execute_in_process(instance=instance, raise_on_error=False, run_config=run_config)
     print(f"\nrun {result.run_id}: {'SUCCESS' if result.success else 'FAILURE'} (job {args.job}, "

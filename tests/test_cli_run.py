@@ -42,3 +42,15 @@ def test_run_passes_every_check_on_second_resolution_payments(spark, layout, lan
                       for r in IndependentDeltaTable(str(layout.table(PAYMENTS.event_time_tables[0].name))).to_pyarrow_table().to_pylist()
                       if r["customer_id"].startswith("edge-"))
     assert sessions == [("edge-exact", 1), ("edge-exact", 1), ("edge-less", 2)]
+
+
+def test_a_run_keeps_the_code_locations_engine_and_only_an_embedded_jvm_that_ends_with_it_compiles_quickly(monkeypatch):
+    """The `spark` resource's run config is whole (it replaces what the code location configured): without --remote
+    or --master a run still goes to $STATETABLES_SPARK_REMOTE's server."""
+    monkeypatch.setenv("STATETABLES_SPARK_REMOTE", "sc://127.0.0.1:15002")
+    assert cli.spark_config(None, None, "advance_all") == {"remote": "sc://127.0.0.1:15002", "one_command": True}
+    assert cli.spark_config(None, "local[2]", "advance_all") == {"master": "local[2]", "remote": None,
+                                                                "one_command": True}
+    assert cli.spark_config("sc://h:1", None, "run_continuously") == {"remote": "sc://h:1", "one_command": False}
+    monkeypatch.delenv("STATETABLES_SPARK_REMOTE")
+    assert cli.spark_config(None, None, "advance_all") == {"remote": None, "one_command": True}
