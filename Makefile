@@ -156,7 +156,7 @@ test: install jars class-archive
 test-long: install jars class-archive browser jars-s3 s3proxy jars-kafka kafka
 	$(PYTEST) --durations=15 -m long tests
 
-# Both tiers in one session (what .ci/run runs), 22 to 31 minutes on 2 cores: the long tests start first on both
+# Both tiers in one session (what .ci/run runs), 20 to 31 minutes on 2 cores: the long tests start first on both
 # workers and the short ones fill in around them, so neither worker idles at the end of a tier; the summary gives
 # each tier's test seconds.
 test-all: install jars class-archive browser jars-s3 s3proxy jars-kafka kafka
