@@ -185,7 +185,7 @@ def batch(args) -> dict:
         "customer_id string, payment_count bigint, total_amount decimal(28,2), last_paid_at timestamp"),
         properties={"delta.enableChangeDataFeed": "true"})
 
-    def floor(path: Path) -> dict:
+    def plain_delta_spark(path: Path) -> dict:
         timings = {}
         rows = spark.read.schema(PAYMENT_SCHEMA).json(str(path))
         for step, table in (("append_s", "bronze"), ("second_append_s", "quarantine")):
@@ -224,7 +224,7 @@ def batch(args) -> dict:
     warmup, rounds = 2, []
     for round_ in range(warmup + args.repeat):
         path = new_file(round_)
-        measured = {"floor": floor(path), **{kind: micro_batch(kind, path) for kind in kinds}}
+        measured = {"floor": plain_delta_spark(path), **{kind: micro_batch(kind, path) for kind in kinds}}
         print(f"round {round_}{' (warm-up)' if round_ < warmup else ''}: " + ", ".join(
             f"{k} {v.get('batch_s', v.get('floor_s')):.2f} s" for k, v in measured.items()), flush=True)
         if round_ >= warmup:

@@ -8,8 +8,9 @@ query). Its foreachBatch, `StreamBatch`, reads top to bottom in data-flow order:
 3. the windowed and session tables (pipelines/event_time/windows.py, pipelines/event_time/sessions.py), with late events;
 4. the changelog, from the state-table versions this batch wrote (pipelines/state/changelog.py).
 
-Exactly once. Every write carries the stream's transaction id (app id, batch id), so a replay of a batch is a
-no-op table by table. Each step after bronze folds the bronze rows added after the version its own last commit
+Exactly once. Every write but the changelog's carries the stream's transaction id (app id, batch id), so a replay
+of a batch is a no-op table by table; the changelog's commit records the state-table version it covers, and a
+replay appends only what comes after it. Each step after bronze folds the bronze rows added after the version its own last commit
 recorded (this batch's own append as the batch holds it, when that is all the step lacks), and records the version
 it reached in the same commit as its rows. So a batch replayed after a crash
 between any two commits, or after the checkpoint was lost (a new app id), folds every bronze row once: a step
