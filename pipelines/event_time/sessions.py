@@ -224,9 +224,9 @@ class SessionsStage(EventTimeStage):
         fold = fold_sessions(table, self.spec, before, rows, self.last.watermark_ms)
         sessions_closed, late_count = fold.closed.count(), fold.late.count()
         if late_count:
-            append_late(fold.late, layout, table, app_id, batch_id, marker)
+            append_late(fold.late, layout, marker)
         fault_point(SESSIONS_AFTER_LATE_COMMIT)
-        version = write_state(fold.state, state_path, app_id, batch_id)
+        version = write_state(fold.state, state_path)
         fault_point(SESSIONS_AFTER_STATE_COMMIT)
         return FoldedBatch(fold.closed, version, fold.watermark_ms,
                            {"sessions_closed": sessions_closed, "late_events": late_count})

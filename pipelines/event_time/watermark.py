@@ -7,9 +7,9 @@ closing commit recorded, from its operator state as that commit left it (`<table
 reader can query, read by time travel), and writes: its late events (late_events, naming the table), what else
 it owns (a windowed table's top N), its new state, then closes with a commit to the table itself carrying the
 rows the watermark has closed and the progress (`Progress`: the watermark, the bronze version folded, the state
-version). A batch replayed under the same app id is skipped table by table by Delta's txn ids; the rows of a
-batch that died before its closing commit are undone when the stream starts (`undo_late_rows`, the top N
-restored), and its bronze rows folded again.
+version). A batch replayed after its closing commit finds nothing to fold; the rows of a batch that died before
+its closing commit are undone when the stream starts (`undo_late_rows`, the top N restored), and its bronze rows
+folded again.
 
 The watermark is Spark's rule, kept by hand, per table: the newest event of the earlier batches minus the
 stream's `watermark_delay_minutes`. An event at or behind it is late: it goes to late_events (with the
@@ -119,23 +119,17 @@ def definition_of(table: EventTimeTableSpec | TopSpec, delay: dt.timedelta) -> s
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def append_batch(frame: DataFrame, path: Path | str, app_id: str | None, batch_id: int,
-                 metadata: dict | None = None) -> None:
-    """Append once per (app id, batch): a replayed batch is skipped by Delta's txn ids."""
-    writer = frame.write.format("delta").mode("append")
-    if app_id is not None:
-        writer = writer.option("txnAppId", app_id).option("txnVersion", batch_id)
-    if metadata is not None:
-        writer = writer.option("userMetadata", json.dumps(metadata))
-    writer.save(str(path))
+def append_batch(frame: DataFrame, path: Path | str, metadata: dict) -> None:
+    """Append a batch's rows, the commit carrying `metadata`. A replay appends nothing twice: the step's closing
+    commit records the bronze version folded, and the writes of a batch that died before it are undone when the
+    stream starts (the module's doc)."""
+    frame.write.format("delta").mode("append").option("userMetadata", json.dumps(metadata)).save(str(path))
 
 
-def append_late(frame: DataFrame, layout: StorageLayout, table: EventTimeTableSpec, app_id: str, batch_id: int,
-                marker: dict) -> None:
-    """Append a batch's late events for `table`, once. late_events has a writer per windowed or session table, and
-    those of one stream share its app id: the txn id names the table too, or Delta would take the second table's
-    rows of a batch for a replay of the first's and skip them."""
-    append_batch(frame, layout.table(LATE), f"{app_id}/{table.name}", batch_id, marker)
+def append_late(frame: DataFrame, layout: StorageLayout, marker: dict) -> None:
+    """Append a batch's late events; `marker` names the step that found them (late_events has a writer per windowed
+    or session table: `undo_late_rows` tells them apart by it)."""
+    append_batch(frame, layout.table(LATE), marker)
 
 
 def read_state(spark: SparkSession, path: Path, version: int | None, schema: StructType) -> DataFrame:
@@ -146,12 +140,11 @@ def read_state(spark: SparkSession, path: Path, version: int | None, schema: Str
     return spark.read.format("delta").option("versionAsOf", version).load(str(path))
 
 
-def write_state(frame: DataFrame, path: Path, app_id: str, batch_id: int) -> int:
-    """Replace an operator-state table once per (app id, batch); returns the version holding this batch's state.
-    Each state table has one writer (its step), so after a replay that Delta skips, that version is the newest.
-    Replaced whole: the state holds what is still open (windows, sessions) or a key's last values."""
-    (frame.write.format("delta").mode("overwrite").option("txnAppId", app_id).option("txnVersion", batch_id)
-     .save(str(path)))
+def write_state(frame: DataFrame, path: Path) -> int:
+    """Replace an operator-state table; returns the version holding this batch's state (each state table has one
+    writer, its step). Replaced whole: the state holds what is still open (windows, sessions) or a key's last
+    values. A version no closing commit records is never read (`read_state`)."""
+    frame.write.format("delta").mode("overwrite").save(str(path))
     return table_version(frame.sparkSession, path)
 
 
@@ -300,7 +293,7 @@ class EventTimeStage:
         raise NotImplementedError
 
     def advance(self, spark: SparkSession, bronze: BronzeRows, app_id: str, batch_id: int) -> None:
-        """Fold bronze up to version `bronze.through`, writing under the txn id (app id, batch id)."""
+        """Fold bronze up to version `bronze.through`, each commit naming the batch (app id, batch id)."""
         through = bronze.through
         if through <= self.last.bronze_version:
             return
@@ -313,7 +306,7 @@ class EventTimeStage:
                     "bronze_version": through, "rows_read": bronze.count_after(self.last.bronze_version),
                     "state_versions": {self.table.state_table: folded.state_version}, **folded.figures}
         fault_point(self.before_closing_fault)
-        append_batch(folded.closed, closing, app_id, batch_id, progress)
+        append_batch(folded.closed, closing, progress)
         self.last = Progress(folded.watermark_ms, through, folded.state_version, app_id, batch_id)
 
 

@@ -12,8 +12,8 @@ watermark there, and its row is final. The windows a batch closes are ranked in 
 N tables (`top_rows`). Windows are aligned to the epoch, as Spark's `window()` without a start offset.
 
 Exactly once (pipelines/event_time/watermark.py): every write of a batch is computed from the state as the previous batch
-left it and carries the stream's txn id: late_events, each top N table, the open windows (an overwrite: they are
-few), and last the table itself, the closing commit with the progress. When the stream starts, the rows of a batch
+left it and names the batch (app id, batch id): late_events, each top N table, the open windows (an overwrite: they
+are few), and last the table itself, the closing commit with the progress. When the stream starts, the rows of a batch
 that died before that commit are undone (`undo_unfinished_batch`) and its bronze rows folded again.
 """
 
@@ -117,7 +117,7 @@ def top_rows(top: TopSpec, source: EventTimeTableSpec, closed: DataFrame) -> Dat
 def undo_unfinished_batch(spark: SparkSession, layout: StorageLayout, table: EventTimeTableSpec,
                           marker: str) -> list[str]:
     """Undo what a batch wrote to late_events and the top N tables before it died without its closing commit: the
-    stream folds its bronze rows again, under an app id of its own, which Delta's txn ids cannot match. The step is
+    stream folds its bronze rows again, under an app id of its own, before the query replays the batch. The step is
     a top N table's only writer, so that table is restored; late_events is shared (`undo_late_rows`). The open
     windows need nothing: the next batch reads the version the last closing commit recorded."""
     closing_version = table_version(spark, layout.table(table.name)) or 0
@@ -147,13 +147,13 @@ class WindowsStage(EventTimeStage):
         closed = kept(fold.closed)  # ranked, written and counted
         windows_closed, late_count = closed.count(), fold.late.count()
         if late_count:
-            append_late(fold.late, layout, table, app_id, batch_id, marker)
+            append_late(fold.late, layout, marker)
         fault_point(WINDOWS_AFTER_LATE_COMMIT)
         if windows_closed:
             for top in table.tops:
-                append_batch(top_rows(top, table, closed), layout.table(top.name), app_id, batch_id, marker)
+                append_batch(top_rows(top, table, closed), layout.table(top.name), marker)
         fault_point(WINDOWS_AFTER_TOP_COMMIT)
-        version = write_state(fold.open_windows, state_path, app_id, batch_id)
+        version = write_state(fold.open_windows, state_path)
         fault_point(WINDOWS_AFTER_STATE_COMMIT)
         return FoldedBatch(closed, version, fold.watermark_ms,
                            {"windows_closed": windows_closed, "late_events": late_count})

@@ -34,7 +34,7 @@ from pipelines.ingest.kafka_source import (
 from pipelines.ingest.landing import LEDGER_SCHEMA, BatchUnits, read_units, split_lines
 from pipelines.ingest.validate import content_identity, validate_lines
 from pipelines.storage.delta_log import (
-    Appended, NewTable, history_rows, retry_on_conflict, table_version,
+    Appended, NewTable, history_rows, made_by_batch, retry_on_conflict, table_version,
 )
 from pipelines.storage.frames import frame_of_rows, kept
 from pipelines.storage.layout import StorageLayout
@@ -477,18 +477,18 @@ def _write_batch(lines: DataFrame, batch_id: int, settings: IngestSettings, inge
     )
     bronze_before = table_version(lines.sparkSession, settings.bronze_path)
     for frame, path, fault in writes:
-        if path is None:
+        # A batch replayed after a crash skips the tables it already reached.
+        if path is None or made_by_batch(lines.sparkSession, path, settings.app_id, batch_id):
             fault_point(fault)
             continue
         retry_on_conflict(
             lambda: frame.write.format("delta").mode("append")
-            .option("txnAppId", settings.app_id).option("txnVersion", batch_id)
             # A stream that moved from a folder to a topic: its quarantine gains the record's columns.
             .option("mergeSchema", "true" if spec.topic is not None else "false")
             .option("userMetadata", json.dumps(counts))
             .save(path),
             f"append of micro-batch {batch_id} to {path}")
         fault_point(fault)
-    # One writer (the lock): a version after the one before is this batch's commit, not a replay Delta skipped.
+    # One writer (the lock): a version after the one before is this batch's commit, not a replay that skipped it.
     bronze_after = table_version(lines.sparkSession, settings.bronze_path)
     return Ingested(counts, Appended(bronze_after, accepted_rows) if bronze_after == (bronze_before or 0) + 1 else None)

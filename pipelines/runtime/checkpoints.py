@@ -39,7 +39,7 @@ RECENT_WINDOW = 20  # searched first
 class CheckpointOrigin:
     """Written by statetables into every checkpoint it starts, before Spark writes anything."""
 
-    app_id: str  # Delta txnAppId of every write made from this checkpoint
+    app_id: str  # named by every commit made from this checkpoint (with its batch id)
     first_batch: int  # batches below this were written under an earlier app id (savepoint restore)
     created_at: str
     reason: str

@@ -1,7 +1,7 @@
 """Running one streaming query to the end of its input, as one writer, with a stable idempotency id.
 
-Spark's checkpoint makes a query resume where it stopped; Delta's transaction identifiers
-(`txnAppId`, `txnVersion` = micro-batch id) make a replayed micro-batch a no-op. The app id must
+Spark's checkpoint makes a query resume where it stopped; every commit names its app id and micro-batch id, so
+a replayed micro-batch finds what it already wrote (pipelines/storage/delta_log.py). The app id must
 change when the checkpoint is replaced (batch ids restart at 0), so it lives inside the checkpoint
 (pipelines/runtime/checkpoints.py decides whether a checkpoint can be trusted).
 """

@@ -51,8 +51,7 @@ class ChangelogStage:
         if now is None or now <= self.covers:
             return
         changes = rows_changed(spark, state_path, self.covers, now)
-        # No Delta txn id: the record of what the commit covers makes a replay append nothing, and the txn check
-        # reconstructs the table's state from its log (Spark jobs on every commit, delta-spark 4.3).
+        # The record of what the commit covers makes a replay append nothing.
         (changes.write.format("delta").mode("append")
          .option("userMetadata", json.dumps({"app_id": app_id, "batch_id": batch_id, COVERS: now,
                                              STATE_TABLE_ID: self.state_table_id}))

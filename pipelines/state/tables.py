@@ -30,7 +30,7 @@ from pipelines.state.expiry import (
 )
 from pipelines.storage import delta_sql
 from pipelines.storage.delta_log import (
-    TXN_APP_ID, TXN_VERSION, USER_METADATA, BronzeRows, commit_actions, commit_confs, commits_since,
+    USER_METADATA, BronzeRows, commit_actions, commit_confs, commits_since,
     NewTable, create_tables_if_missing, history_rows, holds_no_rows, new_app_id, retry_on_conflict, table_version,
 )
 from pipelines.storage.delta_sql import ident
@@ -176,8 +176,8 @@ class StateTableStage:
     it has passed are then expired (pipelines/state/expiry.py).
 
     The bronze version travels in the MERGE's own commit, so a batch replayed under any app id (the same one
-    after a crash, another after a lost checkpoint) folds each bronze row once: Delta's txn id skips a replay
-    of the same batch, and the recorded version skips rows folded by a batch that died later on."""
+    after a crash, another after a lost checkpoint) folds each bronze row once: the recorded version skips the
+    rows a batch folded before it died."""
 
     def __init__(self, layout: StorageLayout, spec: StreamSpec, table: StateTableSpec, through: int):
         self.layout, self.spec, self.table, self.ttl, self.through = layout, spec, table, table.ttl, through
@@ -200,7 +200,7 @@ class StateTableStage:
             metadata[EXPIRED] = expired.as_metadata()
             metadata[INGESTED_THROUGH] = newest_ingested_us(events)
 
-        upsert(spark, table_path, table, batch, app_id, batch_id, metadata, empty=self.empty)
+        upsert(spark, table_path, table, batch, batch_id, metadata, empty=self.empty)
         self.through, self.empty = through, False
         fault_point(STATE_AFTER_MERGE_COMMIT)
         if self.ttl is not None:
@@ -251,16 +251,17 @@ def state_table_stage(spark: SparkSession, layout: StorageLayout, spec: StreamSp
     return stage
 
 
-def upsert(spark: SparkSession, table_path: str, table: StateTableSpec, batch: DataFrame, app_id: str, batch_id: int,
+def upsert(spark: SparkSession, table_path: str, table: StateTableSpec, batch: DataFrame, batch_id: int,
            metadata: dict, *, empty: bool = False) -> None:
-    """MERGE a batch's per-key aggregate (`aggregate`) into the state table under the txn id (app id, batch id):
-    Delta skips it if that batch already committed; a concurrent writer's commit is retried.
+    """MERGE a batch's per-key aggregate (`aggregate`) into the state table, the commit carrying `metadata` (the
+    bronze version folded: what makes a replay fold nothing, `StateTableStage`); a concurrent writer's commit is
+    retried.
 
     Into a table that holds no row (`empty`: a new table's first fold) the batch is appended instead: the rows, and
     the change rows (inserts), are the MERGE's, without its join of the table (a new root's first run 5.32 -> 4.94 s
     warm, measured: docs/performance.md)."""
     def fold() -> None:
-        with commit_confs(spark, {TXN_APP_ID: app_id, TXN_VERSION: str(batch_id), USER_METADATA: json.dumps(metadata)}):
+        with commit_confs(spark, {USER_METADATA: json.dumps(metadata)}):
             if empty:
                 _inserted(batch, table).write.format("delta").mode("append").save(str(table_path))
             else:

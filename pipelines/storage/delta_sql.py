@@ -4,8 +4,8 @@ Why SQL and not delta-spark's Python `DeltaTable` API: that API drives the JVM t
 does not exist over Spark Connect, and Delta's Connect plugin (the server side that would carry it)
 is not published where these machines install from. A Connect server that carries Delta's core jars,
 SQL extension and catalog runs `MERGE INTO`, `DELETE`, `RESTORE`, `DESCRIBE HISTORY` and
-`DESCRIBE DETAIL` exactly as the embedded engine does, honours the same idempotent-write session
-confs (`txnAppId`/`txnVersion`), and so do the `readChangeFeed` reader and the DataFrame writer.
+`DESCRIBE DETAIL` exactly as the embedded engine does, honours the same commit-metadata session
+conf (`commitInfo.userMetadata`), and so do the `readChangeFeed` reader and the DataFrame writer.
 Two code paths (DeltaTable locally, SQL over Connect) would be two things to test and keep equal;
 this one is the same on the embedded JVM, a standalone cluster and a Connect server.
 

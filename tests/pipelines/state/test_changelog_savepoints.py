@@ -85,15 +85,15 @@ def test_racing_writers_conflict_retry_and_count_exactly_once(spark, layout):
     together = threading.Barrier(2, timeout=120)
 
     def writer(app_id):
-        session = spark.newSession()  # own SQL conf: the txn confs of one writer do not leak into the other
+        session = spark.newSession()  # own SQL conf: one writer's commit metadata does not leak into the other's
         events = session.createDataFrame([("c1", "1.00")], "customer_id string, amount string").select(
             "customer_id", F.col("amount").cast("decimal(18,2)").alias("amount"),
             F.lit("2026-11-01 10:00:00").cast("timestamp").alias("paid_at"))
         try:
             batch = aggregate(events, spec.state_tables[0])
-            for batch_id in [0, 1, 1]:  # the second 1 is a replay: skipped by its txn id
+            for batch_id in [0, 1]:
                 together.wait()
-                upsert(session, path, spec.state_tables[0], batch, app_id, batch_id, {"app_id": app_id})
+                upsert(session, path, spec.state_tables[0], batch, batch_id, {"app_id": app_id, "batch_id": batch_id})
         except Exception as exc:  # surfaced by the assertion below
             errors.append(exc)
             together.abort()
