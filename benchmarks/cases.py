@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import time
+from functools import partial
 from pathlib import Path
 
 PAYMENT_SCHEMA = "payment_id string, customer_id string, amount decimal(18,2), paid_at timestamp"
@@ -143,6 +144,43 @@ def warm(args) -> dict:
     return {"work_s": sum(r["run_s"] for r in runs), "runs": runs}
 
 
+def _plain_delta_spark(spark, root: Path, path: Path) -> dict:
+    """The floor of a micro-batch of the landing file `path`: plain delta-spark, the project's session confs, its
+    rows appended to two tables (as bronze and quarantine are) and MERGEd by customer into a table with the change
+    feed on (as the state table is); each step's seconds."""
+    from pyspark.sql import functions as F
+    from pyspark.sql.types import StructType
+    from pipelines.storage import delta_sql
+    state = root / "state"
+    delta_sql.create_table_if_missing(spark, state, StructType.fromDDL(
+        "customer_id string, payment_count bigint, total_amount decimal(28,2), last_paid_at timestamp"),
+        properties={"delta.enableChangeDataFeed": "true"})
+    timings = {}
+    rows = spark.read.schema(PAYMENT_SCHEMA).json(str(path))
+    for step, table in (("append_s", "bronze"), ("second_append_s", "quarantine")):
+        started = time.monotonic()
+        rows.write.format("delta").mode("append").save(str(root / table))
+        timings[step] = time.monotonic() - started
+    by_key = rows.where(F.col("customer_id").isNotNull()).groupBy("customer_id").agg(
+        F.count("*").alias("payment_count"), F.sum("amount").cast("decimal(28,2)").alias("total_amount"),
+        F.max("paid_at").alias("last_paid_at"))
+    started = time.monotonic()
+    delta_sql.merge(spark, state, by_key, on="t.`customer_id` = s.`customer_id`", clauses=(
+        "WHEN MATCHED THEN UPDATE SET t.payment_count = t.payment_count + s.payment_count, "
+        "t.total_amount = t.total_amount + s.total_amount, "
+        "t.last_paid_at = greatest(t.last_paid_at, s.last_paid_at) WHEN NOT MATCHED THEN INSERT *"))
+    timings["merge_s"] = time.monotonic() - started
+    return {**timings, "floor_s": sum(timings.values())}
+
+
+def floor_batch(args) -> dict:
+    """The floor of a process micro-batch: a new Python process and driver JVM (compiled as `statetables run`'s,
+    C1 only) that commits one landing file (`--landing`) as `_plain_delta_spark` does, into `--out`."""
+    from pipelines.runtime.spark import SparkSettings, build_spark_session
+    spark = build_spark_session(SparkSettings(one_command=True))
+    return {"work_s": _plain_delta_spark(spark, Path(args.out), Path(args.landing))["floor_s"]}
+
+
 def batch(args) -> dict:
     """`--repeat` rounds, after two of warm-up: the floor, then one micro-batch of each kind on its own storage root
     (a new landing file of `--events` payments each, so every batch adds to a stream that already has tables); the
@@ -152,12 +190,9 @@ def batch(args) -> dict:
     import statistics
     from dataclasses import replace
     from datetime import datetime, timedelta, timezone
-    from pyspark.sql import functions as F
-    from pyspark.sql.types import StructType
     from pipelines.declare.project import stream_spec
     from pipelines.ingest.generate import generate
     from pipelines.runtime.micro_batch import StreamSettings, advance_stream
-    from pipelines.storage import delta_sql
     from pipelines.storage.layout import StorageLayout
     from benchmarks.run import delta_commits, spark_jobs
 
@@ -180,28 +215,7 @@ def batch(args) -> dict:
         return next(folder.glob("*.jsonl"))
 
     floor_root = home / "floor"
-    state = floor_root / "state"
-    delta_sql.create_table_if_missing(spark, state, StructType.fromDDL(
-        "customer_id string, payment_count bigint, total_amount decimal(28,2), last_paid_at timestamp"),
-        properties={"delta.enableChangeDataFeed": "true"})
-
-    def plain_delta_spark(path: Path) -> dict:
-        timings = {}
-        rows = spark.read.schema(PAYMENT_SCHEMA).json(str(path))
-        for step, table in (("append_s", "bronze"), ("second_append_s", "quarantine")):
-            started = time.monotonic()
-            rows.write.format("delta").mode("append").save(str(floor_root / table))
-            timings[step] = time.monotonic() - started
-        by_key = rows.where(F.col("customer_id").isNotNull()).groupBy("customer_id").agg(
-            F.count("*").alias("payment_count"), F.sum("amount").cast("decimal(28,2)").alias("total_amount"),
-            F.max("paid_at").alias("last_paid_at"))
-        started = time.monotonic()
-        delta_sql.merge(spark, state, by_key, on="t.`customer_id` = s.`customer_id`", clauses=(
-            "WHEN MATCHED THEN UPDATE SET t.payment_count = t.payment_count + s.payment_count, "
-            "t.total_amount = t.total_amount + s.total_amount, "
-            "t.last_paid_at = greatest(t.last_paid_at, s.last_paid_at) WHEN NOT MATCHED THEN INSERT *"))
-        timings["merge_s"] = time.monotonic() - started
-        return {**timings, "floor_s": sum(timings.values())}
+    plain_delta_spark = partial(_plain_delta_spark, spark, floor_root)
 
     kinds = {"without_event_time": False, "with_sessions": True}
     roots = {kind: StorageLayout.under(home / kind) for kind in kinds}
@@ -307,7 +321,7 @@ def validation(args) -> dict:
 
 
 CASES = {"validation": validation, "paths": paths, "minimal": minimal, "floor": floor, "recompute": recompute, "stateful": stateful, "polars": polars_merge,
-         "warm": warm, "batch": batch}
+         "warm": warm, "batch": batch, "floor_batch": floor_batch}
 
 
 def main() -> None:

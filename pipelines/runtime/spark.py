@@ -58,9 +58,12 @@ LOG4J_CONFIG = Path(__file__).with_name("log4j2.properties")  # Spark's logging:
 # What every engine's session needs for the tables to mean the same thing (local, cluster, Connect).
 # Parquet INT96 timestamps (Spark's default) cannot be read by other Delta readers (`deltalake`) for
 # instants outside 1677-2262; INT64 micros can. Files written before keep INT96: Spark reads both.
+# A commit that adds no file is still made: a batch's bronze commit carries its counts and ids even when every line
+# was a duplicate, and a step's commit records the bronze version it has folded (Delta skips such commits by default).
 SESSION_CONFS = {
     "spark.sql.session.timeZone": "UTC",
     "spark.sql.parquet.outputTimestampType": "TIMESTAMP_MICROS",
+    "spark.databricks.delta.skipRecordingEmptyCommits": "false",
 }
 # Sized for a 2-core, 24 GiB machine; any key can be overridden through `SparkSettings.conf`.
 LOCAL_DEFAULTS = {
