@@ -105,7 +105,9 @@ def _statetables(home: str, dagster: Path, *args: str, cwd: Path, faults_dir: Pa
     # From a folder of its own: the project file is named (a command never falls back to the checkout's).
     env = {**os.environ, "STATETABLES_HOME": home, "DAGSTER_HOME": str(dagster), "STATETABLES_PROJECT": str(SHIPPED),
            **({faults.FAULTS_ENV: str(faults_dir)} if faults_dir else {})}
-    done = subprocess.run([*COMMAND, *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=900)
+    # A session of its own: the fault point kills the command's whole process group (its Spark JVM too).
+    done = subprocess.run([*COMMAND, *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=900,
+                          start_new_session=True)
     wanted = -signal.SIGKILL if faults_dir else 0
     assert done.returncode == wanted, done.stdout[-3000:] + done.stderr[-3000:]
     return done
