@@ -4,10 +4,10 @@ same tables.
 Covers: the job `advance_all` (ingest, quarantine, all-time MERGE, windows and sessions over Delta state tables,
 changelogs, the 13 blocking checks) executed by Dagster in process on the test session's embedded JVM, with the
 metadata it reports; then the same landing files through `statetables run` as a thin client of a warm Spark Connect
-server carrying Delta (`advance_all`, then a run with nothing new), on a standalone master + worker
-(`advance_payments`), and through a Connect server in front of a standalone master whose worker shares only a bucket
-(`advance_all` on an s3a:// root). Every Delta table of each run, read back with the independent `deltalake` reader,
-must equal the embedded run's. The servers are the project's own (statetables/servers.py), on 127.0.0.1.
+server carrying Delta (`advance_all`, then a run with nothing new), and on a standalone master + worker
+(`advance_payments`). Every Delta table of each run, read back with the independent `deltalake` reader, must equal
+the embedded run's. The servers are the project's own (statetables/servers.py), on 127.0.0.1. A Connect server in
+front of a standalone master whose worker shares only a bucket: tests/test_object_store.py (against the oracle).
 
 The embedded run is made once per test session (the first worker that needs it runs it, the others read its
 tables) and is the fast loop's end-to-end Dagster test; the Connect and standalone comparisons, each starting
@@ -23,7 +23,6 @@ import pickle
 import shutil
 import subprocess
 import sys
-import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -34,10 +33,8 @@ from filelock import FileLock
 
 from pipelines.ingest.generate import generate
 from pipelines.runtime.spark import JVM_START_NOISE
-from pipelines.storage.files import S3Path
 from pipelines.storage.layout import HOME_ENV, StorageLayout
 from tests.contract_oracle import independent_table
-from tests.object_store import s3_store
 from tests.streams import STREAMS
 from assets.automation import spark_engine_health
 from resources import SparkSessionResource
@@ -179,7 +176,7 @@ def test_a_warm_connect_server_and_a_standalone_cluster_give_the_embedded_tables
                                                                                  tmp_path_factory):
     """Through one warm Connect server: `advance_all` gives every table the embedded run gave, and a second run
     with nothing new changes none; the health sensor sees the server. Then a standalone master + worker reached
-    directly (`--master`, payments). A Connect server in front of a master: the next test, on a bucket."""
+    directly (`--master`, payments). A Connect server in front of a master, on a bucket: tests/test_object_store.py."""
     home = tmp_path_factory.mktemp("connect")
     with spark_connect_server(port=free_port(), log=home.parent / "connect-server.log") as url:
         with dg.build_sensor_context(resources={"spark": SparkSessionResource(remote=url)}) as context:
@@ -193,42 +190,3 @@ def test_a_warm_connect_server_and_a_standalone_cluster_give_the_embedded_tables
     with spark_standalone(port=free_port(), log_dir=home.parent / "standalone-logs", worker_memory="3g") as master:
         standalone = table_rows(run_pipeline(landing_files, home, "--master", master, "--job", "advance_payments"))
     assert_same_tables(standalone, one_stream(embedded, "payments"))
-
-
-def upload(landing: Path, target: S3Path) -> None:
-    """The landing files into the bucket, under the same relative names, in their arrival order: a second apart, as
-    the store keeps modification times to the second (files of the same second arrive in path order)."""
-    files = sorted((p for p in landing.rglob("*") if p.is_file()), key=lambda p: (p.stat().st_mtime_ns, str(p)))
-    for path in files:
-        (target / str(path.relative_to(landing))).write_bytes(path.read_bytes())
-        time.sleep(1.05)
-
-
-@pytest.mark.long
-def test_a_cluster_that_shares_only_a_bucket_gives_the_embedded_tables(embedded, landing_files, tmp_path_factory):
-    """More than one machine, as one host allows: the storage root in a bucket of the project's S3 server; a
-    standalone master and a worker that runs as another user (nobody), in a folder and an environment of its own,
-    without the storage root or the credentials (its executors get them from the driver's confs); a Spark Connect
-    server in front of the master; `statetables run` as its thin client. Every table equals the embedded local run's,
-    key for key."""
-    work = tmp_path_factory.mktemp("object-store")
-    with s3_store(work / "s3") as store, pytest.MonkeyPatch.context() as patch:
-        root = f"s3a://{store.bucket}/cluster"
-        patch.setenv(HOME_ENV, root)  # the Connect server takes the S3 connector and its settings from it
-        upload(landing_files, S3Path.parse(root) / "landing")
-        with spark_standalone(port=free_port(), log_dir=work / "standalone-logs", worker_memory="3g",
-                              worker_apart_as="nobody") as master, \
-                spark_connect_server(port=free_port(), log=work / "connect-in-front.log",
-                                     conf={"spark.master": master, "spark.executor.memory": "1g"}) as url:
-            env = {**os.environ, "DAGSTER_HOME": str(work / "dagster")}
-            done = subprocess.run([STATETABLES, "run", "--log-level", "WARNING", "--remote", url], env=env,
-                                  capture_output=True, text=True, timeout=1200)
-            assert done.returncode == 0 and "SUCCESS" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
-        # The batches' tasks ran in executors of the worker apart.
-        assert "Asked to launch executor" in (work / "standalone-logs" / "worker.log").read_text(errors="replace")
-        tables = table_rows(StorageLayout.under(root))
-    # Landing file paths differ only by the root, which table_rows replaces by <root>; the ledger's modification
-    # times are the upload's.
-    uploaded = {"file_mtime_ns", "file_modified_at"}
-    assert_same_tables(*({name: sorted((tuple(c for c in row if c[0] not in uploaded) for row in rows), key=repr)
-                          for name, rows in side.items()} for side in (tables, embedded)))

@@ -4,10 +4,10 @@ tests/object_store.py), read back with an independent reader (`deltalake`) and t
 Covers: the writer lease between OS processes (one holds, the other waits and is refused; a holder killed with
 kill -9 loses it within its lifetime, the next takes over; the loser's fence refuses its next commit); two
 deliveries of both contract streams through `statetables run` (as a user runs it), each run killed (kill -9) at a
-named point between a batch's commits, the second after the checkpoints were lost, then a clean run: every key,
-window and session equal to the oracle, nothing written to the working folder; bad configuration refused before
-anything is written. The same tables from a Spark Connect server in front of a standalone cluster whose worker
-shares nothing with the driver but the bucket: tests/test_engines.py.
+named point between a batch's commits, the second after the checkpoints were lost, then a clean run through a Spark
+Connect server in front of a standalone cluster whose worker shares nothing with the driver but the bucket: every
+key, window and session equal to the oracle, nothing written to the working folder; bad configuration refused
+before anything is written.
 Not covered: a bucket on AWS itself (no network here)."""
 
 from __future__ import annotations
@@ -30,9 +30,10 @@ from pipelines.declare.project import SHIPPED
 from pipelines.errors import StreamBusyError
 from pipelines.runtime.locks import Fence, LeaseLostError, lock_state, writer_lock
 from pipelines.storage.files import S3Path
-from pipelines.storage.layout import StorageLayout
+from pipelines.storage.layout import HOME_ENV, StorageLayout
 from tests.chaos import ChaosReport, compare
 from tests.object_store import s3_store
+from statetables.servers import free_port, spark_connect_server, spark_standalone
 
 pytestmark = pytest.mark.long
 
@@ -52,7 +53,7 @@ def _hold(root: str, ready: Path) -> subprocess.Popen:
         import json
         import time
         from pathlib import Path
-        from pipelines.storage.layout import StorageLayout
+        from pipelines.storage.layout import HOME_ENV, StorageLayout
         from pipelines.runtime.locks import writer_lock
         with writer_lock(StorageLayout.under({root!r}).locks, "payments", 30) as fence:
             Path({str(ready)!r}).write_text(json.dumps([fence.lease, fence.token]))
@@ -113,13 +114,15 @@ def _statetables(home: str, dagster: Path, *args: str, cwd: Path, faults_dir: Pa
     return done
 
 
-def test_deliveries_kills_and_lost_checkpoints_on_an_object_store_equal_the_oracle(store, tmp_path):
+def test_deliveries_kills_lost_checkpoints_and_a_cluster_on_an_object_store_equal_the_oracle(store, tmp_path,
+                                                                                              monkeypatch):
     """Every command a user runs on a bucket, from an empty working folder that stays empty: nothing of the product
     is written locally (the Dagster instance is DAGSTER_HOME's, outside it). The first delivery's run is killed
     (kill -9) after a state table's MERGE, before Spark's checkpoint commit: the next run replays that batch, which
     finds its commits in the tables' logs on the store. The checkpoints are then lost, and the second delivery's run
     is killed while Spark writes a checkpoint's commit file: a batch the next run must see as unfinished. One clean
-    run, and every key, window and session equals the oracle. After bronze's commit: tests/test_chaos.py."""
+    run on a cluster that shares only the bucket, and every key, window and session equals the oracle. After
+    bronze's commit: tests/test_chaos.py."""
     root = f"s3a://{store.bucket}/two-runs"
     dagster, work = tmp_path / "dagster", tmp_path / "work"
     work.mkdir()
@@ -141,7 +144,18 @@ def test_deliveries_kills_and_lost_checkpoints_on_an_object_store_equal_the_orac
     statetables("generate", "--events", "600", "--duplicates", "0.03", "--late", "0.05", "--seed", "2",
                 "--events-per-file", "300")
     killed_at(faults.STREAM_BATCH_END, delay=0.05)
-    assert "SUCCESS" in statetables("run").stdout
+    # The clean run: the thin client of a Spark Connect server in front of a standalone cluster whose worker runs as
+    # another user (nobody), in a folder and an environment of its own, without the storage root or the credentials
+    # (its executors get them from the driver's confs): more than one machine, as one host allows.
+    monkeypatch.setenv(HOME_ENV, root)  # the Connect server takes the S3 connector and its settings from it
+    cluster = tmp_path / "cluster"
+    with spark_standalone(port=free_port(), log_dir=cluster / "standalone-logs", worker_memory="3g",
+                          worker_apart_as="nobody") as master, \
+            spark_connect_server(port=free_port(), log=cluster / "connect-in-front.log",
+                                 conf={"spark.master": master, "spark.executor.memory": "1g"}) as url:
+        assert "SUCCESS" in statetables("run", "--remote", url).stdout
+    # The batches' tasks ran in executors of the worker apart.
+    assert "Asked to launch executor" in (cluster / "standalone-logs" / "worker.log").read_text(errors="replace")
 
     # Operating it on a bucket: the status (landing listed from the store, the lease read back), a savepoint.
     status = json.loads(statetables("status", "--json").stdout)
@@ -169,7 +183,8 @@ def test_deliveries_kills_and_lost_checkpoints_on_an_object_store_equal_the_orac
     delta = [q for q in listings if q.get("max-keys") == ["5000"]]
     assert delta and all("start-after" in q for q in delta)
     whole = Counter(q["prefix"][0] for q in listings if "start-after" not in q)
-    # Each process above that reads tables (three runs and their Dagster steps, status, two savepoint commands)
+    # Each process above that reads tables (three runs and their Dagster steps, the Connect server, status, two
+    # savepoint commands)
     # looks at a table once without a version to start from. When every look listed the whole log it was some 7 a
     # table and run (one +2k run measured).
     assert max(whole.values()) <= 20, whole
