@@ -144,7 +144,7 @@ kafka-broker: install kafka
 
 # Two workers, each with its own SparkSession: a single test keeps ~65% of the 2 cores busy (much of a
 # small run is waiting on commits and query starts), two keep both busy. tests/conftest.py orders each worker's
-# share longest first. The fast loop: every test but those marked `long`, 4 to 7 minutes on 2 cores by the day.
+# share longest first. The fast loop: every test but those marked `long`, 3 to 7 minutes on 2 cores by the day.
 PYTEST := $(BIN)/pytest -q -n 2 --dist worksteal
 test: install jars class-archive
 	$(PYTEST) --durations=15 -m "not long" tests
@@ -156,7 +156,7 @@ test: install jars class-archive
 test-long: install jars class-archive browser jars-s3 s3proxy jars-kafka kafka
 	$(PYTEST) --durations=15 -m long tests
 
-# Both tiers in one session (what .ci/run runs), 20 to 31 minutes on 2 cores: the long tests start first on both
+# Both tiers in one session (what .ci/run runs), 17 to 31 minutes on 2 cores: the long tests start first on both
 # workers and the short ones fill in around them, so neither worker idles at the end of a tier; the summary gives
 # each tier's test seconds.
 test-all: install jars class-archive browser jars-s3 s3proxy jars-kafka kafka
