@@ -1,6 +1,7 @@
 """How the driver JVM starts: it maps the class archive (AppCDS, `make class-archive`), and a bad one never stops a
 run; it writes local files through jvm/'s file systems, which start no process per file; a JVM that ends with its
-command compiles with C1 only, one that serves many runs (this worker's) with both compilers."""
+command compiles with C1 only (with a tiered JVM's code cache), one that serves many runs (this worker's) with both
+compilers."""
 
 from __future__ import annotations
 
@@ -66,6 +67,16 @@ def test_only_a_jvm_that_ends_with_its_command_compiles_with_c1_only(spark):
     drivers = _drivers()
     assert drivers and not any(ONE_COMMAND_JIT.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
                                for pid in drivers)
+
+
+def test_a_c1_only_jvm_keeps_the_code_cache_of_a_tiered_one():
+    """C1 only would otherwise get 48 MB of code cache, which a long run fills: its tasks then die."""
+    def code_cache(*options: str) -> int:
+        flags = subprocess.run(["java", *options, "-XX:+PrintFlagsFinal", "-version"], capture_output=True, text=True,
+                               timeout=60).stdout
+        return int(next(line.split()[3] for line in flags.splitlines() if " ReservedCodeCacheSize " in line))
+
+    assert code_cache(*shlex.split(ONE_COMMAND_JIT)) >= code_cache() >= 240 * 2**20
 
 
 def test_a_damaged_archive_is_ignored_and_the_jvm_starts(tmp_path):
