@@ -83,8 +83,8 @@ def test_a_corrupt_checkpoint_is_set_aside_and_nothing_counts_twice(spark, layou
 
 @pytest.mark.long
 def test_state_table_restored_behind_the_stream_folds_bronze_again(spark, layout):
-    """Delta RESTORE keeps txn ids (delta-io/delta#1813), so they cannot say what the table holds: the bronze
-    version recorded by the commit it went back to does."""
+    """After a Delta RESTORE, the table holds what the version it went back to held: the bronze version that
+    version's commit recorded says what to fold again."""
     spec = MOVIE_TICKET_SALES
     _two_runs(spark, layout, spec)
     state_path = str(layout.table(spec.state_tables[0].name))
