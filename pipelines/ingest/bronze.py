@@ -2,8 +2,8 @@
 
 Every input line ends in exactly one of: the bronze table, the quarantine table, or the count of
 recognised duplicates recorded on the bronze commit (`userMetadata`). Both appends of a micro-batch
-carry Delta transaction identifiers, so a batch replayed after a crash writes nothing twice; a line
-read again under a new checkpoint is recognised by its file and line number.
+name its app id and batch id in their metadata, so a batch replayed after a crash skips what it wrote
+(`made_by_batch`); a line read again under a new checkpoint is recognised by its file and line number.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from pipelines.ingest.validate import content_identity, validate_lines
 from pipelines.storage.delta_log import (
     Appended, NewTable, history_rows, made_by_batch, retry_on_conflict, table_version,
 )
-from pipelines.storage.frames import frame_of_rows, kept
+from pipelines.storage.frames import frame_of_rows, is_small_batch, kept
 from pipelines.storage.layout import StorageLayout
 
 DEFAULT_MAX_FILES_PER_TRIGGER = 100
@@ -95,8 +95,8 @@ def _already_ingested(bronze: DataFrame, quarantine: DataFrame, spec: StreamSpec
     """(source_file, line_number) of the batch's lines that an earlier attempt already wrote.
 
     A line is identified by its file and line number (appends continue the numbering, rewrites are
-    labelled `#v<N>`). After a crash the same batch replays under the same app id and Delta skips
-    its writes anyway; after a lost checkpoint the ledger is read again under a new app id, and
+    labelled `#v<N>`). After a crash the same batch replays under the same app id and skips the
+    appends it made (`made_by_batch`); after a lost checkpoint the ledger is read again under a new app id, and
     this is what keeps every line in at most one table. Bronze is searched within the batch's
     event times (where its own lines are), quarantine by the batch's files.
     """
@@ -160,8 +160,15 @@ def _outcomes(marked: DataFrame, bronze: DataFrame, spec: StreamSpec, lo: Column
                .when(is_new, F.lit("accepted"))
                .when(known_content, F.lit("duplicates"))
                .otherwise(F.lit("quarantined")))
+    return _labelled(looked_up, marked.columns, spec, conflict, outcome)
+
+
+def _labelled(looked_up: DataFrame, columns: list[str], spec: StreamSpec, conflict: Column, outcome: Column
+              ) -> DataFrame:
+    """The batch's `columns` with each line's `outcome`; a `conflict` line quarantined as `conflicting_duplicate`."""
+    id_col = spec.id_field
     return looked_up.select(
-        *[c for c in marked.columns if c not in ("reason", "reason_field", "detail", "_done")],
+        *[c for c in columns if c not in ("reason", "reason_field", "detail", "_done", "outcome")],
         F.when(conflict, F.lit("conflicting_duplicate")).otherwise(F.col("reason")).alias("reason"),
         F.when(conflict, F.lit(id_col)).otherwise(F.col("reason_field")).alias("reason_field"),
         F.when(conflict, F.concat(F.lit(f"{id_col} "), F.col(id_col),
@@ -182,19 +189,76 @@ def _decided_in_order(lines: DataFrame, prior: DataFrame, horizon_us: int) -> Da
                                       F.lit(None).cast("long").alias("line_number"), F.col("_prior_at").alias("_at"),
                                       F.col("_prior_hash").alias("content_hash"), F.lit(True).alias("_prior")))
             .collect())
-    accepted: dict[str, list[tuple[int, str]]] = {}
-    for row in rows:
-        if row["_prior"]:
-            accepted.setdefault(row["_key"], []).append((row["_at"], row["content_hash"]))
-    decided = []
-    for row in sorted((r for r in rows if not r["_prior"]), key=lambda r: (r["unit"], r["line_number"])):
-        kept = accepted.setdefault(row["_key"], [])
-        near = {content for at, content in kept if abs(at - row["_at"]) <= horizon_us}
+    decided = decide_in_order(
+        [(r["unit"], r["line_number"], r["_key"], r["_at"], r["content_hash"]) for r in rows if not r["_prior"]],
+        [(r["_key"], r["_at"], r["content_hash"]) for r in rows if r["_prior"]], horizon_us)
+    return frame_of_rows(lines.sparkSession, [(unit, line, verdict) for (unit, line), verdict in decided.items()],
+                         "unit bigint, line_number bigint, _decided string")
+
+
+def decide_in_order(lines: list[tuple], prior: list[tuple], horizon_us: int) -> dict[tuple[int, int], str]:
+    """The contract's dedup rule, line by line in arrival order: `lines` are (unit, line_number, id, event time in
+    micros, content hash) of valid lines not yet ingested, `prior` (id, event time, content hash) of bronze's
+    accepted events of their ids. A line is `accepted` when no accepted event of its id (in bronze, or an earlier
+    line) lies within `horizon_us` of it, else `duplicates` when one there has its content, else `conflicting`.
+    Returns the verdict of each (unit, line_number)."""
+    accepted: dict = {}
+    for key, at, content in prior:
+        accepted.setdefault(key, []).append((at, content))
+    decided = {}
+    for unit, line, key, at, content in sorted(lines, key=lambda l: (l[0], l[1])):
+        kept_of_id = accepted.setdefault(key, [])
+        near = {known for when, known in kept_of_id if abs(when - at) <= horizon_us}
         if not near:
-            kept.append((row["_at"], row["content_hash"]))
-        decided.append((row["unit"], row["line_number"], "accepted" if not near else
-                        "duplicates" if row["content_hash"] in near else "conflicting"))
-    return frame_of_rows(lines.sparkSession, decided, "unit bigint, line_number bigint, _decided string")
+            kept_of_id.append((at, content))
+        decided[(unit, line)] = "accepted" if not near else "duplicates" if content in near else "conflicting"
+    return decided
+
+
+def _decided_in_driver(stamped: DataFrame, bronze: DataFrame, quarantine: DataFrame, spec: StreamSpec,
+                       horizon_us: int, may_repeat: bool) -> "Classified":
+    """`_outcomes` for a small batch (`is_small_batch`), with its facts and counts: the batch's lines are read into
+    the driver once, bronze is asked once for its events of their ids (and, when lines may repeat, which lines it
+    or quarantine already holds), and every line is decided there, in arrival order (`decide_in_order`: the rule
+    the distributed path applies to repeated ids). The verdicts join the kept lines as a small frame. One Spark job
+    over bronze where the distributed path takes four with shuffles (300 payments warm: ~0.9 s of 1.6 s, measured)."""
+    spark = stamped.sparkSession
+    id_col, ts_col = spec.id_field, spec.event_time_field
+    value = F.col(spec.value_field) if spec.value_field else F.lit(0)
+    rows = stamped.select("unit", "line_number", "source_file", F.col("reason").isNull().alias("_valid"),
+                          F.col(id_col).alias("_key"), F.unix_micros(ts_col).alias("_at"), "content_hash",
+                          value.alias("_value")).collect()
+    valid = [r for r in rows if r["_valid"]]
+    lo, hi = min((r["_at"] for r in valid), default=0), max((r["_at"] for r in valid), default=0)
+    files = sorted({r["source_file"] for r in rows})
+    done = set()
+    if may_repeat and rows:
+        done = {(r["source_file"], r["line_number"]) for r in _already_ingested(
+            bronze, quarantine, spec, files, F.timestamp_micros(F.lit(lo)), F.timestamp_micros(F.lit(hi))).collect()}
+    candidates = [(r["unit"], r["line_number"], r["_key"], r["_at"], r["content_hash"]) for r in valid
+                  if (r["source_file"], r["line_number"]) not in done]
+    prior = []
+    if candidates:
+        prior = (bronze.where(F.col(ts_col).between(F.timestamp_micros(F.lit(lo - horizon_us)),
+                                                    F.timestamp_micros(F.lit(hi + horizon_us))))
+                 .where(F.col(id_col).isin(sorted({c[2] for c in candidates})))
+                 .select(id_col, F.unix_micros(ts_col), content_identity(spec)).collect())
+    decided = decide_in_order(candidates, [tuple(r) for r in prior], horizon_us)
+    verdicts, outcomes = [], {}
+    for r in rows:
+        verdict = ("already_ingested" if (r["source_file"], r["line_number"]) in done else
+                   "quarantined" if not r["_valid"] else decided[(r["unit"], r["line_number"])])
+        outcome = "quarantined" if verdict == "conflicting" else verdict
+        verdicts.append((r["unit"], r["line_number"], outcome))
+        counted = outcomes.setdefault(outcome, {"count": 0, "value": 0})
+        counted["count"] += 1
+        if outcome == "accepted" and r["_value"] is not None:
+            counted["value"] += r["_value"]
+    looked_up = stamped.join(F.broadcast(frame_of_rows(spark, verdicts, "unit bigint, line_number bigint, outcome string")),
+                             ["unit", "line_number"])
+    conflict = (F.col("outcome") == "quarantined") & F.col("reason").isNull()
+    return Classified(_labelled(looked_up, stamped.columns, spec, conflict, F.col("outcome")), len(rows), files,
+                      outcomes)
 
 
 OUTCOMES = ("accepted", "quarantined", "duplicates", "already_ingested")
@@ -232,13 +296,25 @@ def _micros(value: timedelta) -> int:
     return int(value.total_seconds() * 1_000_000)
 
 
+@dataclass(frozen=True)
+class Classified:
+    """Every line of a batch with its `outcome` (kept, or a cheap join of kept lines); how many lines and which
+    files the batch holds; and per outcome its `count` and (accepted) `value`, the sum of the value field."""
+
+    frame: DataFrame
+    lines: int
+    files: list[str]
+    outcomes: dict[str, dict]
+
+
 def _classify(lines: DataFrame, batch_id: int, settings: IngestSettings, ingested_at: datetime,
-              unprocessable: DataFrame | None, error: str | None, may_repeat: bool = True) -> tuple[DataFrame, dict]:
+              unprocessable: DataFrame | None, error: str | None, may_repeat: bool = True) -> Classified:
     """Every line of the batch with its `outcome` (one of OUTCOMES), and facts about the batch.
 
     Lines in `unprocessable` (found by `_isolate`) skip validation: they go to quarantine as they
     are, with reason `unprocessable` and the error that made the batch fail. Unless `may_repeat`,
-    no line of the batch can be in bronze or quarantine yet, and they are not looked up there.
+    no line of the batch can be in bronze or quarantine yet, and they are not looked up there. A small batch
+    (`is_small_batch`) is decided in the driver (`_decided_in_driver`), a larger one by joins.
     """
     spec = settings.spec
     spark = lines.sparkSession
@@ -273,6 +349,11 @@ def _classify(lines: DataFrame, batch_id: int, settings: IngestSettings, ingeste
     # Validated once, kept, and its (large) plan cut off: every later step plans on a small one.
     # Planning the validation again for each of the batch's queries cost more than running it.
     stamped = kept(stamped)
+    bronze = spark.read.format("delta").load(settings.bronze_path)
+    quarantine = spark.read.format("delta").load(settings.quarantine_path)
+    horizon = _micros(settings.horizon)
+    if is_small_batch():
+        return _decided_in_driver(stamped, bronze, quarantine, spec, horizon, may_repeat)
     valid_ts = F.when(F.col("reason").isNull(), F.col(ts_col))
     valid_id = F.when(F.col("reason").isNull(), F.col(spec.id_field))
     facts = stamped.agg(F.unix_micros(F.min(valid_ts)).alias("lo"), F.unix_micros(F.max(valid_ts)).alias("hi"),
@@ -280,25 +361,25 @@ def _classify(lines: DataFrame, batch_id: int, settings: IngestSettings, ingeste
                         F.count(valid_id).alias("valid"), F.count_distinct(valid_id).alias("ids")).first()
     # Event times are compared as micros, never as Python datetimes: no year-0 or year-10000 surprises.
     lo, hi = facts["lo"] or 0, facts["hi"] or 0
-    bronze = spark.read.format("delta").load(settings.bronze_path)
-    quarantine = spark.read.format("delta").load(settings.quarantine_path)
     if may_repeat:
         done = _already_ingested(bronze, quarantine, spec, facts["files"], F.timestamp_micros(F.lit(lo)),
                                  F.timestamp_micros(F.lit(hi))).withColumn("_done", F.lit(True))
         marked = stamped.join(done, ["source_file", "line_number"], "left")
     else:
         marked = stamped.withColumn("_done", F.lit(None).cast("boolean"))
-    horizon = _micros(settings.horizon)
-    classified = _outcomes(marked, bronze, spec, F.timestamp_micros(F.lit(lo - horizon)),
-                           F.timestamp_micros(F.lit(hi + horizon)), horizon, repeats=facts["valid"] > facts["ids"])
-    return classified, {"lines": facts["lines"], "files": facts["files"]}
+    classified = kept(_outcomes(marked, bronze, spec, F.timestamp_micros(F.lit(lo - horizon)),
+                                F.timestamp_micros(F.lit(hi + horizon)), horizon,
+                                repeats=facts["valid"] > facts["ids"]))
+    by_outcome = classified.groupBy("outcome").agg(F.count("*").alias("count"),
+                                                   F.sum(spec.value_field or F.lit(0)).alias("value"))
+    return Classified(classified, facts["lines"], facts["files"],
+                      {r["outcome"]: {"count": r["count"], "value": r["value"]} for r in by_outcome.collect()})
 
 
 def _probe(lines: DataFrame, batch_id: int, settings: IngestSettings, ingested_at: datetime) -> str | None:
     """Evaluate the batch's classification of `lines` without writing; the error, or None."""
     try:
-        classified, _ = _classify(lines, batch_id, settings, ingested_at, None, None)
-        classified.write.format("noop").mode("overwrite").save()
+        _classify(lines, batch_id, settings, ingested_at, None, None).frame.write.format("noop").mode("overwrite").save()
         return None
     except Exception as exc:  # any evaluation error is what is being looked for
         return _first_line(exc)
@@ -447,17 +528,14 @@ def _write_batch(lines: DataFrame, batch_id: int, settings: IngestSettings, inge
     """Quarantine, then bronze, each one append carrying the batch's counts in its userMetadata; returns them, and
     the bronze commit with its rows."""
     spec = settings.spec
-    classified, facts = _classify(lines, batch_id, settings, ingested_at, unprocessable, error, may_repeat)
-    classified = kept(classified)
-    by_outcome = classified.groupBy("outcome").agg(F.count("*").alias("count"),
-                                                   F.sum(spec.value_field or F.lit(0)).alias("value"))
-    outcomes = {r["outcome"]: r for r in by_outcome.collect()}
+    decided = _classify(lines, batch_id, settings, ingested_at, unprocessable, error, may_repeat)
+    classified, outcomes = decided.frame, decided.outcomes
     accepted = outcomes.get("accepted")
     # Running totals of everything bronze holds after this commit: the per-run checks compare the
     # state tables with them instead of reading all of bronze again (one writer: the lock).
     events_before, value_before = accepted_totals(lines.sparkSession, settings.bronze_path, spec.value_field)
-    counts = {"app_id": settings.app_id, "batch_id": batch_id, "files": len(facts["files"]),
-              "lines": facts["lines"], **{k: outcomes[k]["count"] if k in outcomes else 0 for k in OUTCOMES},
+    counts = {"app_id": settings.app_id, "batch_id": batch_id, "files": len(decided.files),
+              "lines": decided.lines, **{k: outcomes[k]["count"] if k in outcomes else 0 for k in OUTCOMES},
               UNPROCESSABLE: classified.where(F.col("reason") == UNPROCESSABLE).count() if error else 0,
               "files_vanished": vanished,
               ACCEPTED_TOTAL: events_before + (accepted["count"] if accepted else 0),

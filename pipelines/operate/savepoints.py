@@ -5,8 +5,8 @@
 Taken under each stream's writer lock. A state table's commits record the bronze version it has folded
 through (pipelines/state/tables.py), so its version is all a savepoint needs. Restoring puts each table's content
 back as of its savepoint version with a MERGE (a normal commit: readers and the Change Data Feed see only
-the rows that change; not Delta RESTORE, whose kept transaction ids would make a replayed batch skip its
-write, delta-io/delta#1813) that records the savepoint's bronze version. The next run folds in everything
+the rows that change; not Delta RESTORE, which leaves the commits it undoes in the log, where a replayed batch
+would find its own and skip its write) that records the savepoint's bronze version. The next run folds in everything
 after it again, exactly once, before its query starts.
 """
 

@@ -142,9 +142,9 @@ def set_aside(checkpoint_dir: Path, set_aside_root: Path) -> Path | None:
 def table_batches(spark: SparkSession, table_path: Path, app_id: str) -> tuple[int | None, int | None]:
     """(last batch of `app_id` the table ever committed, last one still in effect after RESTOREs).
 
-    Delta RESTORE does not roll back transaction identifiers (delta-io/delta#1813): a batch undone
-    by a restore would be skipped as "already written" if replayed under the same app id, so the
-    two numbers differing is itself a reason to start over under a new app id.
+    A Delta RESTORE leaves the commits it undoes in the log: a batch undone by a restore would be found
+    there and skipped as "already written" if replayed under the same app id, so the two numbers
+    differing is itself a reason to start over under a new app id.
     """
     if table_version(spark, table_path) is None:
         return None, None

@@ -8,8 +8,8 @@ query). Its foreachBatch, `StreamBatch`, reads top to bottom in data-flow order:
 3. the windowed and session tables (pipelines/event_time/windows.py, pipelines/event_time/sessions.py), with late events;
 4. the changelog, from the state-table versions this batch wrote (pipelines/state/changelog.py).
 
-Exactly once. Every write but the changelog's carries the stream's transaction id (app id, batch id), so a replay
-of a batch is a no-op table by table; the changelog's commit records the state-table version it covers, and a
+Exactly once. Every commit names the stream's app id and batch id in its metadata; quarantine's and bronze's
+appends of a replayed batch find their own and are skipped (pipelines/storage/delta_log.py, `made_by_batch`); the changelog's commit records the state-table version it covers, and a
 replay appends only what comes after it. Each step after bronze folds the bronze rows added after the version its own last commit
 recorded (this batch's own append as the batch holds it, when that is all the step lacks), and records the version
 it reached in the same commit as its rows. So a batch replayed after a crash
@@ -68,7 +68,7 @@ from pipelines.state.tables import StateTableStage, state_new_table, state_table
 from pipelines.storage.delta_log import (
     Appended, BronzeRows, NewTable, commits_since, create_tables_if_missing, new_app_id, table_id, table_version,
 )
-from pipelines.storage.frames import kept_in_memory
+from pipelines.storage.frames import small_batch
 from pipelines.storage.layout import StorageLayout
 
 
@@ -184,7 +184,7 @@ class StreamBatch:
         listed = BatchUnits.of(units) if self.spec.topic is None else None
         small = listed is not None and listed.landing_bytes < SMALL_BATCH_BYTES
         steps_s: dict[str, float] = {}
-        with session_confs_during(units.sparkSession, INTERPRETED if small else {}), kept_in_memory(small):
+        with session_confs_during(units.sparkSession, INTERPRETED if small else {}), small_batch(small):
             with timed(steps_s, "ingest"):
                 ingested = (ingest_batch(listed, batch_id, settings=self.ingest) if listed is not None
                             else ingest_records(units, batch_id, settings=self.ingest))

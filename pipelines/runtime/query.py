@@ -114,7 +114,7 @@ def _new_reports(reports: list, after: str, query_name: str, continuous: Continu
 def _stop_between_batches(query, timeout_s: float) -> None:
     """Stop the query once no micro-batch is running, so that the current batch commits first. A batch
     that a stop interrupts anyway (one starting in between, or one past the timeout) is replayed by the
-    next run from the checkpoint and its commits skipped by their transaction ids."""
+    next run from the checkpoint, and what it had committed is skipped (its commits name their batch)."""
     deadline = time.monotonic() + timeout_s
     while query.isActive and query.status["isTriggerActive"] and time.monotonic() < deadline:
         time.sleep(0.05)

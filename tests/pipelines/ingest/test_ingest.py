@@ -22,6 +22,8 @@ name (its next version, `#v2`), both reported as changed files, and new files.
   ids quarantined; a missing optional field against "\\u0000" (and null, which is missing); event time at both ends
   of the default allowance (the epoch, one day after ingestion); an in-flight file read once renamed; a micro-batch
   replayed (its checkpoint commit lost after its tables' commits) writes nothing twice, and the next one goes on.
+Payments' micro-batches are decided in the driver, as every small batch is; movie_ticket_sales' by joins, as a large
+batch is (pipelines/ingest/bronze.py). `decide_in_order`, the dedup rule both apply, also on hand-written lines.
 After each run: every line ever delivered is in exactly one of bronze, quarantine or the recognised duplicates, with
 the oracle's counts, events and reasons; quarantine names real files (`#v2` for the second version of a rewritten
 one); the state table equals the oracle's counts and exact sums key by key; `deltalake` reads every Delta table.
@@ -34,6 +36,7 @@ import gzip
 import json
 import os
 from collections import Counter
+from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
 from decimal import Decimal
 from pathlib import Path
@@ -45,6 +48,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipelines.faults import FAULTS_ENV, INGEST_POISON, arm
+from pipelines.ingest.bronze import decide_in_order
+from pipelines.runtime import micro_batch
 from pipelines.storage.layout import StorageLayout
 from tests.contract_oracle import DEFAULT_HORIZON, EPOCH, Oracle, file_lines, landing_files
 from tests.pipelines.ingest.test_validation_properties import FIXED_TIMESTAMPS, SEARCH, line_batch
@@ -839,10 +844,45 @@ def _lose_the_last_checkpoint_commit(layout) -> None:
     (commits / f".{last.name}.crc").unlink(missing_ok=True)
 
 
+def test_decide_in_order_takes_lines_in_arrival_order_within_the_horizon_of_each():
+    hour = 3600 * 10**6
+    prior = [("a", 0, "A")]  # bronze holds a at 00:00 with content A
+    lines = [
+        (2, 1, "c", 5 * hour, "C2"),  # after the line below: conflicts with it
+        (1, 1, "a", hour, "A"),  # within the horizon of bronze's a, same content
+        (1, 2, "a", 2 * hour, "X"),  # within it, other content
+        (1, 3, "a", 3 * hour, "X"),  # exactly at the horizon's edge: still within
+        (1, 4, "a", 3 * hour + 1, "X"),  # one microsecond past it: a new event, accepted...
+        (1, 5, "a", 4 * hour, "X"),  # ...and now the line it is compared with
+        (1, 6, "c", 5 * hour, "C1"),
+        (1, 7, "b", 0, "B"),
+        (1, 8, "b", 0, "B"),
+    ]
+    assert decide_in_order(lines, prior, 3 * hour) == {
+        (1, 1): "duplicates", (1, 2): "conflicting", (1, 3): "conflicting", (1, 4): "accepted",
+        (1, 5): "duplicates", (1, 6): "accepted", (1, 7): "accepted", (1, 8): "duplicates", (2, 1): "conflicting"}
+
+
+@contextmanager
+def _every_batch_large():
+    """Micro-batches decided by joins, as a batch of SMALL_BATCH_BYTES or more is (not in the driver)."""
+    small = micro_batch.SMALL_BATCH_BYTES
+    micro_batch.SMALL_BATCH_BYTES = 0
+    try:
+        yield
+    finally:
+        micro_batch.SMALL_BATCH_BYTES = small
+
+
 @settings(max_examples=1, **SEARCH)  # each example is two runs of the stream: the search is in its drawn lines
 @given(data=st.data())
 def test_movie_ticket_sales_malformed_kinds_redeliveries_allowance_in_flight_files_and_a_replayed_batch(
         spark, tmp_path_factory, data):
+    with _every_batch_large():
+        _movie_ticket_sales_scenario(spark, tmp_path_factory, data)
+
+
+def _movie_ticket_sales_scenario(spark, tmp_path_factory, data) -> None:
     layout = _layout(tmp_path_factory, "movie_ticket_sales")
     d, files = _landing_sales(layout.landing("movie_ticket_sales"), data)
     d.deliver_present_files()
