@@ -36,7 +36,8 @@ from pipelines.faults import fault_point
 from pipelines.state.tables import DEFINITION_PROPERTY
 from pipelines.storage import delta_sql
 from pipelines.storage.delta_log import (
-    BronzeRows, NewTable, commits_since, create_tables_if_missing, history_rows, retry_on_conflict, table_version,
+    BronzeRows, NewTable, commits_since, create_tables_if_missing, history_rows, retry_on_conflict, table_properties,
+    table_version,
 )
 from pipelines.storage.frames import frame_of_rows, kept
 from pipelines.storage.layout import StorageLayout
@@ -316,7 +317,7 @@ def require_definition(spark: SparkSession, path: Path, table: EventTimeTableSpe
     gap, watermark delay, key or aggregate changes which events are late and how rows are cut): old rows and new
     ones would disagree. A table with no rows yet takes the current definition."""
     wanted = definition_of(table, delay)
-    found = delta_sql.properties(spark, path).get(DEFINITION_PROPERTY)
+    found = table_properties(spark, path).get(DEFINITION_PROPERTY)
     if found == wanted:
         return
     if found is not None and (table_version(spark, path) or 0) > 0:

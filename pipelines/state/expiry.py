@@ -38,7 +38,7 @@ from pyspark.sql import functions as F
 from pipelines.declare.specs import StateTableSpec
 from pipelines.errors import ExpiryHistoryError
 from pipelines.storage import delta_sql
-from pipelines.storage.delta_log import USER_METADATA, commit_confs, history_rows
+from pipelines.storage.delta_log import USER_METADATA, commit_confs, history_rows, table_properties
 from pipelines.storage.delta_sql import ident
 from pipelines.storage.frames import frame_of_rows
 
@@ -75,7 +75,7 @@ def _user_metadata(row) -> dict:
 
 def ttl_property(spark: SparkSession, table_path: str | Path) -> str | None:
     """The table's `statetables.keyTtlDays` ("off" once a TTL was removed), None if it never had one."""
-    return delta_sql.properties(spark, table_path).get(TTL_PROPERTY)
+    return table_properties(spark, table_path).get(TTL_PROPERTY)
 
 
 def record_policy(spark: SparkSession, table_path: str | Path, ttl: timedelta | None) -> None:

@@ -30,8 +30,8 @@ from pipelines.state.expiry import (
 )
 from pipelines.storage import delta_sql
 from pipelines.storage.delta_log import (
-    USER_METADATA, BronzeRows, commit_actions, commit_confs, commits_since,
-    NewTable, create_tables_if_missing, history_rows, holds_no_rows, new_app_id, retry_on_conflict, table_version,
+    USER_METADATA, BronzeRows, commit_confs, commits_since, NewTable, create_tables_if_missing, history_rows,
+    holds_no_rows, logged_properties, new_app_id, retry_on_conflict, table_properties, table_version,
 )
 from pipelines.storage.delta_sql import ident
 from pipelines.storage.layout import StorageLayout
@@ -80,7 +80,7 @@ def require_definition(spark: SparkSession, table_path: Path, table: StateTableS
     old rows and new rows would mean different things. A table without a record gets one, if its columns are
     the declared ones."""
     wanted = definition_of(table)
-    found = delta_sql.properties(spark, table_path).get(DEFINITION_PROPERTY)
+    found = table_properties(spark, table_path).get(DEFINITION_PROPERTY)
     if found == wanted:
         return
     columns = [(f.name, f.dataType.simpleString()) for f in spark.read.format("delta").load(str(table_path)).schema]
@@ -93,21 +93,11 @@ def require_definition(spark: SparkSession, table_path: Path, table: StateTableS
     delta_sql.set_property(spark, table_path, DEFINITION_PROPERTY, wanted)
 
 
-LOG_SEARCHED = 200  # newest commit files searched for the table's metadata when the code location loads
-
-
 def recorded_definition(table_path: Path) -> str | None:
-    """The fingerprint the table's newest metadata records, read from its log's commit files (the Delta protocol:
-    a `metaData` action carries the table's properties), without Spark, so that the code location can check it
-    when it loads. None when none of the newest commit files holds metadata (older ones checkpointed away)."""
-    latest = table_version(None, table_path)  # no Spark: read from the log's file names
-    if latest is None:
-        return None
-    for _, actions in commit_actions(table_path, latest, LOG_SEARCHED):
-        for action in actions:
-            if "metaData" in action:
-                return (action["metaData"].get("configuration") or {}).get(DEFINITION_PROPERTY)
-    return None
+    """The fingerprint the table's newest metadata records, read from its log without Spark, so that the code
+    location can check it when it loads. None when none of the newest commit files holds metadata (older ones
+    checkpointed away)."""
+    return (logged_properties(table_path) or {}).get(DEFINITION_PROPERTY)
 
 
 def changed_definitions(layout: StorageLayout, tables: list[StateTableSpec]) -> list[str]:

@@ -160,6 +160,30 @@ def commit_actions(path: Path, newest: int, count: int | None = None) -> Iterato
         yield version, (json.loads(line) for line in text.splitlines() if line.strip())
 
 
+PROPERTIES_SEARCHED = 200  # newest commit files searched for the table's metadata
+
+
+def logged_properties(path: Path | str) -> dict[str, str] | None:
+    """The table's properties as its newest `metaData` action sets them (Delta protocol: each one replaces the
+    last), read from its newest commit files without Spark; None when none of the newest PROPERTIES_SEARCHED
+    holds one (older ones checkpointed away) or it is not a table."""
+    latest = table_version(None, path)
+    if latest is None:
+        return None
+    for _, actions in commit_actions(path, latest, PROPERTIES_SEARCHED):
+        for action in actions:
+            if "metaData" in action:
+                return dict(action["metaData"].get("configuration") or {})
+    return None
+
+
+def table_properties(spark: SparkSession, path: Path | str) -> dict[str, str]:
+    """The table's properties: from its log (`logged_properties`), else asked of Delta (SHOW TBLPROPERTIES, a Spark
+    job: 0.8 s of a cold `statetables run`, measured)."""
+    logged = logged_properties(path)
+    return logged if logged is not None else delta_sql.properties(spark, path)
+
+
 def holds_no_rows(spark: SparkSession, path: Path) -> bool:
     """Whether no commit of the table ever added a file (a table created, then only altered), read from its commit
     files; False when log retention has cleaned some of them up, as nothing then proves it."""
