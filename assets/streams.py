@@ -6,6 +6,7 @@ The step is thin: it asks the resources for a Spark session and the storage layo
 """
 
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from datetime import timedelta
 from decimal import Decimal
@@ -139,16 +140,26 @@ def build_stream_assets(spec: StreamSpec, keeps_event_time: bool = True) -> list
                             if "source_offsets" in c["user"]), None)
             if offsets is not None:
                 ingest["topic_offsets"] = dg.MetadataValue.json(offsets["next"])
+        # What the tables hold after the run, each a Spark query of its own, asked at once: one after the other they
+        # were a fifth of a cold `statetables run` (measured). Yielded in order below.
+        pool = ThreadPoolExecutor(METADATA_QUERIES_AT_ONCE, thread_name_prefix=f"{spec.name}-metadata")
+        versions = result.versions[spec.quarantine_table]
+        reasons = pool.submit(lambda: frame_table(
+            quarantine_reasons(session, layout, spec, versions.before, versions.after), 20,
+            rows_known=0 if counts["quarantined"] == 0 else None))
+        states = [pool.submit(_state_result, session, layout, current, table, result, counts, common)
+                  for table in current.state_tables]
+        windowed = pool.submit(lambda: list(event_time_assets.results(session, layout, current, result, check_policy,
+                                                                      owns_late))) if event_time else None
+        changelogs = [pool.submit(_changelog_result, session, layout, table, result) for table in spec.state_tables]
+        pool.shutdown(wait=False)
         yield dg.MaterializeResult(asset_key=bronze, metadata={
             **common, **ingest, "rows_accepted": counts["accepted"], "duplicates_recognised": counts["duplicates"],
             "lines_already_ingested": counts["already_ingested"], "files_changed_after_ingestion": len(changed),
             "files_vanished": len(vanished), "changed_files": changed_table, **_versions(result, spec.bronze_table)})
-        versions = result.versions[spec.quarantine_table]
-        reasons = quarantine_reasons(session, layout, spec, versions.before, versions.after)
         yield dg.MaterializeResult(asset_key=quarantine, metadata={
             **common, **ingest, "rows_quarantined": counts["quarantined"], "rows_unprocessable": counts["unprocessable"],
-            "reasons": frame_table(reasons, 20, rows_known=0 if counts["quarantined"] == 0 else None),
-            **_versions(result, spec.quarantine_table)})
+            "reasons": reasons.result(), **_versions(result, spec.quarantine_table)})
         yield dg.AssetCheckResult(
             check_name="landing_files_written_once", asset_key=bronze, passed=not changed and not vanished,
             severity=dg.AssetCheckSeverity.WARN,
@@ -160,24 +171,32 @@ def build_stream_assets(spec: StreamSpec, keeps_event_time: bool = True) -> list
             severity=dg.AssetCheckSeverity.WARN,
             metadata={"quarantine_rate": round(rate, 6), "threshold": config.quarantine_warn_rate,
                       "lines_read": counts["lines"], "rows_quarantined": counts["quarantined"]})
-        for table in current.state_tables:
-            yield _state_result(session, layout, current, table, result, counts, common)
-        if event_time:
-            yield from event_time_assets.results(session, layout, current, result, check_policy, owns_late)
-        for table in spec.state_tables:
-            name = changelog_name(table)
-            path = layout.table(name)
-            appended = sum(int(c["metrics"].get("numOutputRows", 0))
-                           for c in commits_since(session, path, result.versions[name].before))
-            figures = session.read.format("delta").load(str(path)).agg(
-                F.count("*").alias("rows"), F.max("_commit_version").alias("covered")).first()
-            yield dg.MaterializeResult(asset_key=changelog_key(table), metadata={
-                "change_rows_appended": appended, "change_rows_total": figures["rows"],
-                "state_table_version_covered": figures["covered"] if figures["covered"] is not None else -1,
-                "path": dg.MetadataValue.path(str(path)), **_versions(result, name)})
+        for state in states:
+            yield state.result()
+        if windowed is not None:
+            yield from windowed.result()
+        for changelog in changelogs:
+            yield changelog.result()
 
     return [stream, *(check for table in spec.state_tables for check in build_state_checks(spec, table)),
             *(event_time_assets.deep_checks(spec) if event_time else [])]
+
+
+METADATA_QUERIES_AT_ONCE = 4
+
+
+def _changelog_result(session: SparkSession, layout, table: StateTableSpec,
+                      result: StreamRunResult) -> dg.MaterializeResult:
+    name = changelog_name(table)
+    path = layout.table(name)
+    appended = sum(int(c["metrics"].get("numOutputRows", 0))
+                   for c in commits_since(session, path, result.versions[name].before))
+    figures = session.read.format("delta").load(str(path)).agg(
+        F.count("*").alias("rows"), F.max("_commit_version").alias("covered")).first()
+    return dg.MaterializeResult(asset_key=changelog_key(table), metadata={
+        "change_rows_appended": appended, "change_rows_total": figures["rows"],
+        "state_table_version_covered": figures["covered"] if figures["covered"] is not None else -1,
+        "path": dg.MetadataValue.path(str(path)), **_versions(result, name)})
 
 
 def _state_table_specs(spec: StreamSpec, table: StateTableSpec) -> list[dg.AssetSpec]:
