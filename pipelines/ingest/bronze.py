@@ -255,8 +255,8 @@ def _decided_in_driver(stamped: DataFrame, bronze: DataFrame, quarantine: DataFr
         counted["count"] += 1
         if outcome == "accepted" and r["_value"] is not None:
             counted["value"] += r["_value"]
-    looked_up = stamped.join(F.broadcast(frame_of_rows(spark, verdicts, "unit bigint, line_number bigint, outcome string")),
-                             ["unit", "line_number"])
+    verdict_rows = frame_of_rows(spark, verdicts, "unit bigint, line_number bigint, outcome string")
+    looked_up = stamped.join(F.broadcast(verdict_rows), ["unit", "line_number"])
     conflict = (F.col("outcome") == "quarantined") & F.col("reason").isNull()
     return Classified(_labelled(looked_up, stamped.columns, spec, conflict, F.col("outcome")), len(rows), files,
                       outcomes)

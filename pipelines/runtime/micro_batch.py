@@ -9,8 +9,9 @@ query). Its foreachBatch, `StreamBatch`, reads top to bottom in data-flow order:
 4. the changelog, from the state-table versions this batch wrote (pipelines/state/changelog.py).
 
 Exactly once. Every commit names the stream's app id and batch id in its metadata; quarantine's and bronze's
-appends of a replayed batch find their own and are skipped (pipelines/storage/delta_log.py, `made_by_batch`); the changelog's commit records the state-table version it covers, and a
-replay appends only what comes after it. Each step after bronze folds the bronze rows added after the version its own last commit
+appends of a replayed batch find their own and are skipped (pipelines/storage/delta_log.py, `made_by_batch`); the
+changelog's commit records the state-table version it covers, and a replay appends only what comes after it. Each
+step after bronze folds the bronze rows added after the version its own last commit
 recorded (this batch's own append as the batch holds it, when that is all the step lacks), and records the version
 it reached in the same commit as its rows. So a batch replayed after a crash
 between any two commits, or after the checkpoint was lost (a new app id), folds every bronze row once: a step
