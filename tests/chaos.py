@@ -44,6 +44,7 @@ from pathlib import Path
 from pipelines import faults
 from pipelines.event_time.watermark import LATE
 from pipelines.ingest.generate import generate
+from pipelines.runtime.spark import ENGINE_JAVA_OPTIONS_ENV, ONE_COMMAND_JIT
 from pipelines.state.changelog import changelog_name
 from pipelines.state.expiry import EXPIRED
 from pipelines.storage.files import S3Path
@@ -544,6 +545,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the storage root in a bucket of an S3 server started here (`statetables s3-server`), "
                              "its data under the home folder; the writer lock is then the lease")
     args = parser.parse_args(argv)
+    # The engines this harness starts live a few runs each, killed or not: C1 only, as the test suite's.
+    os.environ.setdefault(ENGINE_JAVA_OPTIONS_ENV, ONE_COMMAND_JIT)
     home = Path(args.home or tempfile.mkdtemp(prefix="statetables-chaos-")).resolve()
     if args.kafka:
         from statetables.servers import kafka_broker

@@ -1,7 +1,7 @@
 """How the driver JVM starts: it maps the class archive (AppCDS, `make class-archive`), and a bad one never stops a
 run; it writes local files through jvm/'s file systems, which start no process per file; a JVM that ends with its
-command compiles with C1 only (with a tiered JVM's code cache), one that serves many runs (this worker's) with both
-compilers."""
+command compiles with C1 only (with a tiered JVM's code cache: this worker's, for the test session), one that serves
+many runs with both compilers."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import subprocess
 from pathlib import Path
 
 from pipelines.runtime.spark import (
-    CLASS_ARCHIVE, ONE_COMMAND_JIT, SparkSettings, class_archive_options, session_confs,
+    CLASS_ARCHIVE, ENGINE_JAVA_OPTIONS_ENV, ONE_COMMAND_JIT, SparkSettings, class_archive_options, session_confs,
 )
+from statetables.servers import connect_server_command
 
 
 def _descendants(pid: int) -> list[int]:
@@ -62,11 +63,29 @@ def test_the_driver_writes_local_files_through_the_projects_file_systems(spark, 
 
 
 def test_only_a_jvm_that_ends_with_its_command_compiles_with_c1_only(spark):
+    """This worker's JVM ends with the test session, one command (tests/conftest.py): it runs C1 only."""
     assert ONE_COMMAND_JIT in session_confs(SparkSettings(one_command=True))["spark.driver.extraJavaOptions"]
     assert ONE_COMMAND_JIT not in session_confs(SparkSettings())["spark.driver.extraJavaOptions"]
     drivers = _drivers()
-    assert drivers and not any(ONE_COMMAND_JIT.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
-                               for pid in drivers)
+    assert drivers and all(ONE_COMMAND_JIT.encode() in Path(f"/proc/{pid}/cmdline").read_bytes() for pid in drivers)
+
+
+def test_a_cluster_runs_executors_and_an_engine_takes_the_options_it_is_given(monkeypatch):
+    """A one-command run's executors on a cluster end with it: C1 only. A Connect server maps the class archive and
+    takes $STATETABLES_ENGINE_JAVA_OPTIONS (this suite sets C1 only), for its executors too when it fronts a cluster."""
+    cluster = SparkSettings(master="spark://127.0.0.1:7077", one_command=True)
+    assert session_confs(cluster)["spark.executor.extraJavaOptions"] == ONE_COMMAND_JIT
+    assert "spark.executor.extraJavaOptions" not in session_confs(SparkSettings(master="spark://127.0.0.1:7077"))
+    monkeypatch.setenv(ENGINE_JAVA_OPTIONS_ENV, "-XX:TieredStopAtLevel=1")
+
+    def confs(command: list[str]) -> dict[str, str]:
+        return dict(value.split("=", 1) for flag, value in zip(command, command[1:]) if flag == "--conf")
+    local = confs(connect_server_command(15999))
+    assert class_archive_options() in local["spark.driver.extraJavaOptions"]
+    assert local["spark.driver.extraJavaOptions"].endswith(" -XX:TieredStopAtLevel=1")
+    assert "spark.executor.extraJavaOptions" not in local  # its tasks run in its own JVM
+    fronting = confs(connect_server_command(15999, conf={"spark.master": "spark://127.0.0.1:7077"}))
+    assert fronting["spark.executor.extraJavaOptions"] == "-XX:TieredStopAtLevel=1"
 
 
 def test_a_c1_only_jvm_keeps_the_code_cache_of_a_tiered_one():

@@ -156,6 +156,14 @@ def test_without_event_time_a_failing_blocking_check_fails_the_run_and_the_deep_
         assert {event.asset_key.path[-1] for event in first.get_asset_materialization_events()} == {
             "payments_bronze", "payments_quarantine", "payments_per_customer", "payments_per_customer_changelog"}
         assert not any(layout.table(name).exists() for name in sessions_tables | {LATE})
+        # The changelog's figures (from the log's file statistics) against its rows as Spark reads them.
+        changelog = next(e.step_materialization_data.materialization.metadata
+                         for e in first.get_asset_materialization_events()
+                         if e.asset_key.path[-1] == "payments_per_customer_changelog")
+        versions = [r[0] for r in spark.read.format("delta").load(
+            str(layout.table("payments_per_customer_changelog"))).select("_commit_version").collect()]
+        assert changelog["change_rows_total"].value == len(versions) > 0
+        assert changelog["state_table_version_covered"].value == max(versions)
         # corrupt the state table behind the pipeline's back: one customer counted twice
         table = DeltaTable.forPath(spark, str(layout.table("payments_per_customer")))
         key = table.toDF().first()["customer_id"]
