@@ -140,8 +140,8 @@ def pytest_terminal_summary(terminalreporter):
 @pytest.fixture(scope="session")
 def spark():
     # The worker's JVM ends with the test session, one command: C1 only, as `statetables run`'s. The fast tier took
-    # 197 s instead of 271 s (its test seconds 378 instead of 529): C2 compiled for minutes on the cores the tests
-    # needed, code whose runs were over before it could pay back.
+    # 197 and 201 s instead of 271 and 266 s (two pairs in turn; test seconds 378 and 389 instead of 529 and 518):
+    # C2 compiled for minutes, on the cores the tests needed, code whose runs were over before it could pay back.
     session = build_spark_session(SparkSettings(one_command=True))
     yield session
     session.stop()
