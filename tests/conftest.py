@@ -58,8 +58,8 @@ EXPECTED_SECONDS = {
 SHORT_S = 5
 
 # The Spark Connect servers tests start (their own, and `statetables dev`'s in the UI and continuous tests) live for a
-# few runs: C1 only, as a one-command driver JVM. The long tier's servers had spent a quarter of its CPU, most of it
-# compiling with C2 code they never ran long enough to use (measured).
+# few runs: C1 only, as a one-command driver JVM. They had spent a quarter of the long tier's CPU; one run through
+# such a server cost it 61-65 s of CPU with both compilers, 33-37 s with C1 only (docs/performance.md).
 os.environ.setdefault(ENGINE_JAVA_OPTIONS_ENV, ONE_COMMAND_JIT)
 
 

@@ -48,7 +48,7 @@ ONE_COMMAND_JIT = "-XX:TieredStopAtLevel=1 -XX:ReservedCodeCacheSize=240m"
 # More options for the JVM of a Spark Connect server the project starts (`statetables connect-server`, `dev`,
 # `serve`, and the tests' servers), and for its executors when its master is a cluster: e.g. ONE_COMMAND_JIT for a
 # server that lives a few runs (the test suite sets that: one thin-client run of 1,500 events per stream cost such a
-# server 33 s of CPU instead of 61 s, measured).
+# server 33-37 s of CPU instead of 61-65 s, measured).
 ENGINE_JAVA_OPTIONS_ENV = "STATETABLES_ENGINE_JAVA_OPTIONS"
 # The project's own JVM code (jvm/, `make jars`).
 JVM_JAR = "statetables-jvm.jar"
