@@ -144,7 +144,7 @@ kafka-broker: install kafka
 
 # Two workers, each with its own SparkSession: a single test keeps ~65% of the 2 cores busy (much of a
 # small run is waiting on commits and query starts), two keep both busy. tests/conftest.py orders each worker's
-# share longest first. The fast loop: every test but those marked `long`, 3 to 7 minutes on 2 cores by the day.
+# share longest first. The fast loop: every test but those marked `long`, 3 to 6 minutes on 2 cores by the day.
 PYTEST := $(BIN)/pytest -q -n 2 --dist worksteal
 test: install jars class-archive
 	$(PYTEST) --durations=15 -m "not long" tests
@@ -152,11 +152,11 @@ test: install jars class-archive
 # The rest: kill -9 chaos, the continuous job and the UI in headless Chromium under dagster dev, the same tables over
 # Spark Connect and on a standalone cluster, lost, damaged or set-back checkpoints, a savepoint restore, the whole
 # product on an s3a:// root (its own S3 server: the S3 connector and s3proxy are fetched for it), streams from Kafka
-# topics (its own broker: Spark's Kafka connector and the broker's jars are fetched for it).
+# topics (its own broker: Spark's Kafka connector and the broker's jars are fetched for it). 12 to 25 minutes.
 test-long: install jars class-archive browser jars-s3 s3proxy jars-kafka kafka
 	$(PYTEST) --durations=15 -m long tests
 
-# Both tiers in one session (what .ci/run runs), 17 to 31 minutes on 2 cores: the long tests start first on both
+# Both tiers in one session (what .ci/run runs), 13 to 27 minutes on 2 cores: the long tests start first on both
 # workers and the short ones fill in around them, so neither worker idles at the end of a tier; the summary gives
 # each tier's test seconds.
 test-all: install jars class-archive browser jars-s3 s3proxy jars-kafka kafka
