@@ -41,7 +41,8 @@ PARALLEL_GC = "-XX:+UseParallelGC"
 # A driver JVM that lives for one command (`statetables run`, a savepoint, a restore) spends its first seconds
 # compiling Spark's and Delta's code twice, C1 then C2, on the same 2 cores as the work: with C1 only the README's
 # first run took 15.3 s instead of 19.1 s (medians of 3, alternated), a run of 20,000 events per stream the same,
-# 200,000 per stream 63.4 s against 61.5 s. A JVM that serves many runs (an engine, a test worker) keeps both.
+# 200,000 per stream 63.4 s against 61.5 s. A JVM that serves many runs (an engine) keeps both; a test session is
+# one command (tests/conftest.py).
 # C1 only also shrinks the JVM's default code cache from 240 MB to 48 MB, which a run that reads a Kafka topic through
 # several batches filled ("Out of space in CodeCache", the JVM's tasks then died): it keeps the tiered default.
 ONE_COMMAND_JIT = "-XX:TieredStopAtLevel=1 -XX:ReservedCodeCacheSize=240m"

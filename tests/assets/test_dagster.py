@@ -156,7 +156,7 @@ def test_without_event_time_a_failing_blocking_check_fails_the_run_and_the_deep_
         assert {event.asset_key.path[-1] for event in first.get_asset_materialization_events()} == {
             "payments_bronze", "payments_quarantine", "payments_per_customer", "payments_per_customer_changelog"}
         assert not any(layout.table(name).exists() for name in sessions_tables | {LATE})
-        # The changelog's figures (from the log's file statistics) against its rows as Spark reads them.
+        # The changelog's figures in the UI against its rows.
         changelog = next(e.step_materialization_data.materialization.metadata
                          for e in first.get_asset_materialization_events()
                          if e.asset_key.path[-1] == "payments_per_customer_changelog")
