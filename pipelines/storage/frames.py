@@ -55,4 +55,11 @@ def frame_of_rows(spark: SparkSession, rows: list[tuple], schema: StructType | s
     columns = list(zip(*rows)) if rows else [() for _ in struct.fields]
     table = pa.Table.from_arrays([pa.array(list(values), type=field.type) for values, field in zip(columns, arrow)],
                                  schema=arrow)
-    return spark.createDataFrame(table, struct)
+    return frame_of_arrow(spark, table, struct)
+
+
+def frame_of_arrow(spark: SparkSession, table: pa.Table, schema: StructType) -> DataFrame:
+    """The Arrow `table` the driver holds as a frame of `schema`. Its chunks are combined first: pyspark 4.1's
+    createDataFrame of a table whose chunks include an empty one keeps only the rows before it (a table read from
+    several files, or collected from several partitions, has one chunk each, some of them empty)."""
+    return spark.createDataFrame(table.combine_chunks(), schema)

@@ -23,7 +23,8 @@ name (its next version, `#v2`), both reported as changed files, and new files.
   of the default allowance (the epoch, one day after ingestion); an in-flight file read once renamed; a micro-batch
   replayed (its checkpoint commit lost after its tables' commits) writes nothing twice, and the next one goes on.
 Payments' micro-batches are decided in the driver, as every small batch is; movie_ticket_sales' by joins, as a large
-batch is (pipelines/ingest/bronze.py). `decide_in_order`, the dedup rule both apply, also on hand-written lines.
+batch is (pipelines/ingest/bronze.py). `decide_in_order`, the dedup rule both apply, also on hand-written lines;
+the driver's read of bronze's events of a batch's ids, against Spark's, on files whose statistics are inexact.
 After each run: every line ever delivered is in exactly one of bronze, quarantine or the recognised duplicates, with
 the oracle's counts, events and reasons; quarantine names real files (`#v2` for the second version of a rewritten
 one); the state table equals the oracle's counts and exact sums key by key; `deltalake` reads every Delta table.
@@ -861,6 +862,38 @@ def test_decide_in_order_takes_lines_in_arrival_order_within_the_horizon_of_each
     assert decide_in_order(lines, prior, 3 * hour) == {
         (1, 1): "duplicates", (1, 2): "conflicting", (1, 3): "conflicting", (1, 4): "accepted",
         (1, 5): "duplicates", (1, 6): "accepted", (1, 7): "accepted", (1, 8): "duplicates", (2, 1): "conflicting"}
+
+
+def test_bronze_events_of_the_batch_ids_are_all_found_whatever_the_files_statistics_say(spark, tmp_path):
+    """A small batch reads bronze's events of its ids with delta-rs: exactly what Spark finds, though Delta's
+    statistics truncate event times to the millisecond and strings to 32 characters, and though a file in range has
+    none of the ids (an empty chunk, which pyspark's createDataFrame would stop at)."""
+    from pyspark.sql import functions as F
+    from pipelines.ingest.bronze import _accepted_of_ids, bronze_schema
+    from pipelines.ingest.validate import content_identity
+
+    path = str(tmp_path / "bronze")
+    long_id = "x" * 40  # past the statistics' 32 characters: its max statistic is cut short
+    base = datetime(2026, 11, 1, tzinfo=timezone.utc)
+    edge = base + timedelta(microseconds=999)  # 999 us past the millisecond its file's max statistic records
+    files = [[("a", base), (long_id, edge)], [("other", base)], [("b", base - timedelta(days=30))],
+             [("b", base + timedelta(seconds=1)), ("a", edge)]]
+    columns = bronze_schema(PAYMENTS).fieldNames()
+    for number, events in enumerate(files):
+        rows = [{"payment_id": i, "customer_id": "c", "amount": Decimal("1.50"), "paid_at": at,
+                 "content_hash": "h", "source_file": "f", "line_number": number, "ingest_batch_id": number,
+                 "ingested_at": base} for i, at in events]
+        spark.createDataFrame(rows, bronze_schema(PAYMENTS)).select(*columns).coalesce(1).write.format(
+            "delta").mode("append").save(path)
+    ids, micros = {"a", "b", long_id}, int(edge.timestamp()) * 10**6 + 999
+    lo, hi = micros - 500, micros  # the first file's max statistic (the millisecond before `edge`) is short of `lo`
+    expected = (spark.read.format("delta").load(path)
+                .where(F.col("paid_at").between(F.timestamp_micros(F.lit(lo)), F.timestamp_micros(F.lit(hi))))
+                .where(F.col("payment_id").isin(sorted(ids)))
+                .select("payment_id", F.unix_micros("paid_at"), content_identity(PAYMENTS)).collect())
+    found = _accepted_of_ids(spark, path, PAYMENTS, ids, lo, hi)
+    assert sorted(found) == sorted(tuple(r) for r in expected)
+    assert sorted((i, at) for i, at, _ in found) == [("a", micros), (long_id, micros)]
 
 
 @contextmanager
