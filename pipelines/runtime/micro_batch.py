@@ -59,7 +59,7 @@ from pipelines.runtime.checkpoints import (
 )
 from pipelines.runtime.locks import Fence, writer_lock
 from pipelines.runtime.query import (
-    INTERPRETED, SMALL_BATCH_BYTES, Continuous, StreamRunResult, TableVersions, require_writable,
+    SMALL_BATCH_BYTES, SMALL_BATCH_CONFS, Continuous, StreamRunResult, TableVersions, require_writable,
     run_query, session_confs_during, storage_errors,
 )
 from pipelines.runtime.spark import require_kafka_jars
@@ -185,7 +185,7 @@ class StreamBatch:
         listed = BatchUnits.of(units) if self.spec.topic is None else None
         small = listed is not None and listed.landing_bytes < SMALL_BATCH_BYTES
         steps_s: dict[str, float] = {}
-        with session_confs_during(units.sparkSession, INTERPRETED if small else {}), small_batch(small):
+        with session_confs_during(units.sparkSession, SMALL_BATCH_CONFS if small else {}), small_batch(small):
             with timed(steps_s, "ingest"):
                 ingested = (ingest_batch(listed, batch_id, settings=self.ingest) if listed is not None
                             else ingest_records(units, batch_id, settings=self.ingest))

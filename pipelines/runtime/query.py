@@ -238,12 +238,15 @@ def storage_errors() -> Iterator[None]:
         raise StorageError(_storage_message(path.rstrip(".,:;'\""), cause)) from exc
 
 
-# Spark generates and compiles Java code for a query's expressions. A micro-batch's plans carry its own literals (its
-# time, batch id, watermark), so a warm process compiled most of them again on every batch. For a small batch,
-# evaluating the expressions interpreted costs less than compiling them (a warm 300-payment run 6-11% faster, the
-# first run of a process 7-13%: docs/performance.md). Above SMALL_BATCH_BYTES of input compiled code wins again, and
-# the session's own settings stand.
-INTERPRETED = {"spark.sql.codegen.wholeStage": "false", "spark.sql.codegen.factoryMode": "NO_CODEGEN"}
+# A small micro-batch's session confs. Spark generates and compiles Java code for a query's expressions, and a
+# micro-batch's plans carry its own literals (its time, batch id, watermark), so a warm process compiled most of them
+# again on every batch: for a small batch, evaluating the expressions interpreted costs less than compiling them (a
+# warm 300-payment run 6-11% faster, the first run of a process 7-13%). Adaptive execution re-plans a query at each
+# shuffle, as a job of its own per stage, to size partitions that a small batch's few rows never fill: without it,
+# a warm 300-payment batch without event time 1.32-1.34 s -> 1.26 s, with sessions the same (docs/performance.md).
+# Above SMALL_BATCH_BYTES of input both win again, and the session's own settings stand.
+SMALL_BATCH_CONFS = {"spark.sql.codegen.wholeStage": "false", "spark.sql.codegen.factoryMode": "NO_CODEGEN",
+                     "spark.sql.adaptive.enabled": "false"}
 SMALL_BATCH_BYTES = 8 << 20  # of landing bytes (pipelines/ingest/landing.py `BatchUnits`)
 
 
