@@ -25,7 +25,7 @@ from pipelines.ingest.bronze import accepted_totals
 from pipelines.state.expiry import EXPIRED_VALUE, expired_rows, expired_totals, since_last_expiry
 from pipelines.state.tables import aggregate, folded_through
 from pipelines.storage.delta_log import table_version
-from pipelines.storage.frames import frame_of_rows
+from pipelines.storage.frames import frame_of_rows, kept
 from pipelines.storage.layout import StorageLayout
 
 
@@ -265,7 +265,12 @@ def event_time_mismatches(spark: SparkSession, layout: StorageLayout, spec: Stre
         events = watermark.kept_events(table, bronze)
         inserted = _inserted_since(spark, path, since_version)
         if inserted is not None:
+            # A run's sessions and their keys' events are few, and the check reads them five and three times (the
+            # comparison and its counts): kept, each is read from the change feed and bronze once. A cold run of 300
+            # payments 16.94 -> 16.36 s (medians of 5, alternated).
+            inserted = kept(inserted)
             actual, events, written = _near(table, actual, inserted, events)
+            events = kept(events)
             bronze = events  # the figures below count what the check read
         on_time = events.join(late.select(F.col("event_id").alias(spec.id_field)), spec.id_field, "left_anti")
         expected = recomputed_sessions(table, on_time).where(
