@@ -228,35 +228,17 @@ def _accepted_of_ids(spark: SparkSession, bronze_path: str, spec: StreamSpec, id
     jobs, ~0.2 s of a 300-line batch (measured). Bronze is append-only and its one writer holds the stream's lock, so
     both engines read the same version."""
     ts_col, micros = spec.event_time_field, pa.timestamp("us", tz="UTC")
-    table = delta_table(storage_path(bronze_path))
-    dataset = table.to_pyarrow_dataset()
-    skipped = _files_outside(pa.table(table.get_add_actions(flatten=True)), ts_col, lo_us, hi_us)
-    # delta-rs would also prune by the log's statistics as if they were exact, but Spark writes them truncated
-    # (timestamps to the millisecond, strings to 32 characters): the files are chosen here, and pyarrow applies the
-    # filter to their rows, using the Parquet files' own (exact) statistics.
-    fragments = [dataset.format.make_fragment(f.path, dataset.filesystem) for f in dataset.get_fragments()
-                 if f.path not in skipped]
+    # delta-rs skips the files whose statistics rule them out: Spark writes those statistics cut short (timestamps to
+    # the millisecond, long strings to a prefix with a tie-breaker), and delta-rs reads them as the bounds they are.
     within = ((ds.field(ts_col) >= pa.scalar(lo_us, micros)) & (ds.field(ts_col) <= pa.scalar(hi_us, micros))
               & ds.field(spec.id_field).isin(sorted(ids)))
-    rows = ds.FileSystemDataset(fragments, dataset.schema, dataset.format, dataset.filesystem).to_table(
-        columns=list(spec.field_names), filter=within)
+    rows = delta_table(storage_path(bronze_path)).to_pyarrow_dataset().to_table(columns=list(spec.field_names),
+                                                                              filter=within)
     if rows.num_rows == 0:
         return []
     typed = StructType([field for field in bronze_schema(spec).fields if field.name in spec.field_names])
     return [tuple(r) for r in frame_of_arrow(spark, rows, typed).select(
         spec.id_field, F.unix_micros(ts_col), content_identity(spec)).collect()]
-
-
-def _files_outside(files: pa.Table, ts_col: str, lo_us: int, hi_us: int) -> set[str]:
-    """The paths of the data `files` (delta-rs add actions, flattened) whose event times all lie outside
-    [lo_us, hi_us]. A file's rows reach up to 1 ms past its recorded maximum (Delta's statistics are milliseconds);
-    a file without statistics is never outside."""
-    low, high = f"min.{ts_col}", f"max.{ts_col}"
-    if low not in files.column_names or high not in files.column_names:
-        return set()
-    first, last = pc.cast(files[low], pa.int64()), pc.cast(files[high], pa.int64())
-    outside = pc.or_(pc.greater(first, hi_us), pc.less(pc.add(last, 1000), lo_us))
-    return set(files.filter(pc.fill_null(outside, False))["path"].to_pylist())
 
 
 def _decided_in_driver(stamped: DataFrame, bronze: DataFrame, quarantine: DataFrame, bronze_path: str,
