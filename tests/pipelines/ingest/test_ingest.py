@@ -24,7 +24,7 @@ name (its next version, `#v2`), both reported as changed files, and new files.
   replayed (its checkpoint commit lost after its tables' commits) writes nothing twice, and the next one goes on.
 Payments' micro-batches are decided in the driver, as every small batch is; movie_ticket_sales' by joins, as a large
 batch is (pipelines/ingest/bronze.py). `decide_in_order`, the dedup rule both apply, also on hand-written lines;
-the driver's read of bronze's events of a batch's ids, against Spark's, on files whose statistics are inexact.
+the driver's read of bronze's events of a batch's ids, against Spark's, on files whose statistics are cut short.
 After each run: every line ever delivered is in exactly one of bronze, quarantine or the recognised duplicates, with
 the oracle's counts, events and reasons; quarantine names real files (`#v2` for the second version of a rewritten
 one); the state table equals the oracle's counts and exact sums key by key; `deltalake` reads every Delta table.
@@ -866,8 +866,7 @@ def test_decide_in_order_takes_lines_in_arrival_order_within_the_horizon_of_each
 
 def test_bronze_events_of_the_batch_ids_are_all_found_whatever_the_files_statistics_say(spark, tmp_path):
     """A small batch reads bronze's events of its ids with delta-rs: exactly what Spark finds, though Delta's
-    statistics truncate event times to the millisecond and strings to 32 characters, and though a file in range has
-    none of the ids (an empty chunk, which pyspark's createDataFrame would stop at)."""
+    statistics truncate event times to the millisecond and strings to 32 characters."""
     from pyspark.sql import functions as F
     from pipelines.ingest.bronze import _accepted_of_ids, bronze_schema
     from pipelines.ingest.validate import content_identity
