@@ -459,9 +459,8 @@ WARM_ROUNDS = 9
 def only_batch(repeat: int, work: Path, *, keep: bool, quick: bool) -> None:
     """A micro-batch of 300 payments: warm (one process, `batch` case, WARM_ROUNDS measured rounds: each step's
     seconds, Spark jobs and Delta commits, beside plain delta-spark's two appends and a MERGE of the same rows), and
-    as a whole `statetables run`
-    process (medians of `repeat`: a new storage root, then 300 more on it) beside a process of plain delta-spark doing
-    the same commits (`floor_batch`). Writes docs/bench/batch.json."""
+    as a whole `statetables run` process (medians of `repeat`: a new storage root, then 300 more on it) beside a
+    process of plain delta-spark doing the same commits (`floor_batch`). Writes docs/bench/batch.json."""
     from pipelines.declare.project import stream_spec
     from pipelines.ingest.generate import generate
     started = time.monotonic()
