@@ -94,8 +94,10 @@ def check_specs(spec: StreamSpec) -> list:
             "table has folded) minus the events late for it: " + (
                 "the windows this run closed, by Spark's own window() over the events of those windows"
                 if table.kind == "window" else
-                "the sessions of the keys this run closed a session of, cut again by window functions with the "
-                "contract's rule (less than the gap apart is one session) from their events since") +
+                "the sessions of the keys this run closed a session of (a sample of "
+                f"{table_checks.RUN_CHECK_KEYS:,} keys, different each run, when it closed more), cut again by window "
+                "functions with the contract's rule (less than the gap apart is one session) from their events "
+                "since") +
             f"; every late event is at or behind the watermark it missed. All of bronze: the deep check "
             f"`{DEEP_CHECK}`, nightly.")))
         found += [dg.AssetCheckSpec(TOP_MATCHES, asset=dg.AssetKey(top.name), blocking=True, description=(

@@ -120,7 +120,8 @@ def _payment(payment_id: str, customer: str, at: str, amount: str = "10.00", day
             f'"paid_at":"{day}T{at}Z"}}')
 
 
-def test_sessions_late_payments_ttls_and_their_edges_equal_the_recomputation_and_the_checks(spark, layout, landing):
+def test_sessions_late_payments_ttls_and_their_edges_equal_the_recomputation_and_the_checks(spark, layout, landing,
+                                                                                           monkeypatch):
     """Two deliveries, each its own micro-batch of one run. A 2-hour watermark delay, so that a payment of the
     second batch can bridge two sessions the first left open; a session TTL of 40 minutes of event time, so that a
     customer idle that long is forgotten; a TTL of 1 day on payments_per_customer. Beside the customers' stories,
@@ -218,6 +219,14 @@ def test_sessions_late_payments_ttls_and_their_edges_equal_the_recomputation_and
     mismatched, figures = table_checks.event_time_mismatches(spark, layout, spec, TABLE, first_version)
     assert sorted(r["customer_id"] for r in mismatched.collect()) == ["zed", "zed"]
     assert (figures["rows_checked"], figures["events"]) == (15, 23)  # all but cy's 09:00 and the day before's
+    written = figures["keys_written"]
+    assert written == figures["keys_checked"] > 1
+    # Past RUN_CHECK_KEYS keys, a sample of them is checked: here one key, with its sessions and events only.
+    monkeypatch.setattr(table_checks, "RUN_CHECK_KEYS", 1)
+    mismatched, figures = table_checks.event_time_mismatches(spark, layout, spec, TABLE, first_version)
+    assert (figures["keys_written"], figures["keys_checked"]) == (written, 1)
+    assert 0 < figures["rows_checked"] < 15 and 0 < figures["events"] < 23
+    assert {r["customer_id"] for r in mismatched.collect()} <= {"zed"}
 
     # payments_per_customer: late payments still count; the TTL expired the key 1 µs past it, kept the one at it,
     # and its checks agree.
