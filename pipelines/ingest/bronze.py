@@ -113,7 +113,7 @@ def _already_ingested(bronze: DataFrame, quarantine: DataFrame, spec: StreamSpec
 
 
 def _outcomes(marked: DataFrame, bronze: DataFrame, spec: StreamSpec, lo: Column, hi: Column,
-              horizon_us: int, *, repeats: bool = True) -> DataFrame:
+              horizon_us: int) -> DataFrame:
     """Every line of the batch with its `outcome`, in one pass: `already_ingested` (column `_done`), `quarantined`
     (a reason), then among the valid lines not yet ingested `accepted` (new), `duplicates` (an id accepted before
     with the same content) or `quarantined` as `conflicting_duplicate` (an id accepted before with other content).
@@ -126,9 +126,9 @@ def _outcomes(marked: DataFrame, bronze: DataFrame, spec: StreamSpec, lo: Column
 
     A line whose id the batch holds once is decided by a join with bronze's events of its id within its horizon.
     The lines of ids the batch holds more than once (re-deliveries, a few in a hundred) are decided in arrival
-    order, each against what bronze and the lines before it accepted (`_decided_in_order`); `repeats` False
-    (the batch holds each valid id once, as its facts counted) skips that job. No sort of the batch: ids are
-    counted by a hash aggregation.
+    order, each against what bronze and the lines before it accepted (`_decided_in_order`); a batch without them
+    skips that job. No sort of the batch: ids are counted by a hash aggregation, once, and kept (the bronze lookup,
+    the in-order decision and the lookup of the others all read them).
     """
     id_col, ts_col = spec.id_field, spec.event_time_field
     candidate = F.col("reason").isNull() & F.col("_done").isNull()
@@ -138,13 +138,14 @@ def _outcomes(marked: DataFrame, bronze: DataFrame, spec: StreamSpec, lo: Column
                                                F.unix_micros(ts_col).alias("_at"))
     # Bronze's events of the batch's ids: the event-time range skips files by their statistics, the semi join
     # skips every other id before the (costly) content hash.
+    ids = kept(candidates.groupBy("_key").agg(F.count("*").alias("_n")))
     prior = (bronze.where(F.col(ts_col).between(lo, hi))
-             .join(candidates.select("_key").distinct(), F.col(id_col) == F.col("_key"), "left_semi")
+             .join(ids.select("_key"), F.col(id_col) == F.col("_key"), "left_semi")
              .select(F.col(id_col).alias("_prior_id"), F.unix_micros(ts_col).alias("_prior_at"),
                      content_identity(spec).alias("_prior_hash")))
     singles, looked_up = candidates, keyed
-    if repeats:
-        repeated = candidates.groupBy("_key").agg(F.count("*").alias("_n")).where(F.col("_n") > 1).select("_key")
+    repeated = ids.where(F.col("_n") > 1).select("_key")
+    if not repeated.isEmpty():
         singles = candidates.join(repeated, "_key", "left_anti")
         in_order = _decided_in_order(candidates.join(repeated, "_key", "left_semi"),
                                      prior.join(repeated, F.col("_prior_id") == F.col("_key"), "left_semi"), horizon_us)
@@ -381,10 +382,8 @@ def _classify(lines: DataFrame, batch_id: int, settings: IngestSettings, ingeste
     # Planning the validation again for each of the batch's queries cost more than running it.
     stamped = kept(stamped)
     valid_ts = F.when(F.col("reason").isNull(), F.col(ts_col))
-    valid_id = F.when(F.col("reason").isNull(), F.col(spec.id_field))
     facts = stamped.agg(F.unix_micros(F.min(valid_ts)).alias("lo"), F.unix_micros(F.max(valid_ts)).alias("hi"),
-                        F.count("*").alias("lines"), F.collect_set("source_file").alias("files"),
-                        F.count(valid_id).alias("valid"), F.count_distinct(valid_id).alias("ids")).first()
+                        F.count("*").alias("lines"), F.collect_set("source_file").alias("files")).first()
     # Event times are compared as micros, never as Python datetimes: no year-0 or year-10000 surprises.
     lo, hi = facts["lo"] or 0, facts["hi"] or 0
     if may_repeat:
@@ -394,8 +393,7 @@ def _classify(lines: DataFrame, batch_id: int, settings: IngestSettings, ingeste
     else:
         marked = stamped.withColumn("_done", F.lit(None).cast("boolean"))
     classified = kept(_outcomes(marked, bronze, spec, F.timestamp_micros(F.lit(lo - horizon)),
-                                F.timestamp_micros(F.lit(hi + horizon)), horizon,
-                                repeats=facts["valid"] > facts["ids"]))
+                                F.timestamp_micros(F.lit(hi + horizon)), horizon))
     by_outcome = classified.groupBy("outcome").agg(F.count("*").alias("count"),
                                                    F.sum(spec.value_field or F.lit(0)).alias("value"))
     return Classified(classified, facts["lines"], facts["files"],
