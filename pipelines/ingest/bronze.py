@@ -139,10 +139,11 @@ def _outcomes(marked: DataFrame, bronze: DataFrame, spec: StreamSpec, lo: Column
     # Bronze's events of the batch's ids: the event-time range skips files by their statistics, the semi join
     # skips every other id before the (costly) content hash.
     ids = kept(candidates.groupBy("_key").agg(F.count("*").alias("_n")))
-    prior = (bronze.where(F.col(ts_col).between(lo, hi))
-             .join(ids.select("_key"), F.col(id_col) == F.col("_key"), "left_semi")
-             .select(F.col(id_col).alias("_prior_id"), F.unix_micros(ts_col).alias("_prior_at"),
-                     content_identity(spec).alias("_prior_hash")))
+    # Kept: the in-order decision and the others' lookup both read it, and each read was a scan of bronze's range.
+    prior = kept(bronze.where(F.col(ts_col).between(lo, hi))
+                 .join(ids.select("_key"), F.col(id_col) == F.col("_key"), "left_semi")
+                 .select(F.col(id_col).alias("_prior_id"), F.unix_micros(ts_col).alias("_prior_at"),
+                         content_identity(spec).alias("_prior_hash")))
     singles, looked_up = candidates, keyed
     repeated = ids.where(F.col("_n") > 1).select("_key")
     if not repeated.isEmpty():
@@ -539,6 +540,10 @@ def _partitions(spark: SparkSession) -> int:
 
 
 SMALL_BATCH_ROWS = 50_000
+# A large batch's bronze files hold about this many rows each, every file one range of event time: the dedup lookup
+# of a later batch reads only the files its range overlaps. Cut into as many files as cores, a first load of 1M
+# payments (179 days) left files of 90 days each, and every later batch of the last few days read one of them whole.
+BRONZE_FILE_ROWS = 100_000
 
 
 def _by_event_time(accepted: DataFrame, spec: StreamSpec, rows: int) -> DataFrame:
@@ -546,7 +551,8 @@ def _by_event_time(accepted: DataFrame, spec: StreamSpec, rows: int) -> DataFram
     file: range partitioning would cost a sampling job and a shuffle, and one file spans one range anyway."""
     if rows <= SMALL_BATCH_ROWS:
         return accepted.coalesce(1).sortWithinPartitions(spec.event_time_field)
-    return accepted.repartitionByRange(_partitions(accepted.sparkSession), spec.event_time_field)
+    files = max(_partitions(accepted.sparkSession), -(-rows // BRONZE_FILE_ROWS))
+    return accepted.repartitionByRange(files, spec.event_time_field)
 
 
 def _write_batch(lines: DataFrame, batch_id: int, settings: IngestSettings, ingested_at: datetime,
