@@ -389,9 +389,9 @@ def markdown(results: dict) -> str:
 
 
 def only_core(repeat: int, work: Path, *, keep: bool, quick: bool) -> None:
-    """The issue-34 targets on payments, medians of `repeat`: Spark's floor (a) and the bulk `statetables run` over
-    the history; then on that history, +increment as a whole `statetables run` and as warm runs; then (a) and the
-    full recompute (b) over history + increment. Prints each case with its jobs and commits per micro-batch and the
+    """The incremental and bulk targets on payments, medians of `repeat`: Spark's floor (a) and the bulk `statetables
+    run` over the history; then on that history, +increment as a whole `statetables run`, as its process floor
+    (`floor_increment`) and as warm runs; then (a) and the full recompute (b) over history + increment. Prints each case with its jobs and commits per micro-batch and the
     ratios; writes docs/bench/core.json."""
     size, inc = (20_000, 5_000) if quick else (1_000_000, 100_000)
     data = Data(work / "data", min(INCREMENT_FILE_LINES, size // 10))
@@ -408,10 +408,14 @@ def only_core(repeat: int, work: Path, *, keep: bool, quick: bool) -> None:
     record(f"a_spark_floor@{size}", floor)
     record(f"f_statetables_run@{size}", bulk)
     # +inc, whole process, each on its own copy of the history's home (rep's), then the whole 1.1M from scratch
-    plus, floor_all, recompute = [], [], []
+    plus, floor_plus, floor_all, recompute = [], [], [], []
     for rep in range(repeat):
         home = work / f"home-{rep}"
         folder = data.increment(inc, seed=rep, customers=max(2000, size // 10))
+        # The increment's process floor, on a copy of the state table the run starts from.
+        floor_out = work / f"floor-increment-{rep}"
+        shutil.copytree(home / "tables" / "payments_per_customer", floor_out / "state")
+        floor_plus.append(measure(case("floor_increment", landing=folder, out=floor_out)))
         link_into(folder, home / "landing" / "payments", prefix="inc-")
         plus.append(measure(project_run(home), home))
         everything = work / f"all-{rep}"
@@ -420,6 +424,7 @@ def only_core(repeat: int, work: Path, *, keep: bool, quick: bool) -> None:
         floor_all.append(measure(case("floor", landing=everything, out=work / f"floor-all-{rep}")))
         recompute.append(measure(case("recompute", home=home, out=work / f"recompute-{rep}")))
     record(f"f_increment_{inc}_process@history_{size}", plus)
+    record(f"floor_increment_{inc}_process@history_{size}", floor_plus)
     record(f"a_spark_floor@{size + inc}", floor_all)
     record(f"b_full_recompute@{size + inc}", recompute)
     warm_home = work / "home-0"
@@ -435,6 +440,11 @@ def only_core(repeat: int, work: Path, *, keep: bool, quick: bool) -> None:
             c[f"f_increment_{inc}_warm_run@history_{size}"] / c[f"b_full_recompute@{size + inc}"],
         f"+{inc} `statetables run` / spark floor (a)@{size + inc}, whole process [target <= 1]":
             c[f"f_increment_{inc}_process@history_{size}"] / c[f"a_spark_floor@{size + inc}"],
+        f"+{inc} process floor (append + MERGE, plain delta-spark) / spark floor (a)@{size + inc}, whole process "
+        f"[above 1: target 1 is below the stack's floor]":
+            c[f"floor_increment_{inc}_process@history_{size}"] / c[f"a_spark_floor@{size + inc}"],
+        f"+{inc} `statetables run` / its process floor, whole process":
+            c[f"f_increment_{inc}_process@history_{size}"] / c[f"floor_increment_{inc}_process@history_{size}"],
         f"events/s, warm +{inc} run": inc / c[f"f_increment_{inc}_warm_run@history_{size}"],
         f"validation of {size} lines, SQL / JVM (same process)": median(results["cases"]["validation_jvm_vs_sql"]["runs"],
                                                                         "sql_s") / median(

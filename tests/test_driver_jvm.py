@@ -11,7 +11,8 @@ import subprocess
 from pathlib import Path
 
 from pipelines.runtime.spark import (
-    CLASS_ARCHIVE, ENGINE_JAVA_OPTIONS_ENV, ONE_COMMAND_JIT, SparkSettings, class_archive_options, session_confs,
+    CLASS_ARCHIVE, ENGINE_JAVA_OPTIONS_ENV, ONE_COMMAND_JIT, ONE_COMMAND_YOUNG, SparkSettings, class_archive_options,
+    session_confs,
 )
 from statetables.servers import connect_server_command
 
@@ -63,11 +64,14 @@ def test_the_driver_writes_local_files_through_the_projects_file_systems(spark, 
 
 
 def test_only_a_jvm_that_ends_with_its_command_compiles_with_c1_only(spark):
-    """This worker's JVM ends with the test session, one command (tests/conftest.py): it runs C1 only."""
-    assert ONE_COMMAND_JIT in session_confs(SparkSettings(one_command=True))["spark.driver.extraJavaOptions"]
-    assert ONE_COMMAND_JIT not in session_confs(SparkSettings())["spark.driver.extraJavaOptions"]
+    """This worker's JVM ends with the test session, one command (tests/conftest.py): it runs C1 only, with a fixed
+    young generation."""
+    for option in (ONE_COMMAND_JIT, ONE_COMMAND_YOUNG):
+        assert option in session_confs(SparkSettings(one_command=True))["spark.driver.extraJavaOptions"]
+        assert option not in session_confs(SparkSettings())["spark.driver.extraJavaOptions"]
     drivers = _drivers()
-    assert drivers and all(ONE_COMMAND_JIT.encode() in Path(f"/proc/{pid}/cmdline").read_bytes() for pid in drivers)
+    assert drivers and all(f"{ONE_COMMAND_JIT} {ONE_COMMAND_YOUNG}".encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+                           for pid in drivers)
 
 
 def test_a_cluster_runs_executors_and_an_engine_takes_the_options_it_is_given(monkeypatch):
