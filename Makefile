@@ -185,7 +185,8 @@ bench-quick: install jars class-archive
 bench-batch: install jars class-archive
 	$(BIN)/python -m benchmarks.run --only batch
 
-# the incremental and bulk targets alone: Spark's floor, the bulk run, +100k as a process and warm, a full recompute
+# the incremental and bulk targets alone: Spark's floor, the bulk run, +100k as a process, as its process floor and
+# warm, a full recompute
 bench-core: install jars class-archive
 	$(BIN)/python -m benchmarks.run --only core
 
