@@ -45,9 +45,9 @@ from resources.check_policy import WARN_ONLY_NOTE
 
 
 class ContinuousConfig(dg.Config):
-    trigger_seconds: float = Field(default=2.0, gt=0, description=(
-        "Processing-time trigger of each stream's query: how often it looks for new input. Freshness (landing "
-        "file to state table) is a few of these."))
+    trigger_seconds: float = Field(default=1.0, gt=0, description=(
+        "Processing-time trigger of each stream's query, and how often the landing folder is scanned: how often "
+        "new input is looked for. Freshness (landing file to state table) is a few of these."))
     event_time_steps: bool = Field(default=True, description=(
         "Also keep the windowed and session tables in each micro-batch, for the streams that keep them "
         "($STATETABLES_EVENT_TIME, default all)."))

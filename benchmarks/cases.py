@@ -205,8 +205,9 @@ def floor_increment(args) -> dict:
         "WHEN MATCHED THEN UPDATE SET t.payment_count = t.payment_count + s.payment_count, "
         "t.total_amount = t.total_amount + s.total_amount, t.first_paid_at = least(t.first_paid_at, s.first_paid_at), "
         "t.last_paid_at = greatest(t.last_paid_at, s.last_paid_at), t.updated_at = current_timestamp() "
-        "WHEN NOT MATCHED THEN INSERT (customer_id, payment_count, total_amount, first_paid_at, last_paid_at, updated_at) "
-        "VALUES (s.customer_id, s.payment_count, s.total_amount, s.first_paid_at, s.last_paid_at, current_timestamp())"))
+        "WHEN NOT MATCHED THEN INSERT (customer_id, payment_count, total_amount, first_paid_at, last_paid_at, "
+        "updated_at) VALUES (s.customer_id, s.payment_count, s.total_amount, s.first_paid_at, s.last_paid_at, "
+        "current_timestamp())"))
     return {"work_s": time.monotonic() - started, "append_s": appended_s,
             "merge_s": time.monotonic() - started - appended_s}
 

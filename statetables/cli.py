@@ -635,7 +635,7 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("--port", type=int, default=3000, help="the Dagster UI's port")
         sub.add_argument("--engine-port", type=int, default=15002, help="the Spark Connect server's port")
         sub.add_argument("--embedded", action="store_true", help="no engine: every run starts an embedded JVM")
-    serve.add_argument("--trigger-seconds", type=float, default=2.0, help="processing-time trigger of the queries")
+    serve.add_argument("--trigger-seconds", type=float, default=1.0, help="processing-time trigger of the queries")
     serve.add_argument("--report-every-seconds", type=float, default=30.0, help="how often tables are reported")
 
     server = command("connect-server", "serve Spark Connect with Delta on 127.0.0.1 until interrupted",

@@ -70,8 +70,8 @@ def test_only_a_jvm_that_ends_with_its_command_compiles_with_c1_only(spark):
         assert option in session_confs(SparkSettings(one_command=True))["spark.driver.extraJavaOptions"]
         assert option not in session_confs(SparkSettings())["spark.driver.extraJavaOptions"]
     drivers = _drivers()
-    assert drivers and all(f"{ONE_COMMAND_JIT} {ONE_COMMAND_YOUNG}".encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
-                           for pid in drivers)
+    options = f"{ONE_COMMAND_JIT} {ONE_COMMAND_YOUNG}".encode()
+    assert drivers and all(options in Path(f"/proc/{pid}/cmdline").read_bytes() for pid in drivers)
 
 
 def test_a_cluster_runs_executors_and_an_engine_takes_the_options_it_is_given(monkeypatch):

@@ -67,7 +67,7 @@ class Continuous:
     `on_progress(query_name, report)` receives each new progress report of each query (from several
     threads); `fail` records the first error of any thread and stops every query."""
 
-    trigger_interval_s: float = 2.0
+    trigger_interval_s: float = 1.0
     stop: threading.Event = field(default_factory=threading.Event)
     on_progress: Callable[[str, object], None] | None = None
     error: BaseException | None = None
@@ -77,7 +77,7 @@ class Continuous:
     def __post_init__(self):
         if not self.trigger_interval_s > 0:
             raise ConfigurationError(f"trigger interval {self.trigger_interval_s}s: it must be positive. "
-                                     f"Fix: give a number of seconds > 0 (default 2).")
+                                     f"Fix: give a number of seconds > 0 (default 1).")
 
     def fail(self, exc: BaseException) -> None:
         if self.error is None:
