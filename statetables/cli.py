@@ -629,7 +629,7 @@ def _parser() -> argparse.ArgumentParser:
 
     dev = command("dev", "Dagster UI + daemon on 127.0.0.1 beside a warm Spark Connect engine", "statetables dev",
                   _dev, "Runs use the engine; Ctrl-C stops both.")
-    serve = command("serve", "as `dev`, with the continuous job running", "statetables serve --trigger-seconds 1",
+    serve = command("serve", "as `dev`, with the continuous job running", "statetables serve --trigger-seconds 2",
                     _serve, "Ctrl-C cancels the job (the current micro-batches commit first), then stops Dagster.")
     for sub in (dev, serve):
         sub.add_argument("--port", type=int, default=3000, help="the Dagster UI's port")
