@@ -24,7 +24,8 @@ name (its next version, `#v2`), both reported as changed files, and new files.
   replayed (its checkpoint commit lost after its tables' commits) writes nothing twice, and the next one goes on.
 Payments' micro-batches are decided in the driver, as every small batch is; movie_ticket_sales' by joins, as a large
 batch is (pipelines/ingest/bronze.py). `decide_in_order`, the dedup rule both apply, also on hand-written lines;
-the driver's read of bronze's events of a batch's ids, against Spark's, on files whose statistics are cut short.
+the driver's read of bronze's events of a batch's ids, against Spark's, on files whose statistics are cut short;
+a large batch's bronze files, of bounded rows and disjoint event-time ranges.
 After each run: every line ever delivered is in exactly one of bronze, quarantine or the recognised duplicates, with
 the oracle's counts, events and reasons; quarantine names real files (`#v2` for the second version of a rewritten
 one); the state table equals the oracle's counts and exact sums key by key; `deltalake` reads every Delta table.
@@ -42,6 +43,7 @@ from datetime import datetime, timedelta, timezone
 from decimal import Decimal
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from deltalake import DeltaTable as IndependentDeltaTable
@@ -936,3 +938,25 @@ def _movie_ticket_sales_scenario(spark, tmp_path_factory, data) -> None:
     _check_changed_sales(layout, files, second)
     assert _reasons_outside_drawn(d)["conflicting_duplicate"] == 4
     _every_table_reads(layout, {"movie_ticket_sales_bronze", "movie_ticket_sales_quarantine", "movie_tickets_sold"})
+
+
+def test_a_large_batch_writes_bronze_files_of_bounded_rows_each_one_range_of_event_time(spark, tmp_path, monkeypatch):
+    """A large batch's bronze rows go into files of about BRONZE_FILE_ROWS rows (never fewer files than cores), and
+    no two files' event times overlap: a later batch's dedup lookup reads only the files its range meets."""
+    from pipelines.ingest import bronze
+    monkeypatch.setattr(bronze, "SMALL_BATCH_ROWS", 0)
+    monkeypatch.setattr(bronze, "BRONZE_FILE_ROWS", 10)
+    base = datetime(2026, 11, 1, tzinfo=timezone.utc)
+    # 60 events an hour apart, in shuffled order, so the layout is not the input's
+    order = [(i * 37) % 60 for i in range(60)]
+    rows = [{"payment_id": f"p{i}", "customer_id": "c", "amount": Decimal("1.00"), "paid_at": base + timedelta(hours=i),
+             "content_hash": "h", "source_file": "f", "line_number": i, "ingest_batch_id": 0, "ingested_at": base}
+            for i in order]
+    path = str(tmp_path / "bronze")
+    frame = spark.createDataFrame(rows, bronze.bronze_schema(PAYMENTS))
+    bronze._by_event_time(frame, PAYMENTS, len(rows)).write.format("delta").save(path)
+    files = IndependentDeltaTable(path).get_add_actions(flatten=True)
+    files = pa.table(files).to_pylist()  # an Arrow C-stream table: read through pyarrow
+    assert len(files) == 6 and sum(f["num_records"] for f in files) == 60
+    ranges = sorted((f["min.paid_at"], f["max.paid_at"]) for f in files)
+    assert all(earlier[1] < later[0] for earlier, later in zip(ranges, ranges[1:])), ranges
