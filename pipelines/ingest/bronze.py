@@ -136,10 +136,10 @@ def _outcomes(marked: DataFrame, bronze: DataFrame, spec: StreamSpec, lo: Column
     keyed = marked.withColumn("_key", F.when(candidate, F.col(id_col)))
     candidates = keyed.where(candidate).select("_key", "unit", "line_number", "content_hash",
                                                F.unix_micros(ts_col).alias("_at"))
-    # Bronze's events of the batch's ids: the event-time range skips files by their statistics, the semi join
-    # skips every other id before the (costly) content hash.
     ids = kept(candidates.groupBy("_key").agg(F.count("*").alias("_n")))
-    # Kept: the in-order decision and the others' lookup both read it, and each read was a scan of bronze's range.
+    # Bronze's events of the batch's ids: the event-time range skips files by their statistics, the semi join
+    # skips every other id before the (costly) content hash. Kept: the in-order decision and the others' lookup
+    # both read it, and each read was a scan of bronze's range.
     prior = kept(bronze.where(F.col(ts_col).between(lo, hi))
                  .join(ids.select("_key"), F.col(id_col) == F.col("_key"), "left_semi")
                  .select(F.col(id_col).alias("_prior_id"), F.unix_micros(ts_col).alias("_prior_at"),
