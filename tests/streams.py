@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
+from typing import Iterator
 
 from pipelines.declare.project import SHIPPED, project
 from pipelines.declare.specs import StreamSpec
@@ -117,3 +120,23 @@ def redeliver(bootstrap: str, topic: str, id_field: str, count: int, rng) -> int
     assert producer.flush(30) == 0
     del producer
     return len(chosen)
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@contextmanager
+def batch_lines() -> Iterator[list[logging.LogRecord]]:
+    """The micro-batch lines (`statetables.progress`) logged inside the block, each with its `figures`."""
+    progress, handler = logging.getLogger("statetables.progress"), _Records()
+    progress.addHandler(handler)
+    try:
+        yield handler.records
+    finally:
+        progress.removeHandler(handler)

@@ -35,7 +35,7 @@ from statetables.servers import kafka_broker
 from pipelines.storage.layout import StorageLayout
 from tests.chaos import run_chaos
 from tests.contract_oracle import expected_from_topic
-from tests.streams import advance, project_with_ttl, redeliver, with_kafka
+from tests.streams import advance, batch_lines, project_with_ttl, redeliver, with_kafka
 
 pytestmark = pytest.mark.long
 
@@ -114,8 +114,12 @@ def test_topics_in_equal_the_oracle_and_a_table_restores_from_its_changelog_topi
     for spec in specs.values():
         generate(spec, spec.topic, events=700, malformed=0.03, duplicates=0.03, conflicts=0.01, seed=1,
                  events_per_file=350)
-        first = advance(spark, layout, spec, event_time=False)
+        with batch_lines() as lines:
+            first = advance(spark, layout, spec, event_time=False)
         assert first.micro_batches >= 2  # max_records_per_batch: 400
+        # A batch is sized by its offsets: the first starts at the earliest offset, which nothing records, and runs
+        # as a large one; every later one starts where the one before it ended, and is small.
+        assert [r.figures["small"] for r in lines] == [False] + [True] * (first.micro_batches - 1), lines
         _assert_equal_to_oracle(layout, spec, broker.bootstrap)
 
     # The broker restarts; then a second delivery, with re-deliveries of the first run's records.
@@ -128,8 +132,10 @@ def test_topics_in_equal_the_oracle_and_a_table_restores_from_its_changelog_topi
     advance(spark, layout, sales, event_time=False)
     # payments' checkpoint is lost: the new query starts where bronze's newest commit says, nothing read twice.
     shutil.rmtree(layout.checkpoint(payments.name))
-    second = advance(spark, layout, payments, event_time=False)
+    with batch_lines() as lines:
+        second = advance(spark, layout, payments, event_time=False)
     assert second.rows_read == 440  # 400 new records, 40 re-delivered: none of the first run's read again
+    assert lines and all(r.figures["small"] for r in lines), lines  # sized from the offsets bronze's newest commit records
     for spec in specs.values():
         _assert_equal_to_oracle(layout, spec, broker.bootstrap)
 

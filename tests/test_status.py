@@ -27,7 +27,7 @@ from pipelines.runtime.locks import lock_state, writer_lock
 from pipelines.storage.delta_log import table_version
 from pipelines.storage.layout import StorageLayout
 from tests.conftest import Landing
-from tests.streams import MOVIE_TICKET_SALES, advance
+from tests.streams import MOVIE_TICKET_SALES, advance, batch_lines
 
 SALE = '{"event_id":"%s","title":"%s","ticket_total_value":%s,"sale_ts":"2026-11-01T%s:00Z"}'
 FIRST = [SALE % ("s1", "Dune", "12.50", "12:05"), SALE % ("s2", "Heat", "10.00", "12:20"),
@@ -40,28 +40,15 @@ SECOND = [SALE % ("s4", "Dune", "9.00", "13:30"),
 SPECS = {MOVIE_TICKET_SALES.name: MOVIE_TICKET_SALES}
 
 
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
 def _run(spark, layout: StorageLayout, **settings) -> list[logging.LogRecord]:
     """The sales stream run over FIRST and SECOND; the progress records of the run. Then a third file lands."""
     landing = Landing(layout)
     landing.write(MOVIE_TICKET_SALES.name, "2026/11/01/a.jsonl", FIRST)
     landing.write(MOVIE_TICKET_SALES.name, "2026/11/01/b.jsonl", SECOND)
-    progress, handler = logging.getLogger("statetables.progress"), _Records()
-    progress.addHandler(handler)
-    try:
+    with batch_lines() as records:
         advance(spark, layout, MOVIE_TICKET_SALES, **settings)
-    finally:
-        progress.removeHandler(handler)
     landing.write(MOVIE_TICKET_SALES.name, "2026/11/02/c.jsonl", [SALE % ("s6", "Dune", "1.00", "14:00")])
-    return handler.records
+    return records
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +78,7 @@ def test_each_micro_batch_logs_one_line_with_its_counts(ran):
     steps = [figures[f"{step}_s"] for step in ("ingest", "state", "changelog")]
     assert all(s > 0 for s in steps) and sum(steps) <= figures["elapsed_s"] + 0.01, figures
     assert "ingest_s=" in line and "state_s=" in line
+    assert figures["small"] is True and " small=True " in line  # 9 lines: decided in the driver
 
 
 def test_status_names_what_is_pending_and_what_each_step_folded(spark, ran):

@@ -31,7 +31,7 @@ from pipelines.faults import (
     fault_point,
 )
 from pipelines.ingest.kafka_source import (
-    KAFKA_FIELDS, SOURCE_OFFSETS, batch_ranges, offsets_record, record_lines, recorded_offsets,
+    KAFKA_FIELDS, SOURCE_OFFSETS, batch_ranges, offsets_record, record_lines,
 )
 from pipelines.ingest.landing import LEDGER_SCHEMA, BatchUnits, read_units, split_lines
 from pipelines.ingest.validate import content_identity, validate_lines
@@ -476,9 +476,11 @@ def ingest_batch(units: BatchUnits, batch_id: int, *, settings: IngestSettings) 
     return _ingest_lines(lines, batch_id, settings, ingested_at, vanished, may_repeat, {})
 
 
-def ingest_records(records: DataFrame, batch_id: int, *, settings: IngestSettings) -> Ingested:
+def ingest_records(records: DataFrame, batch_id: int, before: dict[int, int], *, settings: IngestSettings
+                   ) -> Ingested:
     """`ingest_batch` for a micro-batch of a topic's records: each record a line; its commits also record the
-    next offset of every partition (pipelines/ingest/kafka_source.py)."""
+    next offset of every partition (pipelines/ingest/kafka_source.py) after `before`, what bronze's newest commit
+    records (`recorded_offsets`)."""
     ingested_at = datetime.now(timezone.utc)
     topic = settings.spec.topic
     # Read from the brokers once: every later step of the batch reads these.
@@ -486,7 +488,6 @@ def ingest_records(records: DataFrame, batch_id: int, *, settings: IngestSetting
     ranges = batch_ranges(lines)
     recheck = settings.recheck_offsets or {}
     may_repeat = any(first < recheck.get(partition, 0) for partition, (first, _) in ranges.items())
-    before = recorded_offsets(lines.sparkSession, settings.bronze_path, topic)
     return _ingest_lines(lines, batch_id, settings, ingested_at, [], may_repeat,
                          {SOURCE_OFFSETS: offsets_record(topic, before, ranges)})
 

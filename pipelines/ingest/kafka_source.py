@@ -125,6 +125,16 @@ def recorded_offsets(spark: SparkSession, table_path, topic: KafkaTopic) -> dict
     return {}
 
 
+def planned_records(topic: KafkaTopic, start: dict[int, int], planned_end: dict | None) -> int | None:
+    """How many records a batch reads from `start` (partition → first offset) to the end its offset log plans
+    (`checkpoints.batch_source_offsets`): at most that many, a transaction's markers take offsets too. None when
+    either end of a partition is unknown."""
+    ends = (planned_end or {}).get(topic.topic)
+    if not ends or any(int(p) not in start for p in ends):
+        return None
+    return sum(max(0, int(end) - start[int(p)]) for p, end in ends.items())
+
+
 def starting_offsets(topic: KafkaTopic, recorded: dict[int, int]) -> str:
     """Spark's `startingOffsets` for a query without a checkpoint: where the tables end, and the earliest record
     of partitions they hold none of (Spark wants every partition named once offsets are given)."""

@@ -290,6 +290,15 @@ def read_through(checkpoint_dir: Path, source_version: int | None) -> bool:
             and planned >= source_version)
 
 
+def batch_source_offsets(checkpoint_dir: AnyPath, batch_id: int) -> dict | None:
+    """The end offset of the query's source that its offset log records for `batch_id` (written before the batch
+    runs: a Kafka source's `{topic: {partition: next offset}}`); None when there is none or it cannot be read."""
+    try:
+        return json.loads((checkpoint_dir / "offsets" / str(batch_id)).read_text().split("\n")[2])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def batch_end_version(checkpoint_dir: Path, batch_id: int) -> int | None:
     """The newest source Delta version `batch_id` read whole (end offset `reservoirVersion`, `index -1`);
     None if the batch stopped inside a version."""

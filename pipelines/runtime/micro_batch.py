@@ -50,17 +50,20 @@ from pipelines.faults import STREAM_BATCH_END, fault_point
 from pipelines.ingest.bronze import (
     DEFAULT_MAX_FILES_PER_TRIGGER, IngestSettings, bronze_tables, ingest_batch, ingest_records,
 )
-from pipelines.ingest.kafka_source import recorded_offsets, source_id, starting_offsets, topic_partitions, topic_records
+from pipelines.ingest.kafka_source import (
+    planned_records, recorded_offsets, source_id, starting_offsets, topic_partitions, topic_records,
+)
 from pipelines.ingest.landing import (
     BatchUnits, LedgerView, ScanResult, landing_listing, ledger_replayable, record_units, scan_landing,
 )
 from pipelines.runtime.checkpoints import (
-    checkpoint_for_run, has_planned, planned_source_version, read_through, start_checkpoint, write_origin,
+    batch_source_offsets, checkpoint_for_run, has_planned, planned_source_version, read_through, start_checkpoint,
+    write_origin,
 )
 from pipelines.runtime.locks import Fence, writer_lock
 from pipelines.runtime.query import (
-    SMALL_BATCH_BYTES, SMALL_BATCH_CONFS, Continuous, StreamRunResult, TableVersions, require_writable,
-    run_query, session_confs_during, storage_errors,
+    SMALL_BATCH_BYTES, SMALL_BATCH_CONFS, SMALL_BATCH_RECORDS, Continuous, StreamRunResult, TableVersions,
+    require_writable, run_query, session_confs_during, storage_errors,
 )
 from pipelines.runtime.spark import require_kafka_jars
 from pipelines.state.changelog import ChangelogStage, changelog_name, changelog_new_table, changelog_stage
@@ -142,14 +145,17 @@ if not PROGRESS.handlers:
     PROGRESS.propagate = False
 
 
-def log_batch(stream: str, batch_id: int, counts: dict, elapsed_s: float, steps_s: dict[str, float]) -> None:
+def log_batch(stream: str, batch_id: int, counts: dict, elapsed_s: float, steps_s: dict[str, float], small: bool
+              ) -> None:
     """The micro-batch's line: its counts (what ingest_batch computed and bronze's commit records), its rate and
-    duration, and each step's seconds (`<step>_s`: ingest, state, event_time, changelog, those it has). The figures
-    are also on the record (`figures`), for a handler that wants them as data."""
+    duration, whether it ran as a small batch (`small`: decided in the driver, expressions interpreted), and each
+    step's seconds (`<step>_s`: ingest, state, event_time, changelog, those it has). The figures are also on the
+    record (`figures`), for a handler that wants them as data."""
     lines = int(counts.get("lines", 0))
     figures = {"stream": stream, "batch": batch_id, "lines": lines, "accepted": int(counts.get("accepted", 0)),
                "quarantined": int(counts.get("quarantined", 0)), "duplicates": int(counts.get("duplicates", 0)),
-               "rows_per_s": round(lines / elapsed_s, 1) if elapsed_s > 0 else 0.0, "elapsed_s": round(elapsed_s, 2)}
+               "rows_per_s": round(lines / elapsed_s, 1) if elapsed_s > 0 else 0.0, "elapsed_s": round(elapsed_s, 2),
+               "small": small}
     if counts.get("already_ingested"):  # a replay under a new checkpoint: lines that an earlier attempt wrote
         figures["already_ingested"] = int(counts["already_ingested"])
     figures.update({f"{step}_s": round(seconds, 2) for step, seconds in steps_s.items()})
@@ -181,16 +187,26 @@ class StreamBatch:
         started = time.monotonic()
         if self.fence is not None:  # an object-store root: this run must still hold the stream's lease
             self.fence()
-        # A topic's records cannot be sized without reading them: its batches keep the session's settings.
-        listed = BatchUnits.of(units) if self.spec.topic is None else None
-        small = listed is not None and listed.landing_bytes < SMALL_BATCH_BYTES
+        spark, topic = units.sparkSession, self.spec.topic
+        if topic is None:
+            listed, recorded = BatchUnits.of(units), None
+            small = listed.landing_bytes < SMALL_BATCH_BYTES
+        else:
+            # A topic's batch is sized by its offsets, before any record is read: from where the batch before it
+            # ended (its offset log; bronze's newest commit for a query's first batch) to where this one ends.
+            listed, recorded = None, recorded_offsets(spark, self.layout.table(self.spec.bronze_table), topic)
+            checkpoint = self.layout.checkpoint(self.spec.name)
+            start = (batch_source_offsets(checkpoint, batch_id - 1) or {}).get(topic.topic)
+            records = planned_records(topic, {int(p): int(n) for p, n in start.items()} if start else recorded,
+                                      batch_source_offsets(checkpoint, batch_id))
+            small = records is not None and records < SMALL_BATCH_RECORDS
         steps_s: dict[str, float] = {}
-        with session_confs_during(units.sparkSession, SMALL_BATCH_CONFS if small else {}), small_batch(small):
+        with session_confs_during(spark, SMALL_BATCH_CONFS if small else {}), small_batch(small):
             with timed(steps_s, "ingest"):
                 ingested = (ingest_batch(listed, batch_id, settings=self.ingest) if listed is not None
-                            else ingest_records(units, batch_id, settings=self.ingest))
-            self.fold(units.sparkSession, self.ingest.app_id, batch_id, ingested.appended, steps_s)
-        log_batch(self.spec.name, batch_id, ingested.counts, time.monotonic() - started, steps_s)
+                            else ingest_records(units, batch_id, recorded, settings=self.ingest))
+            self.fold(spark, self.ingest.app_id, batch_id, ingested.appended, steps_s)
+        log_batch(self.spec.name, batch_id, ingested.counts, time.monotonic() - started, steps_s, small)
         fault_point(STREAM_BATCH_END)
 
     def fold(self, spark: SparkSession, app_id: str, batch_id: int, appended: Appended | None = None,

@@ -248,6 +248,9 @@ def storage_errors() -> Iterator[None]:
 SMALL_BATCH_CONFS = {"spark.sql.codegen.wholeStage": "false", "spark.sql.codegen.factoryMode": "NO_CODEGEN",
                      "spark.sql.adaptive.enabled": "false"}
 SMALL_BATCH_BYTES = 8 << 20  # of landing bytes (pipelines/ingest/landing.py `BatchUnits`)
+# A topic's batch is sized in records before they are read: a record counts as a line of ~128 bytes (a payment's
+# JSON line is 130 on average), so the same events take the same path from a folder or a topic.
+SMALL_BATCH_RECORDS = SMALL_BATCH_BYTES // 128
 
 
 @contextmanager
