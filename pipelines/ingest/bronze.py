@@ -31,7 +31,7 @@ from pipelines.faults import (
     fault_point,
 )
 from pipelines.ingest.kafka_source import (
-    KAFKA_FIELDS, SOURCE_OFFSETS, batch_ranges, offsets_record, record_lines,
+    KAFKA_FIELDS, RECORD_LINES_SCHEMA, SOURCE_OFFSETS, batch_ranges, offsets_record, record_lines,
 )
 from pipelines.ingest.landing import LEDGER_SCHEMA, BatchUnits, read_units, split_lines
 from pipelines.ingest.validate import content_identity, validate_lines
@@ -483,9 +483,14 @@ def ingest_records(records: DataFrame, batch_id: int, before: dict[int, int], *,
     records (`recorded_offsets`)."""
     ingested_at = datetime.now(timezone.utc)
     topic = settings.spec.topic
-    # Read from the brokers once: every later step of the batch reads these.
-    lines = kept(record_lines(records))
-    ranges = batch_ranges(lines)
+    # Read from the brokers once: every later step of the batch reads these. A small batch's records are held by
+    # the driver, as a file's lines are once validated (`_decided_in_driver`): no kept frame, no job for the ranges.
+    if is_small_batch():
+        held = record_lines(records).toArrow()
+        lines, ranges = frame_of_arrow(records.sparkSession, held, RECORD_LINES_SCHEMA), batch_ranges(held)
+    else:
+        lines = kept(record_lines(records))
+        ranges = batch_ranges(lines)
     recheck = settings.recheck_offsets or {}
     may_repeat = any(first < recheck.get(partition, 0) for partition, (first, _) in ranges.items())
     return _ingest_lines(lines, batch_id, settings, ingested_at, [], may_repeat,

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import json
 
+import pyarrow as pa
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
-from pyspark.sql.types import BinaryType, IntegerType, LongType, StringType, StructField, TimestampType
+from pyspark.sql.types import BinaryType, IntegerType, LongType, StringType, StructField, StructType, TimestampType
 
 from pipelines.declare.specs import KafkaTopic
 from pipelines.errors import ConfigurationError
@@ -158,6 +159,13 @@ def topic_records(spark: SparkSession, topic: KafkaTopic, starting: str) -> Data
     return reader.load()
 
 
+# The columns of `record_lines`.
+RECORD_LINES_SCHEMA = StructType([
+    StructField("unit", LongType()), StructField("source_file", StringType()), StructField("line_number", LongType()),
+    StructField("raw_bytes", BinaryType()), *KAFKA_FIELDS,
+])
+
+
 def record_lines(records: DataFrame) -> DataFrame:
     """One line per record: unit (the partition), source_file, line_number (the offset), raw_bytes (the value;
     a NULL value, a tombstone, is an empty line and is quarantined as not JSON), and the record's KAFKA_FIELDS."""
@@ -174,8 +182,11 @@ def record_lines(records: DataFrame) -> DataFrame:
     )
 
 
-def batch_ranges(lines: DataFrame) -> dict[int, tuple[int, int]]:
-    """partition → (first offset, last offset) of a batch's lines."""
+def batch_ranges(lines: DataFrame | pa.Table) -> dict[int, tuple[int, int]]:
+    """partition → (first offset, last offset) of a batch's lines (a frame, or the lines the driver holds)."""
+    if isinstance(lines, pa.Table):
+        ranges = lines.group_by("unit").aggregate([("line_number", "min"), ("line_number", "max")]).to_pylist()
+        return {int(r["unit"]): (int(r["line_number_min"]), int(r["line_number_max"])) for r in ranges}
     rows = lines.groupBy("unit").agg(F.min("line_number").alias("first"), F.max("line_number").alias("last")).collect()
     return {int(r["unit"]): (int(r["first"]), int(r["last"])) for r in rows}
 
