@@ -46,7 +46,7 @@ from pipelines.faults import (
     SESSIONS_AFTER_LATE_COMMIT, SESSIONS_AFTER_STATE_COMMIT, SESSIONS_BEFORE_CLOSING_COMMIT, fault_point,
 )
 from pipelines.storage.delta_log import table_version
-from pipelines.storage.frames import kept
+from pipelines.storage.frames import frame_of_rows, kept
 from pipelines.storage.layout import StorageLayout
 
 OPEN, FIRST, LAST = "_open", "_first", "_last"
@@ -94,9 +94,10 @@ def _same_keys(left: DataFrame, right: DataFrame, keys: tuple[str, ...]) -> Colu
     return condition
 
 
-def fold_sessions(table: EventTimeTableSpec, spec: StreamSpec, state: DataFrame, events: DataFrame,
+def fold_sessions(table: EventTimeTableSpec, spec: StreamSpec, state: DataFrame | None, events: DataFrame,
                   watermark_ms: int) -> SessionsFold:
-    """(state before, a batch of bronze events, the watermark before) -> the state after and the outputs.
+    """(state before, a batch of bronze events, the watermark before) -> the state after and the outputs. A state
+    of None is none at all (the table's first batch, a rebuild): nothing open, nothing carried.
 
     An event at or behind the watermark is late. The others join their key's open sessions: per key, in
     event-time order, a piece (an open session, or an event) less than the gap after the latest end before it
@@ -110,26 +111,37 @@ def fold_sessions(table: EventTimeTableSpec, spec: StreamSpec, state: DataFrame,
     behind = behind_watermark(table, watermark_ms)
     partials = [f.name for f in partial_schema(table)]
     schema = state_schema(table)
-    # Sessions are cut on (key, first, last) alone: the state's partial columns travel renamed, beside the events'
-    # own fields, and each side is aggregated in its own way once every piece knows its session.
-    held = state.where(F.col(OPEN)).select(*keys, FIRST, LAST, *(F.col(p).alias(f"_s{p}") for p in partials),
-                                            F.lit(True).alias("_held"))
     arrived = events.where(~behind).select("*", at.alias(FIRST), at.alias(LAST), F.lit(False).alias("_held"))
-    pieces = held.unionByName(arrived, allowMissingColumns=True)
     in_order = Window.partitionBy(*keys).orderBy(FIRST, LAST)
     latest_end = F.max(F.unix_micros(LAST)).over(in_order.rowsBetween(Window.unboundedPreceding, -1))
     starts = F.when(latest_end.isNull() | (F.unix_micros(FIRST) - latest_end >= gap_us), 1).otherwise(0)
-    cut = kept(pieces.withColumn("_starts", starts).withColumn(
-        "_session", F.sum("_starts").over(in_order.rowsBetween(Window.unboundedPreceding, 0))))
-    from_events = (cut.where(~F.col("_held")).groupBy(*keys, "_session")
-                   .agg(*partial_columns(table.aggregates, kinds),
-                        F.min(FIRST).alias(FIRST), F.max(LAST).alias(LAST)))
-    from_state = cut.where(F.col("_held")).select(*keys, "_session", *(F.col(f"_s{p}").alias(p) for p in partials),
-                                                   FIRST, LAST)
-    sessions = kept(
-        from_events.unionByName(from_state).groupBy(*keys, "_session")
-        .agg(*combined_columns(table.aggregates, kinds),
-             F.min(FIRST).alias(FIRST), F.max(LAST).alias(LAST)).drop("_session"))
+
+    def cut(pieces: DataFrame) -> DataFrame:
+        return pieces.withColumn("_starts", starts).withColumn(
+            "_session", F.sum("_starts").over(in_order.rowsBetween(Window.unboundedPreceding, 0)))
+
+    def from_events(cut_pieces: DataFrame) -> DataFrame:
+        return (cut_pieces.where(~F.col("_held")).groupBy(*keys, "_session")
+                .agg(*partial_columns(table.aggregates, kinds), F.min(FIRST).alias(FIRST), F.max(LAST).alias(LAST)))
+
+    if state is None:
+        # Every session is made of events alone: their partial aggregates are its state, in one aggregation over
+        # the cut events as the window left them (partitioned by key), with nothing to keep in between. A first
+        # load of 1M payments aggregated them twice, the second time after a shuffle.
+        state = frame_of_rows(events.sparkSession, [], schema)
+        sessions = kept(from_events(cut(arrived)).drop("_session"))
+    else:
+        # Sessions are cut on (key, first, last) alone: the state's partial columns travel renamed, beside the
+        # events' own fields, and each side is aggregated in its own way once every piece knows its session.
+        held = state.where(F.col(OPEN)).select(*keys, FIRST, LAST, *(F.col(p).alias(f"_s{p}") for p in partials),
+                                                F.lit(True).alias("_held"))
+        pieces = kept(cut(held.unionByName(arrived, allowMissingColumns=True)))
+        from_state = pieces.where(F.col("_held")).select(*keys, "_session",
+                                                         *(F.col(f"_s{p}").alias(p) for p in partials), FIRST, LAST)
+        sessions = kept(
+            from_events(pieces).unionByName(from_state).groupBy(*keys, "_session")
+            .agg(*combined_columns(table.aggregates, kinds),
+                 F.min(FIRST).alias(FIRST), F.max(LAST).alias(LAST)).drop("_session"))
     newest = newest_of_stream(table, stream_events, watermark_ms, sessions.agg(F.max(F.unix_millis(LAST))).first()[0])
     after = next_watermark(watermark_ms, newest, spec.watermark_delay)
     closes = F.unix_micros(LAST) + F.lit(gap_us) <= F.lit(after * 1000)
@@ -220,7 +232,8 @@ class SessionsStage(EventTimeStage):
     def fold_and_write(self, rows: DataFrame, app_id: str, batch_id: int, marker: dict) -> FoldedBatch:
         spark, layout, table = rows.sparkSession, self.layout, self.table
         state_path = layout.table(table.state_table)
-        before = read_state(spark, state_path, self.last.state_version, state_schema(table))
+        before = (read_state(spark, state_path, self.last.state_version, state_schema(table))
+                  if self.last.state_version is not None else None)
         fold = fold_sessions(table, self.spec, before, rows, self.last.watermark_ms)
         sessions_closed, late_count = fold.closed.count(), fold.late.count()
         if late_count:

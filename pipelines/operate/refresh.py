@@ -95,12 +95,12 @@ def refresh_event_time_table(spark: SparkSession, layout: StorageLayout, spec: S
     path = layout.table(table.name)
     with writer_lock(layout.locks, spec.name, lock_timeout_s):
         bronze_version, events = _bronze(spark, layout, spec, table.name)
-        empty = frame_of_rows(spark, [], operator.state_schema(table))
         if table.kind == "window":
+            empty = frame_of_rows(spark, [], operator.state_schema(table))
             fold = windows.fold_windows(table, spec, empty, events, NO_PROGRESS.watermark_ms)
             state, closed = fold.open_windows, fold.closed
         else:
-            fold = sessions.fold_sessions(table, spec, empty, events, NO_PROGRESS.watermark_ms)
+            fold = sessions.fold_sessions(table, spec, None, events, NO_PROGRESS.watermark_ms)
             state, closed = fold.state, fold.closed
         app_id = new_app_id(f"{spec.name}/refresh")
         state_path = layout.table(table.state_table)

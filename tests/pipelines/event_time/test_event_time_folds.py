@@ -117,6 +117,21 @@ def test_sessions_cut_at_the_gap_join_out_of_order_and_close_on_the_watermark(sp
         "less": (at("10:29:59.999999"), at("10:29:59.999999"), Decimal("2.00"))}
 
 
+def test_a_first_fold_without_state_gives_what_a_fold_from_an_empty_state_gives(spark):
+    """No state at all (a table's first batch, a rebuild) takes a shorter path: one aggregation of the events."""
+    spec = declared(PAYMENTS, watermark_delay=dt.timedelta(hours=2))
+    events = payments(spark, [
+        ("e1", "exact", "1", at("10:00:00")), ("e2", "exact", "2", at("10:30:00")),
+        ("l1", "less", "1", at("10:00:00")), ("l2", "less", "3", at("10:29:59.999999")),
+        ("l3", "less", "4", at("10:05:00")), ("n", "newest", "1", at("13:00:00"))])
+    folds = [fold_sessions(ACTIVITY, spec, state, events, 0)
+             for state in (spark.createDataFrame([], sessions.state_schema(ACTIVITY)), None)]
+    general, first = ({"state": sorted(map(tuple, f.state.collect())), "closed": sorted(map(tuple, f.closed.collect())),
+                       "watermark": f.watermark_ms} for f in folds)
+    assert first == general
+    assert len(general["closed"]) == 3 and len(general["state"]) == 3  # 3 sessions closed, 1 open and 2 keys carried
+
+
 def test_the_ttl_forgets_the_previous_session_and_the_days_spend(spark):
     spec = declared(PAYMENTS, watermark_delay=dt.timedelta(0), session_ttl=dt.timedelta(hours=1))
     (table,) = spec.event_time_tables
