@@ -35,6 +35,7 @@ KAFKA_FIELDS = (
     StructField("kafka_timestamp", TimestampType()),
 )
 SPARK_KAFKA_CLASS = "org.apache.spark.sql.kafka010.KafkaSourceProvider"
+FETCH_MAX_WAIT_MS = 10  # the stream's consumers: how long the broker may hold a fetch at the end of a partition
 
 
 def source_id(topic: KafkaTopic) -> str:
@@ -152,6 +153,10 @@ def topic_records(spark: SparkSession, topic: KafkaTopic, starting: str) -> Data
               .option("subscribe", topic.topic).option("startingOffsets", starting)
               # A transactional producer's aborted records are never read (Spark's default reads them).
               .option("kafka.isolation.level", "read_committed")
+              # A task's consumer reads its range up to the log's end, where the broker holds a fetch for up to this
+              # long before answering: at Kafka's default (500 ms), a warm batch read of 10 records from 2 partitions
+              # took 0.57-0.61 s, at 10 ms 0.08 s (medians of 12 reads, blocks before and after it).
+              .option("kafka.fetch.max.wait.ms", str(FETCH_MAX_WAIT_MS))
               .option("failOnDataLoss", "true")
               .options(**topic.spark_options()))
     if topic.max_records_per_batch is not None:

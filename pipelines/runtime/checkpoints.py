@@ -85,9 +85,11 @@ def _log_file_problem(path: Path, *, lines_at_least: int) -> str | None:
     if problem:
         return problem
     try:
-        lines = path.read_text(encoding="utf-8").split("\n")
+        text = path.read_text(encoding="utf-8")
     except (UnicodeDecodeError, OSError) as exc:
         return f"{path} is unreadable: {exc}"
+    # Spark's Kafka source writes its initial offsets after a zero byte (KafkaSourceInitialOffsetWriter, SPARK-19517).
+    lines = text.removeprefix("\x00").split("\n")
     lines = [line for line in lines if line != ""]
     if len(lines) < lines_at_least or not lines[0].startswith("v") or not lines[0][1:].isdigit():
         return f"{path} is truncated or not a Spark checkpoint file"
