@@ -127,14 +127,14 @@ def recorded_offsets(spark: SparkSession, table_path, topic: KafkaTopic) -> dict
     return {}
 
 
-def planned_records(topic: KafkaTopic, start: dict[int, int], planned_end: dict | None) -> int | None:
-    """How many records a batch reads from `start` (partition → first offset) to the end its offset log plans
-    (`checkpoints.batch_source_offsets`): at most that many, a transaction's markers take offsets too. None when
-    either end of a partition is unknown."""
-    ends = (planned_end or {}).get(topic.topic)
-    if not ends or any(int(p) not in start for p in ends):
+def planned_records(topic: KafkaTopic, planned: tuple[dict, dict] | None) -> int | None:
+    """How many records a batch reads between the offsets its checkpoint plans (`checkpoints.batch_source_offsets`):
+    at most that many, a transaction's markers take offsets too. None when a partition's start or end is unknown."""
+    start, end = ((planned[0].get(topic.topic), planned[1].get(topic.topic)) if planned is not None
+                  else (None, None))
+    if not start or not end or any(p not in start for p in end):
         return None
-    return sum(max(0, int(end) - start[int(p)]) for p, end in ends.items())
+    return sum(max(0, int(offset) - int(start[p])) for p, offset in end.items())
 
 
 def starting_offsets(topic: KafkaTopic, recorded: dict[int, int]) -> str:

@@ -88,7 +88,7 @@ def _log_file_problem(path: Path, *, lines_at_least: int) -> str | None:
         text = path.read_text(encoding="utf-8")
     except (UnicodeDecodeError, OSError) as exc:
         return f"{path} is unreadable: {exc}"
-    # Spark's Kafka source writes its initial offsets after a zero byte (KafkaSourceInitialOffsetWriter, SPARK-19517).
+    # The Kafka source writes its first file after a zero byte (see `batch_source_offsets`).
     lines = text.removeprefix("\x00").split("\n")
     lines = [line for line in lines if line != ""]
     if len(lines) < lines_at_least or not lines[0].startswith("v") or not lines[0][1:].isdigit():
@@ -292,11 +292,18 @@ def read_through(checkpoint_dir: Path, source_version: int | None) -> bool:
             and planned >= source_version)
 
 
-def batch_source_offsets(checkpoint_dir: AnyPath, batch_id: int) -> dict | None:
-    """The end offset of the query's source that its offset log records for `batch_id` (written before the batch
-    runs: a Kafka source's `{topic: {partition: next offset}}`); None when there is none or it cannot be read."""
+def batch_source_offsets(checkpoint_dir: AnyPath, batch_id: int) -> tuple[dict, dict] | None:
+    """Where the query's source starts and ends `batch_id`, as its checkpoint records them before the batch runs (a
+    Kafka source's `{topic: {partition: offset}}` each): the start is the end of the batch before it, or for batch
+    0 the offsets the query started from (its source's first file). None when either cannot be read."""
+    def logged(path: AnyPath, line: int) -> dict:
+        # The Kafka source writes its first file after a zero byte (KafkaSourceInitialOffsetWriter, SPARK-19517).
+        return json.loads(path.read_text().removeprefix("\x00").split("\n")[line])
+
     try:
-        return json.loads((checkpoint_dir / "offsets" / str(batch_id)).read_text().split("\n")[2])
+        start = (logged(checkpoint_dir / "offsets" / str(batch_id - 1), 2) if batch_id > 0
+                 else logged(checkpoint_dir / "sources" / "0" / "0", 1))
+        return start, logged(checkpoint_dir / "offsets" / str(batch_id), 2)
     except (OSError, ValueError, IndexError):
         return None
 

@@ -192,13 +192,9 @@ class StreamBatch:
             listed, recorded = BatchUnits.of(units), None
             small = listed.landing_bytes < SMALL_BATCH_BYTES
         else:
-            # A topic's batch is sized by its offsets, before any record is read: from where the batch before it
-            # ended (its offset log; bronze's newest commit for a query's first batch) to where this one ends.
+            # A topic's batch is sized by the offsets its checkpoint plans, before any record is read.
             listed, recorded = None, recorded_offsets(spark, self.layout.table(self.spec.bronze_table), topic)
-            checkpoint = self.layout.checkpoint(self.spec.name)
-            start = (batch_source_offsets(checkpoint, batch_id - 1) or {}).get(topic.topic)
-            records = planned_records(topic, {int(p): int(n) for p, n in start.items()} if start else recorded,
-                                      batch_source_offsets(checkpoint, batch_id))
+            records = planned_records(topic, batch_source_offsets(self.layout.checkpoint(self.spec.name), batch_id))
             small = records is not None and records < SMALL_BATCH_RECORDS
         steps_s: dict[str, float] = {}
         with session_confs_during(spark, SMALL_BATCH_CONFS if small else {}), small_batch(small):
