@@ -88,8 +88,7 @@ def _log_file_problem(path: Path, *, lines_at_least: int) -> str | None:
         text = path.read_text(encoding="utf-8")
     except (UnicodeDecodeError, OSError) as exc:
         return f"{path} is unreadable: {exc}"
-    # The Kafka source writes its first file after a zero byte (see `batch_source_offsets`).
-    lines = text.removeprefix("\x00").split("\n")
+    lines = text.removeprefix("\x00").split("\n")  # the Kafka source's first file: `_source_offset`
     lines = [line for line in lines if line != ""]
     if len(lines) < lines_at_least or not lines[0].startswith("v") or not lines[0][1:].isdigit():
         return f"{path} is truncated or not a Spark checkpoint file"
@@ -222,7 +221,7 @@ def verify_checkpoint(spark: SparkSession, checkpoint_dir: Path, written_tables:
         if origin.source_table_id not in (None, source_table_id):
             return CheckpointVerdict(None, "the source table was re-created since this checkpoint started")
         if last_offset is not None and not source_table_id.startswith("kafka:"):  # a topic's offsets: Spark checks
-            source_offset = json.loads(offsets[last_offset].read_text().split("\n")[2])
+            source_offset = _source_offset(offsets[last_offset])
             if "reservoirId" not in source_offset:
                 # An ingest checkpoint of the landing folder itself, from before the landing ledger.
                 return CheckpointVerdict(None, "the checkpoint reads another kind of source (an earlier version "
@@ -292,18 +291,22 @@ def read_through(checkpoint_dir: Path, source_version: int | None) -> bool:
             and planned >= source_version)
 
 
+def _source_offset(path: AnyPath) -> dict:
+    """The source's offset a checkpoint file records: an offset log's third line (after its version and the batch's
+    metadata), or a source's initial offsets file's second. The Kafka source writes that file after a zero byte
+    (KafkaSourceInitialOffsetWriter, SPARK-19517)."""
+    lines = path.read_text().removeprefix("\x00").split("\n")
+    return json.loads(lines[2 if path.parent.name == "offsets" else 1])
+
+
 def batch_source_offsets(checkpoint_dir: AnyPath, batch_id: int) -> tuple[dict, dict] | None:
     """Where the query's source starts and ends `batch_id`, as its checkpoint records them before the batch runs (a
     Kafka source's `{topic: {partition: offset}}` each): the start is the end of the batch before it, or for batch
     0 the offsets the query started from (its source's first file). None when either cannot be read."""
-    def logged(path: AnyPath, line: int) -> dict:
-        # The Kafka source writes its first file after a zero byte (KafkaSourceInitialOffsetWriter, SPARK-19517).
-        return json.loads(path.read_text().removeprefix("\x00").split("\n")[line])
-
     try:
-        start = (logged(checkpoint_dir / "offsets" / str(batch_id - 1), 2) if batch_id > 0
-                 else logged(checkpoint_dir / "sources" / "0" / "0", 1))
-        return start, logged(checkpoint_dir / "offsets" / str(batch_id), 2)
+        start = _source_offset(checkpoint_dir / "offsets" / str(batch_id - 1) if batch_id > 0
+                               else checkpoint_dir / "sources" / "0" / "0")
+        return start, _source_offset(checkpoint_dir / "offsets" / str(batch_id))
     except (OSError, ValueError, IndexError):
         return None
 
@@ -311,5 +314,5 @@ def batch_source_offsets(checkpoint_dir: AnyPath, batch_id: int) -> tuple[dict, 
 def batch_end_version(checkpoint_dir: Path, batch_id: int) -> int | None:
     """The newest source Delta version `batch_id` read whole (end offset `reservoirVersion`, `index -1`);
     None if the batch stopped inside a version."""
-    offset = json.loads((checkpoint_dir / "offsets" / str(batch_id)).read_text().split("\n")[2])
+    offset = _source_offset(checkpoint_dir / "offsets" / str(batch_id))
     return int(offset["reservoirVersion"]) - 1 if offset.get("index") == -1 else None
