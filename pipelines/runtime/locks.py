@@ -5,7 +5,11 @@ instance or from another machine bypasses them. Delta's S3 log store is safe for
 DynamoDB log store is not available here), so the project's own lock must hold across hosts.
 
 Local root: `locks/<writer>.lock`, an exclusive `flock`. The kernel releases it when the holder dies, even by
-kill -9, so a crash never leaves a stale lock.
+kill -9, so a crash never leaves a stale lock. The holder writes a line naming itself and a token of its own; over
+Spark Connect a micro-batch runs in the server's Python worker, which outlives a killed run, and its query goes on
+planning batches until a later run's query takes its checkpoint: before its first commit, a batch checks that the
+line is still its run's (`LocalFence`, one read of the file), so a later holder's data is never folded by the dead
+run's query too.
 
 Object-store root: `locks/<writer>.lease/<generation>`, small JSON objects, one per holder, numbered 1, 2, 3, ...
 The holder is the newest generation. Only one kind of conditional write is relied on: create-if-absent
@@ -35,6 +39,7 @@ import time
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator
 
 from pipelines.errors import ConfigurationError, StreamBusyError
@@ -73,11 +78,12 @@ def _since() -> str:
 
 def lock_holder_line() -> str:
     """What the holder of a writer lock writes into the lock file: who holds it, for a run refused the lock and for
-    `statetables status` (`lock_state`). The file keeps it after release: then it names the last holder."""
-    return f"pid {os.getpid()} host {socket.gethostname()} since {_since()}\n"
+    `statetables status` (`lock_state`), and a token of this holding (`LocalFence`). The file keeps it after release:
+    then it names the last holder."""
+    return f"pid {os.getpid()} host {socket.gethostname()} since {_since()} token {uuid.uuid4().hex[:16]}\n"
 
 
-_HOLDER = re.compile(r"^pid (?P<pid>\d+)(?: host (?P<host>\S+))? since (?P<since>\S+)$")
+_HOLDER = re.compile(r"^pid (?P<pid>\d+)(?: host (?P<host>\S+))? since (?P<since>\S+)(?: token \S+)?$")
 
 
 def lock_state(locks_dir: AnyPath, writer: str) -> dict:
@@ -135,10 +141,31 @@ class Fence:
                 f"stream, and the next run resumes from the last commit.")
 
 
+@dataclass(frozen=True)
+class LocalFence:
+    """`Fence` on a local root: the lock file must still hold this run's line (a later holder rewrites it). One read
+    of the file, by whatever process runs the batch. Picklable: the file's path and the line."""
+
+    path: str
+    holder: str
+
+    def __call__(self) -> None:
+        try:
+            found = Path(self.path).read_text(encoding="utf-8", errors="replace").strip()
+        except OSError:
+            found = ""
+        if found != self.holder:
+            raise LeaseLostError(
+                f"This run no longer holds the writer lock {self.path} (it now names {found or 'no holder'}: the "
+                f"run that started this query died, and another run took the stream); this micro-batch stopped "
+                f"before its first commit, so nothing is written twice. Fix: nothing to repair; the lock's holder "
+                f"advances the stream, and the next run resumes from the last commit.")
+
+
 @contextmanager
-def writer_lock(locks_dir: AnyPath, writer: str, timeout_s: float) -> Iterator[Fence | None]:
-    """Hold the exclusive writer lock of `writer`, waiting at most `timeout_s`. Yields the `Fence` that commits
-    check on an object store (None on a local root: the kernel lock cannot be lost while its holder lives)."""
+def writer_lock(locks_dir: AnyPath, writer: str, timeout_s: float) -> Iterator[Fence | LocalFence]:
+    """Hold the exclusive writer lock of `writer`, waiting at most `timeout_s`. Yields the fence a micro-batch
+    checks before its first commit: `Fence` on an object store, `LocalFence` on a local root."""
     if isinstance(locks_dir, S3Path):
         with _lease(lock_path(locks_dir, writer), writer, timeout_s) as fence:
             yield fence
@@ -158,11 +185,12 @@ def writer_lock(locks_dir: AnyPath, writer: str, timeout_s: float) -> Iterator[F
                     holder = handle.read().strip() or "unknown"
                     raise _busy(writer, path, holder, timeout_s) from None
                 time.sleep(0.5)
+        holder = lock_holder_line()
         handle.seek(0)
         handle.truncate()
-        handle.write(lock_holder_line())
+        handle.write(holder)
         handle.flush()
-        yield None
+        yield LocalFence(str(path), holder.strip())
     finally:
         handle.close()  # closing the descriptor releases the lock
 

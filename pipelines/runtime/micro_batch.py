@@ -60,7 +60,7 @@ from pipelines.runtime.checkpoints import (
     batch_source_offsets, checkpoint_for_run, has_planned, planned_source_version, read_through, start_checkpoint,
     write_origin,
 )
-from pipelines.runtime.locks import Fence, writer_lock
+from pipelines.runtime.locks import Fence, LocalFence, writer_lock
 from pipelines.runtime.query import (
     SMALL_BATCH_BYTES, SMALL_BATCH_CONFS, SMALL_BATCH_RECORDS, Continuous, StreamRunResult, TableVersions,
     require_writable, run_query, session_confs_during, storage_errors,
@@ -177,7 +177,7 @@ class StreamBatch:
 
     def __init__(self, layout: StorageLayout, spec: StreamSpec, ingest: IngestSettings,
                  states: list[StateTableStage], event_time: list[EventTimeStage], changelogs: list[ChangelogStage],
-                 fence: Fence | None = None, topics: dict[str, ChangelogTopicStage] | None = None):
+                 fence: Fence | LocalFence | None = None, topics: dict[str, ChangelogTopicStage] | None = None):
         self.layout, self.spec, self.ingest = layout, spec, ingest
         self.states, self.event_time, self.changelogs = states, event_time, changelogs
         self.fence = fence
@@ -185,7 +185,7 @@ class StreamBatch:
 
     def __call__(self, units: DataFrame, batch_id: int) -> None:
         started = time.monotonic()
-        if self.fence is not None:  # an object-store root: this run must still hold the stream's lease
+        if self.fence is not None:  # this run must still hold the stream's writer lock (a killed run's query)
             self.fence()
         spark, topic = units.sparkSession, self.spec.topic
         if topic is None:
