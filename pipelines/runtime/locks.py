@@ -7,7 +7,7 @@ DynamoDB log store is not available here), so the project's own lock must hold a
 Local root: `locks/<writer>.lock`, an exclusive `flock`. The kernel releases it when the holder dies, even by
 kill -9, so a crash never leaves a stale lock. The holder writes a line naming itself and a token of its own; over
 Spark Connect a micro-batch runs in the server's Python worker, which outlives a killed run, and its query goes on
-planning batches until a later run's query takes its checkpoint: before its first commit, a batch checks that the
+planning batches until a later run's query takes its checkpoint: before each of its steps, a batch checks that the
 line is still its run's (`LocalFence`, one read of the file), so a later holder's data is never folded by the dead
 run's query too.
 
@@ -20,8 +20,8 @@ racy, so it is not used).
   writes it) and looks for a successor.
 - Expired when its holder dies: a waiter creates the next generation once the holder's object has stood unchanged
   (same ETag) for a whole lifetime by the waiter's own clock. No clocks are compared across hosts.
-- Fencing: before each micro-batch's first commit, the batch asks whether its generation has a successor
-  (`Fence`, one HEAD request); if so it raises `LeaseLostError` and commits nothing. A holder whose renewal finds a
+- Fencing: before each step of a micro-batch, the batch asks whether its generation has a successor
+  (`Fence`, one HEAD request); if so it raises `LeaseLostError` and commits nothing more. A holder whose renewal finds a
   successor, or that could not renew for a whole lifetime, is lost too.
 - Released by rewriting its generation as released, so that it keeps naming the last holder, as the lock file
   does; the next run creates the next generation at once. Generations older than the previous one are deleted.
@@ -158,14 +158,14 @@ class LocalFence:
             raise LeaseLostError(
                 f"This run no longer holds the writer lock {self.path} (it now names {found or 'no holder'}: the "
                 f"run that started this query died, and another run took the stream); this micro-batch stopped "
-                f"before its first commit, so nothing is written twice. Fix: nothing to repair; the lock's holder "
+                f"before its next commit, so nothing is written twice. Fix: nothing to repair; the lock's holder "
                 f"advances the stream, and the next run resumes from the last commit.")
 
 
 @contextmanager
 def writer_lock(locks_dir: AnyPath, writer: str, timeout_s: float) -> Iterator[Fence | LocalFence]:
     """Hold the exclusive writer lock of `writer`, waiting at most `timeout_s`. Yields the fence a micro-batch
-    checks before its first commit: `Fence` on an object store, `LocalFence` on a local root."""
+    checks before each of its steps: `Fence` on an object store, `LocalFence` on a local root."""
     if isinstance(locks_dir, S3Path):
         with _lease(lock_path(locks_dir, writer), writer, timeout_s) as fence:
             yield fence

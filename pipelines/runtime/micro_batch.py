@@ -185,8 +185,7 @@ class StreamBatch:
 
     def __call__(self, units: DataFrame, batch_id: int) -> None:
         started = time.monotonic()
-        if self.fence is not None:  # this run must still hold the stream's writer lock (a killed run's query)
-            self.fence()
+        self.fenced()
         spark, topic = units.sparkSession, self.spec.topic
         if topic is None:
             listed, recorded = BatchUnits.of(units), None
@@ -205,6 +204,12 @@ class StreamBatch:
         log_batch(self.spec.name, batch_id, ingested.counts, time.monotonic() - started, steps_s, small)
         fault_point(STREAM_BATCH_END)
 
+    def fenced(self) -> None:
+        """Raise unless this run still holds the stream's writer lock (`locks.LocalFence`, `locks.Fence`): over Spark
+        Connect a killed run's query goes on in the server."""
+        if self.fence is not None:
+            self.fence()
+
     def fold(self, spark: SparkSession, app_id: str, batch_id: int, appended: Appended | None = None,
              steps_s: dict[str, float] | None = None) -> None:
         """Every step after bronze, up to bronze's newest version (this batch's append, and any a batch that died
@@ -215,15 +220,20 @@ class StreamBatch:
         bronze_path = self.layout.table(self.spec.bronze_table)
         through = table_version(spark, bronze_path)
         rows = BronzeRows(spark, bronze_path, through, appended)
+        # Each step first asks the fence again: a killed run's batch that was already past it when another run took
+        # the lock stops at its next step instead of committing that step a second time.
         with timed(steps_s, "state"):
             for state in self.states:
+                self.fenced()
                 state.advance(spark, rows, app_id, batch_id)
         if self.event_time:
             with timed(steps_s, "event_time"):
                 for step in self.event_time:
+                    self.fenced()
                     step.advance(spark, rows, app_id, batch_id)
         with timed(steps_s, "changelog"):
             for changelog in self.changelogs:
+                self.fenced()
                 changelog.advance(spark, app_id, batch_id)
                 if (topic := self.topics.get(changelog.table.name)) is not None:
                     topic.advance(spark, changelog)
@@ -240,8 +250,7 @@ class StreamBatch:
                   or any(t.published < c.covers for c in self.changelogs
                          if (t := self.topics.get(c.table.name)) is not None))
         if behind:
-            if self.fence is not None:
-                self.fence()
+            self.fenced()
             self.fold(spark, new_app_id(f"{self.spec.name}/catch-up"), 0)
         return behind
 
