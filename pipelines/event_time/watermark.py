@@ -36,8 +36,8 @@ from pipelines.faults import fault_point
 from pipelines.state.tables import DEFINITION_PROPERTY
 from pipelines.storage import delta_sql
 from pipelines.storage.delta_log import (
-    BronzeRows, NewTable, commits_since, create_tables_if_missing, history_rows, retry_on_conflict, table_properties,
-    table_version,
+    BronzeRows, NewTable, commits_since, create_tables_if_missing, history_rows, newest_commit_with, retry_on_conflict,
+    table_properties, table_version,
 )
 from pipelines.storage.frames import frame_of_rows, kept
 from pipelines.storage.layout import StorageLayout
@@ -247,19 +247,17 @@ NO_PROGRESS = Progress(watermark_ms=0, bronze_version=-1, state_version=None)
 def last_progress(spark: SparkSession, table: EventTimeTableSpec, layout: StorageLayout) -> Progress | None:
     """The progress of the newest batch committed to the table; None when no batch has closed. A table written
     by an earlier statetables (its progress names no `<table>_state` version) is refused, naming the refresh."""
-    path = layout.table(table.name)
-    for commit in reversed(commits_since(spark, path, max(-1, (table_version(spark, path) or 0) - 10))):
-        user = commit["user"]
-        if "watermark_ms" in user:
-            state = (user.get("state_versions") or {}).get(table.state_table)
-            if state is None or user.get("bronze_version") is None:
-                raise DefinitionChangedError(
-                    f"{table.name} version {commit['version']} was written by an earlier statetables, whose "
-                    f"operator state this one does not read. Fix: `statetables refresh {table.name}` rebuilds it "
-                    f"from bronze in one commit.")
-            return Progress(int(user["watermark_ms"]), int(user["bronze_version"]), int(state), user.get("app_id"),
-                            int(user["batch_id"]) if user.get("batch_id") is not None else None)
-    return None
+    found = newest_commit_with(spark, layout.table(table.name), "watermark_ms", 10)
+    if found is None:
+        return None
+    version, user = found
+    state = (user.get("state_versions") or {}).get(table.state_table)
+    if state is None or user.get("bronze_version") is None:
+        raise DefinitionChangedError(
+            f"{table.name} version {version} was written by an earlier statetables, whose operator state this one "
+            f"does not read. Fix: `statetables refresh {table.name}` rebuilds it from bronze in one commit.")
+    return Progress(int(user["watermark_ms"]), int(user["bronze_version"]), int(state), user.get("app_id"),
+                    int(user["batch_id"]) if user.get("batch_id") is not None else None)
 
 
 @dataclass(frozen=True)
@@ -296,6 +294,11 @@ class EventTimeStage:
     def advance(self, spark: SparkSession, bronze: BronzeRows, app_id: str, batch_id: int) -> None:
         """Fold bronze up to version `bronze.through`, each commit naming the batch (app id, batch id)."""
         through = bronze.through
+        # Asked again at each batch: another copy of it may have closed since the run started (a killed run's
+        # query that went on in a Spark Connect server, until the fence stopped it: docs/recovery.md).
+        if (found := last_progress(spark, self.table, self.layout)) is not None \
+                and found.bronze_version > self.last.bronze_version:
+            self.last = found
         if through <= self.last.bronze_version:
             return
         rows = bronze.after(self.last.bronze_version)

@@ -19,7 +19,7 @@ from pipelines.declare.specs import StateTableSpec
 from pipelines.errors import ChangelogError
 from pipelines.state.tables import state_new_table, state_schema
 from pipelines.storage.delta_log import (
-    NewTable, commits_since, create_tables_if_missing, rows_changed, table_id, table_version,
+    NewTable, create_tables_if_missing, newest_commit_with, rows_changed, table_id, table_version,
 )
 from pipelines.storage.layout import StorageLayout
 
@@ -47,6 +47,11 @@ class ChangelogStage:
 
     def advance(self, spark: SparkSession, app_id: str, batch_id: int) -> None:
         state_path = self.layout.table(self.table.name)
+        # Asked again at each batch: another copy of it may have appended since the run started (a killed run's
+        # query that went on in a Spark Connect server, until the fence stopped it: docs/recovery.md).
+        newest = coverage_record(spark, self.layout.table(changelog_name(self.table)))
+        if newest is not None and int(newest[COVERS]) > self.covers:
+            self.covers = int(newest[COVERS])
         now = table_version(spark, state_path)
         if now is None or now <= self.covers:
             return
@@ -66,9 +71,8 @@ def changelog_new_table(layout: StorageLayout, table: StateTableSpec) -> NewTabl
 def coverage_record(spark: SparkSession, path: Path) -> dict | None:
     """The metadata of the changelog's newest commit that records the state-table version it covers (`COVERS`),
     among its newest 20; None when none does (no changelog yet, or one of an earlier statetables)."""
-    latest = table_version(spark, path) or 0
-    return next((c["user"] for c in reversed(commits_since(spark, path, max(-1, latest - 20)))
-                 if c["user"].get(COVERS) is not None), None)
+    found = newest_commit_with(spark, path, COVERS)
+    return found[1] if found is not None else None
 
 
 def changelog_stage(spark: SparkSession, layout: StorageLayout, table: StateTableSpec) -> ChangelogStage:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
+from typing import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from pyspark.sql.types import StructField, StructType, TimestampType
 
 from pipelines.declare.aggregates import kind_of, partial_columns
 from pipelines.declare.specs import FIELD_TYPES, StateTableSpec, StreamSpec
-from pipelines.errors import ConfigurationError, DefinitionChangedError
+from pipelines.errors import ConcurrentWriterError, ConfigurationError, DefinitionChangedError
 from pipelines.faults import (
     STATE_AFTER_MERGE_COMMIT, STATE_AFTER_REBUILD, STATE_BATCH_END, STATE_MERGE_START, fault_point,
 )
@@ -31,7 +32,8 @@ from pipelines.state.expiry import (
 from pipelines.storage import delta_sql
 from pipelines.storage.delta_log import (
     USER_METADATA, BronzeRows, commit_confs, commits_since, NewTable, create_tables_if_missing, history_rows,
-    holds_no_rows, logged_properties, new_app_id, retry_on_conflict, table_properties, table_version,
+    holds_no_rows, logged_properties, new_app_id, newest_commit_with, retry_on_conflict, table_properties,
+    table_version,
 )
 from pipelines.storage.delta_sql import ident
 from pipelines.storage.layout import StorageLayout
@@ -177,11 +179,16 @@ class StateTableStage:
 
     def advance(self, spark: SparkSession, bronze: BronzeRows, app_id: str, batch_id: int) -> None:
         through = bronze.through
-        if through <= self.through:
-            return
         table = self.table
         table_path = str(self.layout.table(table.name))
-        events = bronze.after(self.through)
+        # Asked again at each batch: another copy of it may have folded since the run started (a killed run's
+        # query that went on in a Spark Connect server, until the fence stopped it: docs/recovery.md).
+        if (recorded := self.recorded_through(spark)) is not None and recorded > self.through:
+            self.through, self.empty = recorded, False
+        if through <= self.through:
+            return
+        folded = self.through
+        events = bronze.after(folded)
         batch = aggregate(events, table)
         fault_point(STATE_MERGE_START)
         metadata = {"app_id": app_id, "batch_id": batch_id, FOLDED_THROUGH: through}
@@ -190,12 +197,28 @@ class StateTableStage:
             metadata[EXPIRED] = expired.as_metadata()
             metadata[INGESTED_THROUGH] = newest_ingested_us(events)
 
-        upsert(spark, table_path, table, batch, batch_id, metadata, empty=self.empty)
+        def still_from_folded() -> None:
+            if (now := self.recorded_through(spark)) is not None and now != folded:
+                raise ConcurrentWriterError(
+                    f"Micro-batch {batch_id} of {self.spec.name} was to fold bronze after version {folded} into "
+                    f"{table.name}, and another writer has meanwhile recorded version {now} there: another copy of "
+                    f"this stream's batch. Nothing of this batch was written to {table.name}. Fix: none needed, the "
+                    f"next run folds from what the table records; if this repeats, find the other writer (one "
+                    f"statetables run per stream writes it).")
+
+        upsert(spark, table_path, table, batch, batch_id, metadata, empty=self.empty, before_commit=still_from_folded)
         self.through, self.empty = through, False
         fault_point(STATE_AFTER_MERGE_COMMIT)
         if self.ttl is not None:
             self.expire(spark, metadata[INGESTED_THROUGH], app_id, batch_id, expired)
         fault_point(STATE_BATCH_END)
+
+    def recorded_through(self, spark: SparkSession) -> int | None:
+        """The bronze version the table's newest commit that records one says it folded through; None for none, or
+        when a RESTORE is newer (`folded_through` reads what that brought back, when a run starts)."""
+        found = newest_commit_with(spark, self.layout.table(self.table.name), FOLDED_THROUGH, NEWEST_COMMITS,
+                                   unless_after="RESTORE")
+        return int(found[1][FOLDED_THROUGH]) if found is not None else None
 
     def expire(self, spark: SparkSession, ingested_through_us: int | None, app_id: str, batch_id: int,
                expired: ExpiredTotals | None = None) -> None:
@@ -242,7 +265,7 @@ def state_table_stage(spark: SparkSession, layout: StorageLayout, spec: StreamSp
 
 
 def upsert(spark: SparkSession, table_path: str, table: StateTableSpec, batch: DataFrame, batch_id: int,
-           metadata: dict, *, empty: bool = False) -> None:
+           metadata: dict, *, empty: bool = False, before_commit: Callable[[], None] = lambda: None) -> None:
     """MERGE a batch's per-key aggregate (`aggregate`) into the state table, the commit carrying `metadata` (the
     bronze version folded: what makes a replay fold nothing, `StateTableStage`); a concurrent writer's commit is
     retried.
@@ -251,6 +274,7 @@ def upsert(spark: SparkSession, table_path: str, table: StateTableSpec, batch: D
     the change rows (inserts), are the MERGE's, without its join of the table (a new root's first run 5.32 -> 4.94 s
     warm, measured: docs/performance.md)."""
     def fold() -> None:
+        before_commit()  # each attempt: a conflict retried must not fold on top of another copy of the batch
         with commit_confs(spark, {USER_METADATA: json.dumps(metadata)}):
             if empty:
                 _inserted(batch, table).write.format("delta").mode("append").save(str(table_path))

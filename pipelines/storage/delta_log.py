@@ -235,8 +235,34 @@ def made_by_batch(spark: SparkSession, path: Path | str, app_id: str, batch_id: 
                for row in history_rows(spark, path, BATCH_COMMITS_SEARCHED))
 
 
+def newest_commit_with(spark: SparkSession, path: Path | str, key: str, limit: int = 20, *,
+                       unless_after: str | None = None) -> tuple[int, dict] | None:
+    """(version, metadata) of the table's newest commit, among its newest `limit`, whose metadata holds `key`: what a
+    step records of its progress in its own commits. Read newest first, a commit file at a time, stopping at the
+    first that holds it (most often the newest): a step asks before each batch. None as well when a newer commit
+    is an `unless_after` operation (a RESTORE, which brings back an older version's record)."""
+    latest = table_version(spark, path)
+    if latest is None:
+        return None
+    for version, actions in commit_actions(path, latest, limit):
+        info = next((a["commitInfo"] for a in actions if "commitInfo" in a), None)
+        if info is None:  # another writer's log, without commitInfo: DESCRIBE HISTORY answers
+            for row in history_rows(spark, path, limit, latest=latest):
+                if row["operation"] == unless_after:
+                    return None
+                if _metadata(row).get(key) is not None:
+                    return row["version"], _metadata(row)
+            return None
+        if info.get("operation") == unless_after:
+            return None
+        meta = _metadata(info)
+        if meta.get(key) is not None:
+            return version, meta
+    return None
+
+
 def _metadata(row: dict) -> dict:
-    meta = json.loads(row["userMetadata"]) if row["userMetadata"] else {}
+    meta = json.loads(row["userMetadata"]) if row.get("userMetadata") else {}
     return meta if isinstance(meta, dict) else {}
 
 
