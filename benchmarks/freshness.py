@@ -174,12 +174,14 @@ def run_mode(home: Path, mode: str, *, files: int, every_s: float, rate_steps: l
     """One mode under a fresh `dagster dev` over `home` (which already holds a little history); with `engine`,
     beside a warm Spark Connect server that every run uses; `kind`: files (Arrivals) or records (TopicArrivals)."""
     from assets.keys import CONTINUOUS_JOB
+    from pipelines.runtime.warm_up import WARM_UP_BATCHES
     from statetables.servers import dagster_dev, free_port, launch_run, terminate_run, wait_for_run_end
 
     layout = StorageLayout.under(home)
     result: dict = {}
+    # The engine warmed as `statetables dev` and `serve` warm theirs.
     with dagster_dev(layout, port=free_port(), engine_port=free_port() if engine else None,
-                     log=home / "logs" / f"dagster-{mode}.log") as url:
+                     log=home / "logs" / f"dagster-{mode}.log", warm_up_batches=WARM_UP_BATCHES) as url:
         run_id = None
         if mode == "continuous":
             run_id = launch_run(url, CONTINUOUS_JOB, {"ops": {"keep_streams_running": {"config": {}}}})

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from pipelines.declare.project import PROJECT_ENV, stream_spec, streams
 from pipelines.errors import ConfigurationError, SavepointError, StorageError, StreamBusyError
+from pipelines.runtime.warm_up import WARM_UP_BATCHES
 from pipelines.storage.layout import StorageLayout
 from statetables.servers import prepare_instance
 
@@ -288,6 +289,31 @@ def _engine_port(args: argparse.Namespace) -> int | None:
     return None if args.embedded else args.engine_port
 
 
+def _warm_up(args: argparse.Namespace) -> int:
+    """Micro-batches of generated events through every stream of the project, on a scratch root, in the engine at
+    --remote: its first real batches then run compiled code."""
+    import time
+
+    from pipelines.declare.project import streams
+    from pipelines.runtime.spark import SparkSettings, build_spark_session, default_remote
+    from pipelines.runtime.warm_up import warm_up_engine
+
+    remote = args.remote or default_remote()
+    if not remote:
+        raise ConfigurationError("statetables warm-up warms a Spark Connect engine, and none was named (an embedded "
+                                 "JVM ends with this command). Fix: --remote sc://127.0.0.1:15002, or set "
+                                 "$STATETABLES_SPARK_REMOTE.")
+    specs = list(streams().values())
+    started = time.monotonic()
+    print(f"warming the engine {remote}: {args.batches} micro-batches of each of {len(specs)} streams, on a scratch "
+          f"root ...", flush=True)
+    warm_up_engine(build_spark_session(SparkSettings(remote=remote)), specs, batches=args.batches,
+                   report=lambda w: print(f"  {w.stream}: {w.micro_batches} micro-batches in {w.seconds:.1f} s",
+                                          flush=True))
+    print(f"engine warmed in {time.monotonic() - started:.1f} s", flush=True)
+    return 0
+
+
 def _dev(args: argparse.Namespace) -> int:
     """`dagster dev` on 127.0.0.1 beside a supervised Spark Connect server that every run uses; Ctrl-C stops both."""
     from statetables.servers import dagster_dev
@@ -295,7 +321,8 @@ def _dev(args: argparse.Namespace) -> int:
     _stop_on_signals()
     layout = StorageLayout.under()
     engine = _engine_port(args)
-    with dagster_dev(layout, port=args.port, engine_port=engine, log=layout.home / "logs" / "dagster-dev.log") as url:
+    with dagster_dev(layout, port=args.port, engine_port=engine, log=layout.home / "logs" / "dagster-dev.log",
+                     warm_up_batches=args.warm_up_batches) as url:
         where = f"the Spark Connect engine sc://127.0.0.1:{engine}" if engine else "an embedded JVM per run"
         return _serve_until_interrupted(f"Dagster (runs use {where}; logs in {layout.home / 'logs'})", url)
 
@@ -312,7 +339,7 @@ def _serve(args: argparse.Namespace) -> int:
     layout = StorageLayout.under()
     config = {"trigger_seconds": args.trigger_seconds, "report_every_seconds": args.report_every_seconds}
     with dagster_dev(layout, port=args.port, engine_port=_engine_port(args),
-                     log=layout.home / "logs" / "dagster-dev.log") as url:
+                     log=layout.home / "logs" / "dagster-dev.log", warm_up_batches=args.warm_up_batches) as url:
         run_id = launch_run(url, CONTINUOUS_JOB, {"ops": {"keep_streams_running": {"config": config}}})
         print(f"Dagster UI: {url}   {CONTINUOUS_JOB} run {run_id}: {url}/runs/{run_id}\n"
               f"Drop *.jsonl files into {layout.landing('<stream>')}/ and follow the tables in the UI. "
@@ -499,7 +526,7 @@ GROUPS = (("start", ("init", "check")),
           ("pipeline", ("generate", "run", "refresh", "dev", "serve")),
           ("inspect", ("status", "show", "quarantine", "explain")),
           ("recovery", ("savepoint", "restore-changelog", "restore-topic")),
-          ("local servers", ("connect-server", "cluster", "s3-server", "kafka-broker", "instance")))
+          ("local servers", ("connect-server", "warm-up", "cluster", "s3-server", "kafka-broker", "instance")))
 NO_PROJECT = {"init", "connect-server", "cluster", "s3-server", "kafka-broker", "instance"}
 
 
@@ -635,9 +662,19 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("--port", type=int, default=3000, help="the Dagster UI's port")
         sub.add_argument("--engine-port", type=int, default=15002, help="the Spark Connect server's port")
         sub.add_argument("--embedded", action="store_true", help="no engine: every run starts an embedded JVM")
+        sub.add_argument("--warm-up-batches", type=int, default=WARM_UP_BATCHES, metavar="N",
+                         help="micro-batches of each stream the engine runs on a scratch root before Dagster starts "
+                              "(`statetables warm-up`); 0: none")
     serve.add_argument("--trigger-seconds", type=float, default=1.0, help="processing-time trigger of the queries")
     serve.add_argument("--report-every-seconds", type=float, default=30.0, help="how often tables are reported")
 
+    warm = command("warm-up", "run micro-batches of generated events through every stream on a scratch root, in "
+                   "a Spark Connect engine, so that its first real ones run compiled code",
+                   "statetables warm-up --remote sc://127.0.0.1:15002", _warm_up,
+                   "`dev` and `serve` warm their engine so before Dagster starts. Nothing under the storage root "
+                   "is read or written.")
+    warm.add_argument("--remote", help="the engine (default $STATETABLES_SPARK_REMOTE)")
+    warm.add_argument("--batches", type=int, default=WARM_UP_BATCHES, help="micro-batches of each stream")
     server = command("connect-server", "serve Spark Connect with Delta on 127.0.0.1 until interrupted",
                      "statetables connect-server --port 15002", _connect_server)
     server.add_argument("--port", type=int, default=15002, help="the port to listen on")

@@ -171,10 +171,11 @@ def wait_for_run_end(url: str, run_id: str, timeout_s: float) -> str:
 @contextmanager
 def dagster_dev(layout: StorageLayout, *, port: int, engine_port: int | None = None,
                 extra_env: dict[str, str] | None = None, log: Path | None = None,
-                ready_timeout_s: float = 180) -> Iterator[str]:
+                ready_timeout_s: float = 180, warm_up_batches: int = 0) -> Iterator[str]:
     """`dagster dev` (webserver, daemon, code server) in its own process group; stopped on exit. With
     `engine_port`, a supervised Spark Connect server on that port first, which every run uses
-    ($STATETABLES_SPARK_REMOTE), stopped after Dagster."""
+    ($STATETABLES_SPARK_REMOTE), stopped after Dagster; with `warm_up_batches`, warmed by that many micro-batches
+    of each stream before Dagster starts (`statetables warm-up`)."""
     if engine_port is None:
         with _dagster_dev(layout, port=port, extra_env=extra_env, log=log, ready_timeout_s=ready_timeout_s) as url:
             yield url
@@ -183,10 +184,22 @@ def dagster_dev(layout: StorageLayout, *, port: int, engine_port: int | None = N
 
     _require_free_port(port, "dagster dev")
     engine_log = (log.parent if log else layout.home / "logs") / "spark-connect.log"
-    with spark_connect_server(port=engine_port, log=engine_log, extra_env=extra_env, supervise=True) as remote, \
-            _dagster_dev(layout, port=port, extra_env={**(extra_env or {}), REMOTE_ENV: remote}, log=log,
-                         ready_timeout_s=ready_timeout_s) as url:
-        yield url
+    with spark_connect_server(port=engine_port, log=engine_log, extra_env=extra_env, supervise=True) as remote:
+        if warm_up_batches > 0:
+            warm_up(remote, warm_up_batches, extra_env)
+        with _dagster_dev(layout, port=port, extra_env={**(extra_env or {}), REMOTE_ENV: remote}, log=log,
+                          ready_timeout_s=ready_timeout_s) as url:
+            yield url
+
+
+def warm_up(remote: str, batches: int, extra_env: dict[str, str] | None = None) -> None:
+    """`statetables warm-up` against the engine at `remote`, its progress on this process's output. A warm-up that
+    fails leaves the engine as it was, cold: the failure is printed and the engine serves on."""
+    done = subprocess.run([sys.executable, "-m", "statetables.cli", "warm-up", "--remote", remote,
+                           "--batches", str(batches)], cwd=REPO_ROOT, env={**os.environ, **(extra_env or {})})
+    if done.returncode != 0:
+        print(f"statetables: the engine's warm-up failed ({done.returncode}, its error above); the engine serves "
+              f"cold: its first micro-batches are slower", file=sys.stderr, flush=True)
 
 
 @contextmanager

@@ -92,6 +92,21 @@ def run_pipeline(landing: Path, home: Path, *engine: str) -> StorageLayout:
     return StorageLayout.under(home)
 
 
+def assert_warms_up(url: str, home: Path) -> None:
+    """`statetables warm-up` runs its micro-batches of every stream in the engine on a scratch root it deletes, and
+    writes nothing under the storage root."""
+    scratch = home / "scratch"
+    scratch.mkdir()
+    env = {**os.environ, HOME_ENV: str(home), "TMPDIR": str(scratch)}
+    done = subprocess.run([STATETABLES, "warm-up", "--remote", url, "--batches", "2"], env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for stream in ("payments", "movie_ticket_sales"):
+        assert f"{stream}: 2 micro-batches in" in done.stdout, done.stdout
+    assert not list(scratch.iterdir()) and sorted(p.name for p in home.iterdir()) == ["scratch"]
+    scratch.rmdir()
+
+
 def table_rows(layout: StorageLayout) -> dict[str, list[tuple]]:
     root = str(layout.home)
     tables = {}
@@ -179,6 +194,7 @@ def test_a_warm_connect_server_and_a_standalone_cluster_give_the_embedded_tables
     directly (`--master`, payments). A Connect server in front of a master, on a bucket: tests/test_object_store.py."""
     home = tmp_path_factory.mktemp("connect")
     with spark_connect_server(port=free_port(), log=home.parent / "connect-server.log") as url:
+        assert_warms_up(url, home)
         with dg.build_sensor_context(resources={"spark": SparkSessionResource(remote=url)}) as context:
             assert f"{url} answers" in spark_engine_health(context).skip_message
         connect = table_rows(run_pipeline(landing_files, home, "--remote", url))

@@ -1,0 +1,62 @@
+"""An engine's warm-up: micro-batches of generated events through every step of the project's streams, on a scratch
+root, before the engine serves runs.
+
+A new engine JVM runs its first micro-batches interpreted, and compiles the hot code as it goes: in the continuous
+job, the first twenty batches take twice as long as the later ones, and a record that waits for two of them sees
+twice the freshness (docs/performance.md). Compiled code serves every table and stream, so batches of the same steps
+on tables of their own warm the engine for the real ones.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the command line reads WARM_UP_BATCHES for its help without loading Spark
+    from pyspark.sql import SparkSession
+
+    from pipelines.declare.specs import StreamSpec
+
+WARM_UP_BATCHES = 10  # per stream; from about the tenth on, a batch takes what it will (docs/performance.md)
+WARM_UP_EVENTS = 20  # per batch: a small batch, as the continuous job's are
+
+
+@dataclass(frozen=True)
+class WarmedStream:
+    stream: str
+    micro_batches: int
+    seconds: float
+
+
+def warm_up_engine(spark: SparkSession, specs: list[StreamSpec], *, batches: int = WARM_UP_BATCHES,
+                   scratch: Path | None = None, report: Callable[[WarmedStream], None] = lambda _: None
+                   ) -> list[WarmedStream]:
+    """Run `batches` micro-batches of each stream (one landing file each, a topic's stream from files too) on a
+    scratch root that is deleted after: nothing of the project's root is read or written. `report` is called as
+    each stream is done."""
+    from pipelines.ingest.generate import generate
+    from pipelines.runtime.micro_batch import StreamSettings, advance_stream
+    from pipelines.storage.layout import StorageLayout
+
+    root = Path(tempfile.mkdtemp(prefix="statetables-warm-up-", dir=scratch))
+    warmed = []
+    try:
+        layout = StorageLayout.under(root)
+        for number, spec in enumerate(specs):
+            started = time.monotonic()
+            from_files = replace(spec, topic=None)
+            # Some bad lines, as real batches have: quarantine's append is warmed too.
+            generate(from_files, layout.landing(spec.name), events=batches * WARM_UP_EVENTS,
+                     events_per_file=WARM_UP_EVENTS, malformed=0.05, seed=number + 1)
+            result = advance_stream(spark, layout, from_files, StreamSettings(max_files_per_trigger=1))
+            warmed.append(WarmedStream(spec.name, result.micro_batches, time.monotonic() - started))
+            report(warmed[-1])
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return warmed
