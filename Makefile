@@ -14,7 +14,7 @@ KAFKA := .tools/kafka/.resolved
 BROWSER := $(VENV)/.browser
 export STATETABLES_HOME ?= $(CURDIR)/data
 
-.PHONY: install jars jars-s3 s3proxy s3-server jars-kafka kafka kafka-broker class-archive browser ui-screenshots demo run dev serve connect-server cluster test test-long test-all bench bench-batch bench-core bench-quick bench-event-time bench-engines bench-freshness bench-object-store bench-full chaos chaos-s3 chaos-kafka clean
+.PHONY: install jars jars-s3 s3proxy s3-server jars-kafka kafka kafka-broker class-archive browser ui-screenshots demo run dev serve connect-server cluster test test-long test-all bench bench-batch bench-core bench-history bench-quick bench-event-time bench-engines bench-freshness bench-object-store bench-full chaos chaos-s3 chaos-kafka clean
 
 install: $(INSTALLED)
 $(INSTALLED): setup.py
@@ -189,6 +189,10 @@ bench-batch: install jars class-archive
 # warm, a full recompute
 bench-core: install jars class-archive
 	$(BIN)/python -m benchmarks.run --only core
+
+# flat in history: +100k as a process and warm on 1M and on 5M of history (~25 min)
+bench-history: install jars class-archive
+	$(BIN)/python -m benchmarks.run --only history
 
 # only case (g): the windowed and session tables' steps against the all-time step, 1M events of each stream
 bench-event-time: install jars class-archive

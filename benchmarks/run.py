@@ -171,7 +171,7 @@ class Data:
     def increment(self, events: int, seed: int, customers: int) -> Path:
         from pipelines.ingest.generate import generate
         from pipelines.declare.project import stream_spec
-        folder = self.root / f"increment-{events}-{seed}"
+        folder = self.root / f"increment-{events}-{seed}-{customers}"
         if not folder.is_dir():
             # recent events, about 1 s apart: an increment is the last day or so of traffic
             start = datetime.now(timezone.utc) - timedelta(days=3)
@@ -456,6 +456,49 @@ def only_core(repeat: int, work: Path, *, keep: bool, quick: bool) -> None:
     target = OUT if not quick else work
     (target / "core.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
     print(f"written: {target}/core.json")
+    if not keep:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def only_history(repeat: int, work: Path, *, keep: bool, quick: bool) -> None:
+    """Flat in history: the same increment on a history 5 times as large, as a whole `statetables run` and warm,
+    medians of `repeat`. Each history is loaded once by a `statetables run` (timed, one run), with a tenth as many
+    customers as events, as `only_core`'s; each increment comes from customers of its history and lands on top of
+    the ones before it. Writes docs/bench/history.json."""
+    sizes, inc = ((20_000, 100_000), 5_000) if quick else ((1_000_000, 5_000_000), 100_000)
+    data = Data(work / "data", min(INCREMENT_FILE_LINES, sizes[0] // 10))
+    results: dict = {"cases": {}}
+    record = partial(record_case, results)
+    for size in sizes:
+        home = work / f"home-{size}"
+        link_into(data.history(size), home / "landing" / "payments")
+        record(f"f_statetables_run@{size}", [measure(project_run(home), home)])
+        plus = []
+        for rep in range(repeat):
+            link_into(data.increment(inc, seed=rep, customers=max(2000, size // 10)), home / "landing" / "payments",
+                      prefix=f"inc-{size}-")
+            plus.append(measure(project_run(home), home))
+        record(f"f_increment_{inc}_process@history_{size}", plus)
+        folders = [data.increment(inc, seed=10 + rep, customers=max(2000, size // 10)) for rep in range(repeat)]
+        warm = measure(case("warm", home=home, increment=folders), home)
+        record(f"f_increment_{inc}_warm_run@history_{size}",
+               [{"wall_s": r["run_s"], "work_s": r["run_s"], "peak_rss_mb": warm["peak_rss_mb"], **r}
+                for r in warm["runs"]])
+    c = {k: v["wall_s"] for k, v in results["cases"].items()}
+    small, large = sizes
+    results["ratios"] = {k: round(v, 2) for k, v in {
+        f"+{inc} `statetables run` on history {large} / on history {small}, whole process [target <= 1.2]":
+            c[f"f_increment_{inc}_process@history_{large}"] / c[f"f_increment_{inc}_process@history_{small}"],
+        f"warm +{inc} run on history {large} / on history {small} [target <= 1.2]":
+            c[f"f_increment_{inc}_warm_run@history_{large}"] / c[f"f_increment_{inc}_warm_run@history_{small}"],
+    }.items()}
+    results["machine"] = {"cpus": os.cpu_count(), "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+                          "repeat": repeat, "sizes": sizes, "increment": inc}
+    print(markdown(results))
+    print(json.dumps(results["ratios"], indent=1))
+    target = OUT if not quick else work
+    (target / "history.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+    print(f"written: {target}/history.json")
     if not keep:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -801,12 +844,14 @@ def main() -> None:
     parser.add_argument("--full", action="store_true", help="also 10M events (~1M customers) and 10k increments")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--work", default=None, help="scratch folder (default: a temporary one, removed after)")
-    parser.add_argument("--only", choices=["batch", "core", "paths", "engines", "freshness", "freshness-kafka", "object-store"],
+    parser.add_argument("--only", choices=["batch", "core", "history", "paths", "engines", "freshness", "freshness-kafka",
+                                            "object-store"],
                         help="batch: a micro-batch of 300 payments warm and as a process, each step's seconds, "
                         "jobs and commits, beside plain delta-spark's appends and MERGE of the same rows, into "
                         "docs/bench/batch.json; core: the bulk run, the "
                         "increment as a process and warm, against Spark's floor and a full recompute, with jobs and "
-                        "commits per micro-batch, into docs/bench/core.json; paths: only case (g), the "
+                        "commits per micro-batch, into docs/bench/core.json; history: +100k as a process and warm on 1M and "
+                        "on 5M of history, into docs/bench/history.json; paths: only case (g), the "
                         "event-time paths, into docs/bench/event_time_paths.json; engines: `statetables run` per Spark "
                         "engine, into docs/bench/engines.json; freshness: landing file to state table, continuous and "
                         "orchestrated, into docs/bench/freshness.json; freshness-kafka: records produced to a topic to state table, "
@@ -826,6 +871,8 @@ def main() -> None:
         return only_batch(repeat if not args.quick else 1, work, keep=bool(args.work), quick=args.quick)
     if args.only == "core":
         return only_core(repeat, work, keep=bool(args.work), quick=args.quick)
+    if args.only == "history":
+        return only_history(repeat, work, keep=bool(args.work), quick=args.quick)
     if args.only == "paths":
         return only_event_time_paths(sizes, repeat, work, keep=bool(args.work), quick=args.quick)
     if args.only == "engines":
