@@ -12,9 +12,10 @@ S3PROXY := .tools/s3proxy/.resolved
 JARS_KAFKA := .jars/kafka/.resolved
 KAFKA := .tools/kafka/.resolved
 BROWSER := $(VENV)/.browser
+FLINK := .venv-flink/.installed
 export STATETABLES_HOME ?= $(CURDIR)/data
 
-.PHONY: install jars jars-s3 s3proxy s3-server jars-kafka kafka kafka-broker class-archive browser ui-screenshots demo run dev serve connect-server cluster test test-long test-all bench bench-batch bench-core bench-history bench-quick bench-event-time bench-engines bench-freshness bench-object-store bench-full chaos chaos-s3 chaos-kafka clean
+.PHONY: install jars jars-s3 s3proxy s3-server jars-kafka kafka kafka-broker flink class-archive browser ui-screenshots demo run dev serve connect-server cluster test test-long test-all bench bench-batch bench-core bench-history bench-quick bench-event-time bench-engines bench-freshness bench-object-store bench-full chaos chaos-s3 chaos-kafka clean
 
 install: $(INSTALLED)
 $(INSTALLED): setup.py
@@ -35,6 +36,15 @@ $(JARS): build/delta-jars.pom.xml
 	mvn -B -q -f build/delta-jars.pom.xml dependency:copy-dependencies -DoutputDirectory=$(CURDIR)/.jars \
 	  -DincludeScope=runtime \
 	  -DexcludeGroupIds=org.apache.hadoop,org.apache.parquet,org.scala-lang,com.fasterxml.jackson.core,org.apache.logging.log4j,org.slf4j,org.xerial.snappy,com.github.luben,org.roaringbitmap,commons-logging,io.airlift,org.locationtech.jts,com.google.code.findbugs
+	@touch $@
+
+# The bench's peer case (h) only: PyFlink 2.3 in a virtualenv of its own (it pins its own pyarrow, pandas and Beam);
+# `make bench-core` measures Flink's streaming job when it is there. Not part of install, demo or test.
+flink: $(FLINK)
+$(FLINK):
+	@command -v $(PYTHON) >/dev/null || { echo "$(PYTHON) not found: install Python 3.11 (or make PYTHON=/path/to/python3.11)"; exit 2; }
+	@test -x .venv-flink/bin/python || $(PYTHON) -m venv .venv-flink
+	.venv-flink/bin/pip install -q apache-flink==2.3.0
 	@touch $@
 
 # The object-store root (STATETABLES_HOME=s3a://bucket/prefix): hadoop-aws 3.4.2 (pyspark's Hadoop) and the AWS SDK v2
@@ -186,7 +196,7 @@ bench-batch: install jars class-archive
 	$(BIN)/python -m benchmarks.run --only batch
 
 # the incremental and bulk targets alone: Spark's floor, the bulk run, +100k as a process, as its process floor and
-# warm, a full recompute
+# warm, a full recompute; Flink's streaming job over the same 1M too after `make flink`
 bench-core: install jars class-archive
 	$(BIN)/python -m benchmarks.run --only core
 

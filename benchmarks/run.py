@@ -31,6 +31,7 @@ from pipelines.runtime.spark import JARS_ENV, delta_jars
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 OUT = ROOT / "docs" / "bench"
+FLINK_PYTHON = ROOT / ".venv-flink" / "bin" / "python"  # `make flink`: the peer case (h)
 INCREMENT_FILE_LINES = 100_000
 
 
@@ -407,6 +408,11 @@ def only_core(repeat: int, work: Path, *, keep: bool, quick: bool) -> None:
         bulk.append(measure(project_run(home), home))
     record(f"a_spark_floor@{size}", floor)
     record(f"f_statetables_run@{size}", bulk)
+    if FLINK_PYTHON.exists():  # the peer (h), after `make flink`
+        record(f"h_flink_streaming@{size}", [measure([str(FLINK_PYTHON), str(Path(__file__).parent / "flink_peer.py"),
+                                                       "--landing", str(history)]) for _ in range(repeat)])
+    else:
+        print("(h) Flink's streaming job not measured: `make flink` installs PyFlink for it")
     # +inc, whole process, each on its own copy of the history's home (rep's), then the whole 1.1M from scratch
     plus, floor_plus, floor_all, recompute = [], [], [], []
     for rep in range(repeat):
@@ -446,6 +452,8 @@ def only_core(repeat: int, work: Path, *, keep: bool, quick: bool) -> None:
         f"+{inc} `statetables run` / its process floor, whole process":
             c[f"f_increment_{inc}_process@history_{size}"] / c[f"floor_increment_{inc}_process@history_{size}"],
         f"events/s, warm +{inc} run": inc / c[f"f_increment_{inc}_warm_run@history_{size}"],
+        **({f"bulk run@{size} / Flink's streaming job (h)@{size}, whole process [target <= 1.5]":
+            c[f"f_statetables_run@{size}"] / c[f"h_flink_streaming@{size}"]} if f"h_flink_streaming@{size}" in c else {}),
         f"validation of {size} lines, SQL / JVM (same process)": median(results["cases"]["validation_jvm_vs_sql"]["runs"],
                                                                         "sql_s") / median(
             results["cases"]["validation_jvm_vs_sql"]["runs"], "jvm_s"),

@@ -14,9 +14,7 @@ import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:  # the command line reads WARM_UP_BATCHES for its help without loading Spark
     from pyspark.sql import SparkSession

@@ -262,7 +262,11 @@ def newest_commit_with(spark: SparkSession, path: Path | str, key: str, limit: i
 
 
 def _metadata(row: dict) -> dict:
-    meta = json.loads(row["userMetadata"]) if row.get("userMetadata") else {}
+    """A commit's userMetadata as statetables writes it (a JSON object); {} for none or another writer's text."""
+    try:
+        meta = json.loads(row["userMetadata"]) if row.get("userMetadata") else {}
+    except ValueError:
+        return {}
     return meta if isinstance(meta, dict) else {}
 
 
