@@ -294,7 +294,6 @@ def _warm_up(args: argparse.Namespace) -> int:
     --remote: its first real batches then run compiled code."""
     import time
 
-    from pipelines.declare.project import streams
     from pipelines.runtime.spark import SparkSettings, build_spark_session, default_remote
     from pipelines.runtime.warm_up import warm_up_engine
 
@@ -671,8 +670,8 @@ def _parser() -> argparse.ArgumentParser:
     warm = command("warm-up", "run micro-batches of generated events through every stream on a scratch root, in "
                    "a Spark Connect engine, so that its first real ones run compiled code",
                    "statetables warm-up --remote sc://127.0.0.1:15002", _warm_up,
-                   "`dev` and `serve` warm their engine so before Dagster starts. Nothing under the storage root "
-                   "is read or written.")
+                   "`dev` and `serve` run it against their engine before Dagster starts. Nothing under the storage "
+                   "root is read or written.")
     warm.add_argument("--remote", help="the engine (default $STATETABLES_SPARK_REMOTE)")
     warm.add_argument("--batches", type=int, default=WARM_UP_BATCHES, help="micro-batches of each stream")
     server = command("connect-server", "serve Spark Connect with Delta on 127.0.0.1 until interrupted",
