@@ -206,22 +206,28 @@ def history_rows(spark: SparkSession, path: Path, limit: int | None = None, *,
     are left out, as DESCRIBE HISTORY leaves them. DESCRIBE HISTORY costs a Spark job, and a run asks some ten
     times; it answers instead for a log without commitInfo (another writer's). `latest`: the table's version when
     the caller has just read it."""
+    return list(_history_newest_first(spark, path, limit, latest))
+
+
+def _history_newest_first(spark: SparkSession, path: Path | str, limit: int | None,
+                          latest: int | None) -> Iterator[dict]:
+    """`history_rows`, one commit file read at a time, so a caller that stops early reads no more."""
     if latest is None:
         latest = table_version(spark, path)
     if latest is None:
-        return []
-    rows = []
+        return
     for version, actions in commit_actions(path, latest, limit):
         info = next((a["commitInfo"] for a in actions if "commitInfo" in a), None)
         if info is None:
             columns = ("version", "operation", "operationParameters", "operationMetrics", "userMetadata")
-            return [r.asDict() for r in delta_sql.history(spark, path, limit)
-                    .select(*columns, F.unix_millis("timestamp").alias("timestamp_ms")).collect()]
-        rows.append({"version": version, "operation": info.get("operation"),
-                     "operationParameters": info.get("operationParameters") or {},
-                     "operationMetrics": info.get("operationMetrics") or {}, "userMetadata": info.get("userMetadata"),
-                     "timestamp_ms": info.get("inCommitTimestamp", info.get("timestamp"))})
-    return rows
+            yield from (r.asDict() for r in delta_sql.history(spark, path, limit)
+                        .select(*columns, F.unix_millis("timestamp").alias("timestamp_ms")).collect()
+                        if r["version"] <= version)
+            return
+        yield {"version": version, "operation": info.get("operation"),
+               "operationParameters": info.get("operationParameters") or {},
+               "operationMetrics": info.get("operationMetrics") or {}, "userMetadata": info.get("userMetadata"),
+               "timestamp_ms": info.get("inCommitTimestamp", info.get("timestamp"))}
 
 
 BATCH_COMMITS_SEARCHED = 20  # newest commits searched for a replayed batch's own (`made_by_batch`)
@@ -241,23 +247,11 @@ def newest_commit_with(spark: SparkSession, path: Path | str, key: str, limit: i
     step records of its progress in its own commits. Read newest first, a commit file at a time, stopping at the
     first that holds it (most often the newest): a step asks before each batch. None as well when a newer commit
     is an `unless_after` operation (a RESTORE, which brings back an older version's record)."""
-    latest = table_version(spark, path)
-    if latest is None:
-        return None
-    for version, actions in commit_actions(path, latest, limit):
-        info = next((a["commitInfo"] for a in actions if "commitInfo" in a), None)
-        if info is None:  # another writer's log, without commitInfo: DESCRIBE HISTORY answers
-            for row in history_rows(spark, path, limit, latest=latest):
-                if row["operation"] == unless_after:
-                    return None
-                if _metadata(row).get(key) is not None:
-                    return row["version"], _metadata(row)
+    for row in _history_newest_first(spark, path, limit, None):
+        if row["operation"] == unless_after:
             return None
-        if info.get("operation") == unless_after:
-            return None
-        meta = _metadata(info)
-        if meta.get(key) is not None:
-            return version, meta
+        if (meta := _metadata(row)).get(key) is not None:
+            return row["version"], meta
     return None
 
 
