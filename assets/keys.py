@@ -68,6 +68,11 @@ def job_names() -> list[str]:
     return [ADVANCE_ALL_JOB, DEEP_CHECK_JOB, CONTINUOUS_JOB, MAINTENANCE_JOB, REFRESH_JOB, *(stream_job_name(spec) for spec in streams().values())]
 
 
+def streams_of_job(job: str) -> list[StreamSpec]:
+    """The streams a job advances: its own (advance_<stream>), every one (advance_all, the continuous job), or none."""
+    return [spec for spec in streams().values() if job in (ADVANCE_ALL_JOB, CONTINUOUS_JOB, stream_job_name(spec))]
+
+
 def stream_op_name(spec: StreamSpec) -> str:
     """The stream's one step: its streaming query through every table of the stream."""
     return spec.name

@@ -43,6 +43,9 @@ class SparkSessionResource(LazyPySparkResource):
     one_command: bool = Field(default=False, description=(
         "The embedded JVM ends with this run (`statetables run` sets it): it compiles with C1 only, which starts a "
         "short run ~20% faster. Leave it off where one JVM serves many runs or a run that does not end."))
+    large_run: bool = Field(default=False, description=(
+        "With `one_command`: the run has a large batch ahead (`statetables run` sets it from the landing bytes "
+        "waiting), so the JVM keeps C2 as well, whose faster code pays for its compiling."))
 
     @classmethod
     def _is_dagster_maintained(cls) -> bool:
@@ -76,7 +79,7 @@ class SparkSessionResource(LazyPySparkResource):
                 wait_for_engine(self.remote, self.engine_wait_seconds)
             settings = SparkSettings(master=self.master, remote=self.remote, jars_dir=self.jars_dir,
                                      conf={k: str(v) for k, v in self.spark_config.items()},
-                                     one_command=self.one_command)
+                                     one_command=self.one_command, large_run=self.large_run)
             # getOrCreate inside: every asset and check of a run shares the one session.
             with jvm_start_noise_filtered():
                 self._spark_session = spark_session_from_config(session_confs(settings))

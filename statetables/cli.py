@@ -74,17 +74,23 @@ def _print_state_tables(layout: StorageLayout, engine: dict) -> None:
             rows.orderBy(F.desc(order), *table.keys).show(5, truncate=False)
 
 
-def spark_config(remote: str | None, master: str | None, job: str) -> dict:
+def spark_config(remote: str | None, master: str | None, job: str, layout: StorageLayout | None = None) -> dict:
     """The `spark` resource's config of a `statetables run`: the engine it names, else the code location's
     ($STATETABLES_SPARK_REMOTE, or an embedded JVM). Whole, since run config replaces the resource's configured values.
-    An embedded JVM ends with this process, unless the job runs until it is stopped."""
-    from assets.keys import CONTINUOUS_JOB
-    from pipelines.runtime.spark import default_remote
+    An embedded JVM ends with this process, unless the job runs until it is stopped; one that has a large batch ahead
+    (the job's streams have LARGE_RUN_BYTES of landing files waiting under `layout`) compiles for speed."""
+    from assets.keys import CONTINUOUS_JOB, streams_of_job
+    from pipelines.ingest.landing import waiting_bytes
+    from pipelines.runtime.spark import LARGE_RUN_BYTES, default_remote
 
     # --master means that engine even where $STATETABLES_SPARK_REMOTE names a Connect server.
     engine = ({"remote": remote} if remote else {"master": master, "remote": None} if master
               else {"remote": default_remote()})
-    return {**engine, "one_command": job != CONTINUOUS_JOB}
+    one_command = job != CONTINUOUS_JOB
+    large = (one_command and engine["remote"] is None and layout is not None
+             and sum(waiting_bytes(layout.landing(spec.name), layout.table(spec.files_table))
+                     for spec in streams_of_job(job) if spec.topic is None) >= LARGE_RUN_BYTES)
+    return {**engine, "one_command": one_command, "large_run": large}
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -112,7 +118,7 @@ def _run(args: argparse.Namespace) -> int:
 
         CheckPolicyResource(warn_only=args.warn_only_check).severity("", "")  # an unknown name fails here, not mid-run
         run_config["resources"]["check_policy"] = {"config": {"warn_only": args.warn_only_check}}
-    engine = spark_config(args.remote, args.master, args.job)
+    engine = spark_config(args.remote, args.master, args.job, layout)
     run_config["resources"]["spark"] = {"config": engine}
     with dg.DagsterInstance.get() as instance:
         result = job.execute_in_process(instance=instance, raise_on_error=False, run_config=run_config)

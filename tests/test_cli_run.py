@@ -48,9 +48,30 @@ def test_a_run_keeps_the_code_locations_engine_and_only_an_embedded_jvm_that_end
     """The `spark` resource's run config is whole (it replaces what the code location configured): without --remote
     or --master a run still goes to $STATETABLES_SPARK_REMOTE's server."""
     monkeypatch.setenv("STATETABLES_SPARK_REMOTE", "sc://127.0.0.1:15002")
-    assert cli.spark_config(None, None, "advance_all") == {"remote": "sc://127.0.0.1:15002", "one_command": True}
+    assert cli.spark_config(None, None, "advance_all") == {"remote": "sc://127.0.0.1:15002", "one_command": True, "large_run": False}
     assert cli.spark_config(None, "local[2]", "advance_all") == {"master": "local[2]", "remote": None,
-                                                                "one_command": True}
-    assert cli.spark_config("sc://h:1", None, "run_continuously") == {"remote": "sc://h:1", "one_command": False}
+                                                                "one_command": True, "large_run": False}
+    assert cli.spark_config("sc://h:1", None, "run_continuously") == {"remote": "sc://h:1", "one_command": False, "large_run": False}
     monkeypatch.delenv("STATETABLES_SPARK_REMOTE")
-    assert cli.spark_config(None, None, "advance_all") == {"remote": None, "one_command": True}
+    assert cli.spark_config(None, None, "advance_all") == {"remote": None, "one_command": True, "large_run": False}
+
+
+def test_an_embedded_run_with_a_large_batch_ahead_keeps_both_compilers(tmp_path, monkeypatch):
+    """`large_run` comes from the landing bytes the job's own streams have waiting (no JVM is asked): a stream's
+    files count for its job and advance_all, not for another stream's job; a Connect server's JVM is not the run's."""
+    from pipelines.runtime import spark as runtime_spark
+    from pipelines.storage.layout import StorageLayout
+
+    monkeypatch.delenv("STATETABLES_SPARK_REMOTE", raising=False)
+    monkeypatch.setattr(runtime_spark, "LARGE_RUN_BYTES", 1_000)
+    layout = StorageLayout.under(tmp_path)
+    landing = layout.landing(PAYMENTS.name)
+    landing.mkdir(parents=True)
+    (landing / "small.jsonl").write_text(_payment("p-1", "c-1", START) + "\n")
+    assert cli.spark_config(None, None, "advance_payments", layout)["large_run"] is False
+    (landing / "large.jsonl").write_text("".join(_payment(f"p-{i}", "c-1", START) + "\n" for i in range(20)))
+    assert cli.spark_config(None, None, "advance_payments", layout)["large_run"] is True
+    assert cli.spark_config(None, None, "advance_all", layout)["large_run"] is True
+    assert cli.spark_config(None, None, "advance_movie_ticket_sales", layout)["large_run"] is False
+    assert cli.spark_config("sc://h:1", None, "advance_payments", layout)["large_run"] is False
+    assert cli.spark_config(None, None, "run_continuously", layout)["large_run"] is False

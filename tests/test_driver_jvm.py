@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shlex
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 from pipelines.runtime.spark import (
@@ -69,6 +70,9 @@ def test_only_a_jvm_that_ends_with_its_command_compiles_with_c1_only(spark):
     for option in (ONE_COMMAND_JIT, ONE_COMMAND_YOUNG):
         assert option in session_confs(SparkSettings(one_command=True))["spark.driver.extraJavaOptions"]
         assert option not in session_confs(SparkSettings())["spark.driver.extraJavaOptions"]
+    # A large batch ahead: C2 as well, the young generation still fixed.
+    large = session_confs(SparkSettings(one_command=True, large_run=True))["spark.driver.extraJavaOptions"]
+    assert ONE_COMMAND_JIT not in large and ONE_COMMAND_YOUNG in large
     drivers = _drivers()
     options = f"{ONE_COMMAND_JIT} {ONE_COMMAND_YOUNG}".encode()
     assert drivers and all(options in Path(f"/proc/{pid}/cmdline").read_bytes() for pid in drivers)
@@ -80,6 +84,7 @@ def test_a_cluster_runs_executors_and_an_engine_takes_the_options_it_is_given(mo
     cluster = SparkSettings(master="spark://127.0.0.1:7077", one_command=True)
     assert session_confs(cluster)["spark.executor.extraJavaOptions"] == ONE_COMMAND_JIT
     assert "spark.executor.extraJavaOptions" not in session_confs(SparkSettings(master="spark://127.0.0.1:7077"))
+    assert "spark.executor.extraJavaOptions" not in session_confs(replace(cluster, large_run=True))
     monkeypatch.setenv(ENGINE_JAVA_OPTIONS_ENV, "-XX:TieredStopAtLevel=1")
 
     def confs(command: list[str]) -> dict[str, str]:

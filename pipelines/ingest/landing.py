@@ -139,6 +139,12 @@ def unrecorded_files(landing_dir: files.AnyPath, view: LedgerView) -> list[tuple
             if not view.has_seen(name, size, mtime_ns)]
 
 
+def waiting_bytes(landing_dir: files.AnyPath, ledger_path: files.AnyPath) -> int:
+    """The bytes of the landing files (or the changes to one, counted whole) the ledger does not hold yet: about what
+    the next run reads. No JVM: `statetables run` asks before it starts one."""
+    return sum(size for _, _, size in unrecorded_files(landing_dir, LedgerView.read(ledger_path)))
+
+
 def scan_landing(landing_dir: files.AnyPath, ledger_path: files.AnyPath, staging_dir: files.AnyPath,
                  view: LedgerView | None = None) -> ScanResult:
     """Find the content that arrived since the last scan, link it under staging names; returns the new

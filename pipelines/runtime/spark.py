@@ -46,6 +46,12 @@ PARALLEL_GC = "-XX:+UseParallelGC"
 # C1 only also shrinks the JVM's default code cache from 240 MB to 48 MB, which a run that reads a Kafka topic through
 # several batches filled ("Out of space in CodeCache", the JVM's tasks then died): it keeps the tiered default.
 ONE_COMMAND_JIT = "-XX:TieredStopAtLevel=1 -XX:ReservedCodeCacheSize=240m"
+# ...unless the command has a large batch ahead: then C2's faster code pays for its compiling. A first load of 1M
+# payments (125 MB) took 108.8 and 110.9 s with both compilers against 137.7 and 125.9 s with C1 only (alternated,
+# the same day; the session step alone 27 s against 39-48 s), while +100k on that history (13 MB) took 69.3 and
+# 72.2 s with both against 61.1 and 64.6 s. The threshold lies between the two. `statetables run` decides from the
+# landing bytes its streams have waiting, before the JVM starts (statetables/cli.py).
+LARGE_RUN_BYTES = 64 * 2**20
 # A one-command driver's young generation, fixed. The throughput collector otherwise grows it towards the whole heap
 # under a large batch's allocation rate, and the heap's pages stay resident: a first load of 1M payments peaked at
 # 2,361-2,471 MB of JVM RSS with it sized by the collector, 1,845-1,873 MB with it fixed; wall time within noise
@@ -130,6 +136,7 @@ class SparkSettings:
     app_name: str = "statetables"
     conf: dict[str, str] = field(default_factory=dict)
     one_command: bool = False  # the driver JVM ends with the command that starts it (ONE_COMMAND_JIT)
+    large_run: bool = False  # a one-command JVM with LARGE_RUN_BYTES or more to read: it keeps C2 too
 
 
 def default_remote() -> str | None:
@@ -326,11 +333,11 @@ def session_confs(settings: SparkSettings | None = None) -> dict[str, str]:
     archive = class_archive_options(settings.jars_dir)
     # The throughput collector: short pauses do not matter to batches, and G1's concurrent work competes
     # for the 2 cores (8% less wall time on small runs, measured).
-    options = [archive, PARALLEL_GC, ONE_COMMAND_JIT if settings.one_command else None,
+    options = [archive, PARALLEL_GC, ONE_COMMAND_JIT if settings.one_command and not settings.large_run else None,
                ONE_COMMAND_YOUNG if settings.one_command else None,
                f"-Dlog4j2.configurationFile=file:{LOG4J_CONFIG}"]
     conf["spark.driver.extraJavaOptions"] = " ".join(o for o in options if o)
-    if settings.one_command and not settings.master.startswith("local"):
+    if settings.one_command and not settings.large_run and not settings.master.startswith("local"):
         # A cluster's executors for this application end with it too: a run of 1,500 payments on a standalone
         # worker took 31.7 s instead of 35.5 s, its executor 13 s of CPU instead of 29 s (two runs each, alternated).
         conf["spark.executor.extraJavaOptions"] = ONE_COMMAND_JIT
