@@ -148,7 +148,7 @@ class ContinuousReport:
             checks = []
             if key in self.state_tables:
                 spec, table = self.state_tables[key]
-                totals = table_checks.state_totals(self.spark, self.layout, table)
+                totals = table_checks.state_totals(self.spark, self.layout, spec, table)
                 metadata["keys"] = totals["keys"]
                 if table.last_ts_column:
                     metadata["latest_event_time"] = event_time_metadata(totals["latest_event_time"])
@@ -173,8 +173,8 @@ class ContinuousReport:
         key = state_key(table)
         totals = table_checks.totals_match_bronze(self.spark, self.layout, spec, table)
         passed = totals.pop("passed")
-        duplicated = table_checks.duplicated_or_null_keys(self.spark, self.layout, spec, table).count()
-        negative = table_checks.negative_rows(self.spark, self.layout, spec, table).count()
+        duplicated, _ = table_checks.duplicated_or_null_keys(self.spark, self.layout, spec, table)
+        negative, _ = table_checks.negative_rows(self.spark, self.layout, spec, table)
         results = [("unique_keys", duplicated == 0, {"duplicated_or_null_keys": duplicated}),
                    ("nothing_negative", negative == 0, {"bad_rows": negative})]
         if passed is not None:  # the newest batch does not say which bronze version it covers: next report

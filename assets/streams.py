@@ -236,7 +236,7 @@ def _state_result(session: SparkSession, layout, spec: StreamSpec, table: StateT
         return sum(int(c["metrics"].get(name if c["operation"] == "MERGE" else APPENDED_AS.get(name, ""), 0))
                    for c in folds)
     current = session.read.format("delta").load(str(layout.table(table.name)))
-    totals = state_totals(session, layout, table)
+    totals = state_totals(session, layout, spec, table)
     found = folded_through(session, layout.table(table.name))
     built = result.built_through.get(table.name)
     order = [F.desc(table.count_column)] if table.count_column else []
@@ -303,8 +303,7 @@ def build_state_checks(spec: StreamSpec, table: StateTableSpec) -> list[dg.Asset
                     description=f"Exactly one row per {keys}, and no NULL where a required field is the key.")
     def unique_keys(spark: SparkSessionResource, storage: StorageResource,
                     check_policy: CheckPolicyResource) -> dg.AssetCheckResult:
-        duplicated = table_checks.duplicated_or_null_keys(spark.spark_session, storage.layout(), spec, table)
-        bad = duplicated.count()
+        bad, duplicated = table_checks.duplicated_or_null_keys(spark.spark_session, storage.layout(), spec, table)
         return check_policy.result(state, "unique_keys", passed=bad == 0, name_asset=False, metadata={
             "duplicated_or_null_keys": bad, "sample": frame_table(duplicated, rows_known=bad)})
 
@@ -312,8 +311,7 @@ def build_state_checks(spec: StreamSpec, table: StateTableSpec) -> list[dg.Asset
         "Every row's count of events is positive, and no SUM of a field that cannot be negative is."))
     def nothing_negative(spark: SparkSessionResource, storage: StorageResource,
                          check_policy: CheckPolicyResource) -> dg.AssetCheckResult:
-        negative = table_checks.negative_rows(spark.spark_session, storage.layout(), spec, table)
-        bad = negative.count()
+        bad, negative = table_checks.negative_rows(spark.spark_session, storage.layout(), spec, table)
         return check_policy.result(state, "nothing_negative", passed=bad == 0, name_asset=False, metadata={
             "bad_rows": bad, "sample": frame_table(negative, rows_known=bad)})
 

@@ -1,0 +1,35 @@
+"""The per-run checks of a state table find what they look for: a key held twice, a negative count.
+Their figures come from one scan per table version, shared by the run's materialization and its checks; a new
+version is scanned again, so a table changed behind the pipeline's back is seen by the next check."""
+
+from __future__ import annotations
+
+from pipelines.ingest.generate import generate
+from pipelines.operate import table_checks
+from pipelines.storage.delta_sql import table_ref
+from tests.streams import PAYMENTS, advance
+
+TABLE = PAYMENTS.state_tables[0]
+
+
+def test_per_run_checks_find_duplicated_and_negative_rows(spark, layout):
+    generate(PAYMENTS, layout.landing(PAYMENTS.name), events=200, seed=7, customers=20)
+    advance(spark, layout, PAYMENTS, event_time=False)
+    clean = table_checks.state_totals(spark, layout, PAYMENTS, TABLE)
+    assert clean["keys"] == 20 and clean["events_counted"] > 0
+    assert table_checks.duplicated_or_null_keys(spark, layout, PAYMENTS, TABLE)[0] == 0
+    assert table_checks.negative_rows(spark, layout, PAYMENTS, TABLE)[0] == 0
+
+    # Behind the pipeline's back: a key's row copied, a count made negative.
+    ref = table_ref(layout.table(TABLE.name))
+    keys = [r["customer_id"] for r in spark.read.format("delta").load(str(layout.table(TABLE.name)))
+            .orderBy("customer_id").collect()]
+    key = keys[0]
+    spark.sql(f"INSERT INTO {ref} SELECT * FROM {ref} WHERE customer_id = '{key}'")
+    spark.sql(f"UPDATE {ref} SET payment_count = -1 WHERE customer_id = '{keys[-1]}'")
+
+    duplicated, which = table_checks.duplicated_or_null_keys(spark, layout, PAYMENTS, TABLE)
+    assert duplicated == 1 and [r["customer_id"] for r in which.collect()] == [key]
+    negative, rows = table_checks.negative_rows(spark, layout, PAYMENTS, TABLE)
+    assert negative == 1 and rows.count() == 1
+    assert table_checks.state_totals(spark, layout, PAYMENTS, TABLE)["keys"] == 21
