@@ -27,7 +27,8 @@ from pipelines.event_time.watermark import output_schema
 from pipelines.ingest.bronze import accepted_totals
 from pipelines.state.expiry import EXPIRED_VALUE, expired_rows, expired_totals, since_last_expiry
 from pipelines.state.tables import aggregate, folded_through
-from pipelines.storage.delta_log import table_id, table_version
+from pipelines.storage import files
+from pipelines.storage.delta_log import table_version
 from pipelines.storage.frames import frame_of_rows, kept
 from pipelines.storage.layout import StorageLayout
 
@@ -39,9 +40,10 @@ def _state(spark: SparkSession, layout: StorageLayout, table: StateTableSpec, ve
     return reader.load(str(layout.table(table.name)))
 
 
-# (table id, path, version, stream, table) -> `_scanned` figures. A version's rows never change, and a table created
-# again has a new id: a run's materialization and its three per-run checks share one scan of the table (they were
-# four queries of ~0.2-0.3 s each, warm, mostly the driver's planning and log reading).
+# (path, version, its commit file's size and time, stream, table) -> `_scanned` figures. A version's rows never change,
+# and a table created again writes that version's commit file anew: a run's materialization and its three per-run
+# checks share one scan of the table (they were four queries of ~0.2-0.3 s each, warm, mostly the driver's planning
+# and log reading).
 _SCANS: OrderedDict[tuple, dict] = OrderedDict()
 _SCANS_LOCK = threading.Lock()
 _SCANS_KEPT = 32
@@ -73,14 +75,19 @@ def _scanned(spark: SparkSession, layout: StorageLayout, spec: StreamSpec, table
     checks flag (`surplus_or_null_keys`: rows beyond one per key plus rows with a NULL required key; `negative`)."""
     path = layout.table(table.name)
     version = table_version(spark, path) if version is None else version
-    key = (table_id(spark, path), str(path), version, spec, table)
+    key = None  # no table yet, or its commit cleaned up by log retention: scanned, not remembered
+    if version is not None:
+        try:
+            commit = (files.storage_path(path) / "_delta_log" / f"{version:020d}.json").stat()
+            key = (str(path), version, commit.st_size, commit.st_mtime_ns, spec, table)
+        except FileNotFoundError:
+            pass
     with _SCANS_LOCK:
         if key in _SCANS:
             _SCANS.move_to_end(key)
             return dict(_SCANS[key])
     nothing = F.lit(None)
-    frame = spark.read.format("delta").option("versionAsOf", version).load(str(path))
-    row = frame.agg(
+    row = _state(spark, layout, table, version).agg(
         F.count("*").alias("rows"), F.count_distinct(F.struct(*table.keys)).alias("keys"),
         F.sum(table.count_column or nothing).alias("events"), F.sum(table.sum_column or nothing).alias("total"),
         F.max(table.last_ts_column or nothing).alias("latest"),
@@ -91,10 +98,11 @@ def _scanned(spark: SparkSession, layout: StorageLayout, spec: StreamSpec, table
                "total": (row["total"] or Decimal(0)) if table.sum_column else None,
                "latest_event_time": row["latest"],
                "surplus_or_null_keys": row["rows"] - row["keys"] + row["null_keys"], "negative": row["negative"]}
-    with _SCANS_LOCK:
-        _SCANS[key] = figures
-        while len(_SCANS) > _SCANS_KEPT:
-            _SCANS.popitem(last=False)
+    if key is not None:
+        with _SCANS_LOCK:
+            _SCANS[key] = figures
+            while len(_SCANS) > _SCANS_KEPT:
+                _SCANS.popitem(last=False)
     return dict(figures)
 
 
