@@ -467,10 +467,13 @@ def ingest_batch(units: BatchUnits, batch_id: int, *, settings: IngestSettings) 
     ingested_at = datetime.now(timezone.utc)
     lines_of_units, vanished, unit_numbers = read_units(units, settings.staging_dir)
     # A unit is one row until it is split: spread its lines over every core before validating them, unless the
-    # batch is small enough that one task validates it sooner than a shuffle spreads it.
+    # batch is small enough that one task validates it sooner than a shuffle spreads it. By a hash of the line's
+    # place, not round-robin: Spark sorts each task's rows before a round-robin repartition (so that a retried task
+    # deals them out the same way), and that sort held every line of the task in the heap; a hash is the same on a
+    # retry without it.
     lines = split_lines(lines_of_units)
     if not is_small_batch():
-        lines = lines.repartition(_partitions(units.frame.sparkSession))
+        lines = lines.repartition(_partitions(units.frame.sparkSession), "unit", "line_number")
     recheck = settings.recheck_through_unit
     may_repeat = recheck is None or any(u <= recheck for u in unit_numbers)
     return _ingest_lines(lines, batch_id, settings, ingested_at, vanished, may_repeat, {})
