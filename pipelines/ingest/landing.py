@@ -26,9 +26,12 @@ from datetime import datetime, timezone
 
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
-from pyspark.sql.types import BooleanType, IntegerType, LongType, StringType, StructField, StructType, TimestampType
+from pyspark.sql.types import (
+    ArrayType, BinaryType, BooleanType, IntegerType, LongType, StringType, StructField, StructType, TimestampType,
+)
 
 from pipelines.errors import ConfigurationError
+from pipelines.ingest.jvm import register_jvm_function
 from pipelines.storage import files
 from pipelines.storage.delta_log import history_rows, table_version
 from pipelines.storage.delta_rs import delta_table
@@ -237,6 +240,9 @@ def ledger_replayable(spark: SparkSession, ledger_path: files.AnyPath) -> bool:
                     for entry in history))
 
 
+# jvm/src/statetables/jvm/SplitLines.java: a unit's bytes as its lines' bytes.
+SPLITTER = "statetables_split_lines"
+SPLITTER_CLASS = "statetables.jvm.SplitLines"
 GZIP_RATIO = 10  # a compressed unit's landing bytes count this many times its size
 
 
@@ -292,27 +298,21 @@ def read_units(units: BatchUnits, staging_dir: files.AnyPath) -> tuple[DataFrame
 def split_lines(units: DataFrame) -> DataFrame:
     """One row per input line: unit, source_file, file_modified_at, line_number, raw_bytes.
 
-    The split goes through ISO-8859-1, which maps every byte to one character and back, so the bytes
-    of each line survive exactly as received. The newline that ends a unit is a terminator, not an
-    empty last line; any other empty line is a line (and will be quarantined as not JSON).
+    The unit's bytes are cut at each newline in the JVM (`SPLITTER`), so the bytes of each line survive exactly as
+    received. The newline that ends a unit is a terminator, not an empty last line; any other empty line is a line
+    (and will be quarantined as not JSON). Spark's own `split` needs the bytes decoded to text and each line encoded
+    back: 1.3M lines in 4.4-4.6 s against 1.3-1.6 s this way, the same rows (one warm process, noop writes).
     """
-    # The array is built (and counted) below the explode, so each output row does not drag the
-    # whole file along with it: Spark copies every column an explode's parent still needs per row.
-    arrays = units.select(
+    register_jvm_function(units.sparkSession, SPLITTER, SPLITTER_CLASS, ArrayType(BinaryType()))
+    return units.select(
         "unit", "source_file", "file_modified_at", "first_line",
-        F.split(F.decode("content", "ISO-8859-1"), "\n", -1).alias("_lines"),
-    ).withColumn("_line_count", F.size("_lines"))
-    exploded = arrays.select(
-        "unit", "source_file", "file_modified_at", "first_line", "_line_count",
-        F.posexplode("_lines").alias("_pos", "_latin1"),
-    )
-    is_final_terminator = (F.col("_pos") == F.col("_line_count") - 1) & (F.col("_latin1") == "")
-    return exploded.where(~is_final_terminator).select(
+        F.posexplode(F.call_function(SPLITTER, F.col("content"))).alias("_pos", "raw_bytes"),
+    ).select(
         "unit",
         "source_file",
         "file_modified_at",
         (F.col("first_line") + F.col("_pos")).cast("bigint").alias("line_number"),
-        F.encode("_latin1", "ISO-8859-1").alias("raw_bytes"),
+        "raw_bytes",
     )
 
 

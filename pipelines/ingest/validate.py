@@ -28,6 +28,7 @@ from pyspark.sql.types import (
 
 from pipelines.declare.specs import FieldRule, StreamSpec
 from pipelines.errors import ConfigurationError
+from pipelines.ingest.jvm import register_jvm_function
 
 VALIDATOR = "statetables_validate"
 VALIDATOR_CLASS = "statetables.jvm.ValidateLine"
@@ -141,17 +142,8 @@ def line_rules(spec: StreamSpec, max_ahead: timedelta = DEFAULT_MAX_AHEAD) -> st
 
 
 def register_validator(spark: SparkSession) -> None:
-    """Make `statetables_validate` callable in `spark`'s SQL and DataFrames (a session's functions are its own; over
-    Spark Connect this is one call to the server). Fails naming the fix when the engine lacks the project's jar."""
-    try:
-        spark.udf.registerJavaFunction(VALIDATOR, VALIDATOR_CLASS, VERDICT_TYPE)
-    except Exception as exc:
-        if "ClassNotFound" in str(exc) or "CANNOT_LOAD_FUNCTION_CLASS" in str(exc) or VALIDATOR_CLASS in str(exc):
-            raise ConfigurationError(
-                f"The Spark engine has no {VALIDATOR_CLASS} (the project's own jar, .jars/statetables-jvm.jar). "
-                f"Fix: run `make jars` once, and start the engine with every jar in .jars/ (`make connect-server`, "
-                f"`make cluster` and the embedded engine do).") from exc
-        raise
+    """Make `statetables_validate` callable in `spark`'s SQL and DataFrames."""
+    register_jvm_function(spark, VALIDATOR, VALIDATOR_CLASS, VERDICT_TYPE)
 
 
 def content_identity(spec: StreamSpec) -> Column:
