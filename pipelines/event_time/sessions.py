@@ -239,7 +239,7 @@ class SessionsStage(EventTimeStage):
         if late_count:
             append_late(fold.late, layout, marker)
         fault_point(SESSIONS_AFTER_LATE_COMMIT)
-        version = write_state(fold.state, state_path)
+        version = write_state(fold.state, state_path, marker)
         fault_point(SESSIONS_AFTER_STATE_COMMIT)
         return FoldedBatch(fold.closed, version, fold.watermark_ms,
                            {"sessions_closed": sessions_closed, "late_events": late_count})

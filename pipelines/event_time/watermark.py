@@ -141,11 +141,13 @@ def read_state(spark: SparkSession, path: Path, version: int | None, schema: Str
     return spark.read.format("delta").option("versionAsOf", version).load(str(path))
 
 
-def write_state(frame: DataFrame, path: Path) -> int:
-    """Replace an operator-state table; returns the version holding this batch's state (each state table has one
-    writer, its step). Replaced whole: the state holds what is still open (windows, sessions) or a key's last
-    values. A version no closing commit records is never read (`read_state`)."""
-    frame.write.format("delta").mode("overwrite").save(str(path))
+def write_state(frame: DataFrame, path: Path, metadata: dict) -> int:
+    """Replace an operator-state table, the commit carrying `metadata`; returns the version holding this batch's
+    state (each state table has one writer, its step). Replaced whole: the state holds what is still open (windows,
+    sessions) or a key's last values. A version no closing commit records is never read (`read_state`). The
+    metadata is passed as the writer's option, as every event-time commit's is: a state table's MERGE in another
+    thread sets it as a session conf meanwhile (`micro_batch.StreamBatch.fold`), which an option overrides."""
+    frame.write.format("delta").mode("overwrite").option("userMetadata", json.dumps(metadata)).save(str(path))
     return table_version(frame.sparkSession, path)
 
 

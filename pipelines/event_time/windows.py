@@ -153,7 +153,7 @@ class WindowsStage(EventTimeStage):
             for top in table.tops:
                 append_batch(top_rows(top, table, closed), layout.table(top.name), marker)
         fault_point(WINDOWS_AFTER_TOP_COMMIT)
-        version = write_state(fold.open_windows, state_path)
+        version = write_state(fold.open_windows, state_path, marker)
         fault_point(WINDOWS_AFTER_STATE_COMMIT)
         return FoldedBatch(closed, version, fold.watermark_ms,
                            {"windows_closed": windows_closed, "late_events": late_count})

@@ -33,7 +33,9 @@ import os
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import contextmanager
+from contextvars import copy_context
 from dataclasses import dataclass, replace
 from typing import Iterator
 
@@ -182,6 +184,7 @@ class StreamBatch:
         self.states, self.event_time, self.changelogs = states, event_time, changelogs
         self.fence = fence
         self.topics = topics or {}  # state table → its changelog topic's stage
+        self._event_time_thread: ThreadPoolExecutor | None = None  # `fold`'s, made at the first batch that needs it
 
     def __call__(self, units: DataFrame, batch_id: int) -> None:
         started = time.monotonic()
@@ -215,28 +218,54 @@ class StreamBatch:
         """Every step after bronze, up to bronze's newest version (this batch's append, and any a batch that died
         before its later steps committed had made). A step whose only unfolded version is `appended` folds its
         rows as the batch holds them; a step further behind reads bronze (`BronzeRows`). Each step's seconds are
-        added to `steps_s`."""
+        added to `steps_s`.
+
+        The event-time steps run in a thread of their own, beside the state tables and their changelogs: each step
+        folds the same bronze rows into tables no other step writes, and records what it folded in its own
+        commits, so no order between them matters to recovery, and a warm batch's small queries leave the cores
+        idle half the time (measured). A changelog follows its state table, in the same thread. When one side
+        fails, the other still finishes (its commits are whole), then the first error is raised."""
         steps_s = {} if steps_s is None else steps_s
         bronze_path = self.layout.table(self.spec.bronze_table)
         through = table_version(spark, bronze_path)
         rows = BronzeRows(spark, bronze_path, through, appended)
+
         # Each step first asks the fence again: a killed run's batch that was already past it when another run took
         # the lock stops at its next step instead of committing that step a second time.
-        with timed(steps_s, "state"):
-            for state in self.states:
-                self.fenced()
-                state.advance(spark, rows, app_id, batch_id)
-        if self.event_time:
+        def event_time() -> None:
             with timed(steps_s, "event_time"):
                 for step in self.event_time:
                     self.fenced()
                     step.advance(spark, rows, app_id, batch_id)
-        with timed(steps_s, "changelog"):
-            for changelog in self.changelogs:
-                self.fenced()
-                changelog.advance(spark, app_id, batch_id)
-                if (topic := self.topics.get(changelog.table.name)) is not None:
-                    topic.advance(spark, changelog)
+
+        beside = None
+        if self.event_time:
+            if self._event_time_thread is None:
+                self._event_time_thread = ThreadPoolExecutor(1, thread_name_prefix=f"{self.spec.name}-event-time")
+            # With this thread's context: whether the batch is small (`frames.small_batch`) is a context variable.
+            beside = self._event_time_thread.submit(copy_context().run, event_time)
+        try:
+            with timed(steps_s, "state"):
+                for state in self.states:
+                    self.fenced()
+                    state.advance(spark, rows, app_id, batch_id)
+            with timed(steps_s, "changelog"):
+                for changelog in self.changelogs:
+                    self.fenced()
+                    changelog.advance(spark, app_id, batch_id)
+                    if (topic := self.topics.get(changelog.table.name)) is not None:
+                        topic.advance(spark, changelog)
+        finally:
+            if beside is not None:
+                wait([beside])
+        if beside is not None and beside.exception() is not None:
+            raise beside.exception()
+
+    def close(self) -> None:
+        """Let the event-time thread go (the run's query has stopped)."""
+        if self._event_time_thread is not None:
+            self._event_time_thread.shutdown()
+            self._event_time_thread = None
 
     def catch_up(self, spark: SparkSession) -> bool:
         """Bring every step up to bronze's newest version before the query starts, under an app id of its own;
@@ -395,6 +424,7 @@ def advance_stream(spark: SparkSession, layout: StorageLayout, spec: StreamSpec,
             if scanner is not None:
                 continuous.stop.set()
                 scanner.join()
+            batch.close()
             close_producers()
         # One recovery is shown: the checkpoint's first, then an event-time step's, then a state table's.
         recovered = next((step.recovered for step in event_time if step.recovered), None)
