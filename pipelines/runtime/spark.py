@@ -52,6 +52,12 @@ ONE_COMMAND_JIT = "-XX:TieredStopAtLevel=1 -XX:ReservedCodeCacheSize=240m"
 # 72.2 s with both against 61.1 and 64.6 s. The threshold lies between the two. `statetables run` decides from the
 # landing bytes its streams have waiting, before the JVM starts (statetables/cli.py).
 LARGE_RUN_BYTES = 64 * 2**20
+# Where C2 compiles (a JVM that serves many runs, a large run), it may compile Spark's generated methods of more than
+# 8,000 bytes of bytecode too, which HotSpot otherwise leaves interpreted: whole-stage code generation writes
+# methods up to 64 KB (`spark.sql.codegen.hugeMethodLimit`), and a large batch's validation and session windows are
+# such methods. A first load of 1M payments: 97.5 and 106.5 s against 112.6 and 110.0 s without it (130 and 141
+# task-s against 142 and 148; alternated, the same day).
+COMPILE_HUGE_METHODS = "-XX:-DontCompileHugeMethods"
 # A one-command driver's young generation, fixed. The throughput collector otherwise grows it towards the whole heap
 # under a large batch's allocation rate, and the heap's pages stay resident: a first load of 1M payments peaked at
 # 2,361-2,471 MB of JVM RSS with it sized by the collector, 1,845-1,873 MB with it fixed; wall time within noise
@@ -333,7 +339,8 @@ def session_confs(settings: SparkSettings | None = None) -> dict[str, str]:
     archive = class_archive_options(settings.jars_dir)
     # The throughput collector: short pauses do not matter to batches, and G1's concurrent work competes
     # for the 2 cores (8% less wall time on small runs, measured).
-    options = [archive, PARALLEL_GC, ONE_COMMAND_JIT if settings.one_command and not settings.large_run else None,
+    c1_only = settings.one_command and not settings.large_run
+    options = [archive, PARALLEL_GC, ONE_COMMAND_JIT if c1_only else None, None if c1_only else COMPILE_HUGE_METHODS,
                ONE_COMMAND_YOUNG if settings.one_command else None,
                f"-Dlog4j2.configurationFile=file:{LOG4J_CONFIG}"]
     conf["spark.driver.extraJavaOptions"] = " ".join(o for o in options if o)

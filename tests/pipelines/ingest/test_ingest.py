@@ -944,7 +944,6 @@ def test_a_large_batch_writes_bronze_files_of_bounded_rows_each_one_range_of_eve
     """A large batch's bronze rows go into files of about BRONZE_FILE_ROWS rows (never fewer files than cores), and
     no two files' event times overlap: a later batch's dedup lookup reads only the files its range meets."""
     from pipelines.ingest import bronze
-    monkeypatch.setattr(bronze, "SMALL_BATCH_ROWS", 0)
     monkeypatch.setattr(bronze, "BRONZE_FILE_ROWS", 10)
     base = datetime(2026, 11, 1, tzinfo=timezone.utc)
     # 60 events an hour apart, in shuffled order, so the layout is not the input's
