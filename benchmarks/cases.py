@@ -119,14 +119,19 @@ def polars_merge(args) -> dict:
 
 
 def warm(args) -> dict:
-    """The project's job inside one warm process: a catch-up run, then one timed run per increment folder."""
+    """The project's job inside one warm process: a catch-up run and the warm-up an engine gets when it starts
+    (`statetables warm-up`, as `make serve` and `make dev` run it), then one timed run per increment folder."""
     import dagster as dg
+    from pyspark.sql import SparkSession
+    from pipelines.declare.project import streams
+    from pipelines.runtime.warm_up import warm_up_engine
     from statetables.definitions import defs
     job = defs.resolve_job_def("advance_payments")
     landing = Path(args.home) / "landing" / "payments"
     runs = []
     with dg.DagsterInstance.ephemeral() as instance:
         job.execute_in_process(instance=instance)  # catch up, and warm the JVM and the code paths
+        warm_up_engine(SparkSession.builder.getOrCreate(), list(streams().values()))
         from benchmarks.run import counts, delta_commits, spark_jobs
         for increment in args.increment:
             for source in sorted(Path(increment).glob("*.jsonl")):

@@ -86,6 +86,9 @@ class StreamSettings:
     max_files_per_trigger: int = DEFAULT_MAX_FILES_PER_TRIGGER  # landing units per micro-batch
     lock_timeout_s: float = 60.0
     event_time: bool = True  # keep the stream's windowed and session tables; False: they cost nothing
+    # A batch of files with this many landing bytes or more runs as a large one (joins and kept frames, not decided
+    # in the driver); the engine's warm-up sets 0 for the batch that warms that path.
+    large_from_bytes: int = SMALL_BATCH_BYTES
 
 
 EVENT_TIME_ENV = "STATETABLES_EVENT_TIME"
@@ -179,8 +182,10 @@ class StreamBatch:
 
     def __init__(self, layout: StorageLayout, spec: StreamSpec, ingest: IngestSettings,
                  states: list[StateTableStage], event_time: list[EventTimeStage], changelogs: list[ChangelogStage],
-                 fence: Fence | LocalFence | None = None, topics: dict[str, ChangelogTopicStage] | None = None):
+                 fence: Fence | LocalFence | None = None, topics: dict[str, ChangelogTopicStage] | None = None,
+                 large_from_bytes: int = SMALL_BATCH_BYTES):
         self.layout, self.spec, self.ingest = layout, spec, ingest
+        self.large_from_bytes = large_from_bytes
         self.states, self.event_time, self.changelogs = states, event_time, changelogs
         self.fence = fence
         self.topics = topics or {}  # state table → its changelog topic's stage
@@ -192,7 +197,7 @@ class StreamBatch:
         spark, topic = units.sparkSession, self.spec.topic
         if topic is None:
             listed, recorded = BatchUnits.of(units), None
-            small = listed.landing_bytes < SMALL_BATCH_BYTES
+            small = listed.landing_bytes < self.large_from_bytes
         else:
             # A topic's batch is sized by the offsets its checkpoint plans, before any record is read.
             listed, recorded = None, recorded_offsets(spark, self.layout.table(self.spec.bronze_table), topic)
@@ -394,7 +399,8 @@ def advance_stream(spark: SparkSession, layout: StorageLayout, spec: StreamSpec,
                                 if spec.topic is not None else None)
         topics = {table.name: changelog_topic_stage(layout, table, table_version(spark, layout.table(table.name)))
                   for table in spec.state_tables if table.changelog_topic is not None}
-        batch = StreamBatch(layout, spec, ingest, states, event_time, changelogs, fence, topics)
+        batch = StreamBatch(layout, spec, ingest, states, event_time, changelogs, fence, topics,
+                            settings.large_from_bytes)
         caught_up = batch.catch_up(spark)
         if spec.topic is None:
             # One ledger commit file per micro-batch, in unit order (record_units writes them that way).

@@ -23,6 +23,9 @@ if TYPE_CHECKING:  # the command line reads WARM_UP_BATCHES for its help without
 
 WARM_UP_BATCHES = 10  # per stream; from about the tenth on, a batch takes what it will (docs/performance.md)
 WARM_UP_EVENTS = 20  # per batch: a small batch, as the continuous job's are
+# Then one batch of this many events per stream, run as a large batch (joins and kept frames instead of the driver's
+# decisions): a file of 100k events is one, and without it an engine's first such batch ran that code cold.
+WARM_UP_LARGE_EVENTS = 20_000
 
 
 @dataclass(frozen=True)
@@ -33,11 +36,11 @@ class WarmedStream:
 
 
 def warm_up_engine(spark: SparkSession, specs: list[StreamSpec], *, batches: int = WARM_UP_BATCHES,
-                   scratch: Path | None = None, report: Callable[[WarmedStream], None] = lambda _: None
-                   ) -> list[WarmedStream]:
-    """Run `batches` micro-batches of each stream (one landing file each, a topic's stream from files too) on a
-    scratch root that is deleted after: nothing of the project's root is read or written. `report` is called as
-    each stream is done."""
+                   large_events: int = WARM_UP_LARGE_EVENTS, scratch: Path | None = None,
+                   report: Callable[[WarmedStream], None] = lambda _: None) -> list[WarmedStream]:
+    """Run `batches` micro-batches of each stream (one landing file each, a topic's stream from files too), then one
+    large batch of `large_events` (none for 0), on a scratch root that is deleted after: nothing of the project's
+    root is read or written. `report` is called as each stream is done."""
     from pipelines.ingest.generate import generate
     from pipelines.runtime.micro_batch import StreamSettings, advance_stream
     from pipelines.storage.layout import StorageLayout
@@ -53,7 +56,13 @@ def warm_up_engine(spark: SparkSession, specs: list[StreamSpec], *, batches: int
             generate(from_files, layout.landing(spec.name), events=batches * WARM_UP_EVENTS,
                      events_per_file=WARM_UP_EVENTS, malformed=0.05, seed=number + 1)
             result = advance_stream(spark, layout, from_files, StreamSettings(max_files_per_trigger=1))
-            warmed.append(WarmedStream(spec.name, result.micro_batches, time.monotonic() - started))
+            micro_batches = result.micro_batches
+            if large_events > 0:
+                generate(from_files, layout.landing(spec.name), events=large_events, events_per_file=large_events,
+                         malformed=0.05, seed=number + 101)
+                micro_batches += advance_stream(spark, layout, from_files,
+                                                StreamSettings(large_from_bytes=0)).micro_batches
+            warmed.append(WarmedStream(spec.name, micro_batches, time.monotonic() - started))
             report(warmed[-1])
     finally:
         shutil.rmtree(root, ignore_errors=True)
