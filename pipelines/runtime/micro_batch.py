@@ -229,7 +229,8 @@ class StreamBatch:
         folds the same bronze rows into tables no other step writes, and records what it folded in its own
         commits, so no order between them matters to recovery, and a warm batch's small queries leave the cores
         idle half the time (measured). A changelog follows its state table, in the same thread. When one side
-        fails, the other still finishes (its commits are whole), then the first error is raised."""
+        fails, the other still finishes (its commits are whole), then the error is raised (the state side's when both
+        fail)."""
         steps_s = {} if steps_s is None else steps_s
         bronze_path = self.layout.table(self.spec.bronze_table)
         through = table_version(spark, bronze_path)
