@@ -38,7 +38,6 @@ import gzip
 import json
 import os
 from collections import Counter
-from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
 from decimal import Decimal
 from pathlib import Path
@@ -52,7 +51,6 @@ from hypothesis import strategies as st
 
 from pipelines.faults import FAULTS_ENV, INGEST_POISON, arm
 from pipelines.ingest.bronze import decide_in_order
-from pipelines.runtime import micro_batch
 from pipelines.storage.layout import StorageLayout
 from tests.contract_oracle import DEFAULT_HORIZON, EPOCH, Oracle, file_lines, landing_files
 from tests.pipelines.ingest.test_validation_properties import FIXED_TIMESTAMPS, SEARCH, line_batch
@@ -897,23 +895,15 @@ def test_bronze_events_of_the_batch_ids_are_all_found_whatever_the_files_statist
     assert sorted((i, at) for i, at, _ in found) == [("a", micros), (long_id, micros)]
 
 
-@contextmanager
-def _every_batch_large():
-    """Micro-batches decided by joins, as a batch of SMALL_BATCH_BYTES or more is (not in the driver)."""
-    small = micro_batch.SMALL_BATCH_BYTES
-    micro_batch.SMALL_BATCH_BYTES = 0
-    try:
-        yield
-    finally:
-        micro_batch.SMALL_BATCH_BYTES = small
+# Every micro-batch decided by joins, as a batch of SMALL_BATCH_BYTES or more is (not in the driver).
+EVERY_BATCH_LARGE = {"large_from_bytes": 0}
 
 
 @settings(max_examples=1, **SEARCH)  # each example is two runs of the stream: the search is in its drawn lines
 @given(data=st.data())
 def test_movie_ticket_sales_malformed_kinds_redeliveries_allowance_in_flight_files_and_a_replayed_batch(
         spark, tmp_path_factory, data):
-    with _every_batch_large():
-        _movie_ticket_sales_scenario(spark, tmp_path_factory, data)
+    _movie_ticket_sales_scenario(spark, tmp_path_factory, data)
 
 
 def _movie_ticket_sales_scenario(spark, tmp_path_factory, data) -> None:
@@ -921,14 +911,14 @@ def _movie_ticket_sales_scenario(spark, tmp_path_factory, data) -> None:
     d, files = _landing_sales(layout.landing("movie_ticket_sales"), data)
     d.deliver_present_files()
 
-    first = advance(spark, layout, MOVIE_TICKET_SALES, event_time=False)
+    first = advance(spark, layout, MOVIE_TICKET_SALES, event_time=False, **EVERY_BATCH_LARGE)
     assert first.micro_batches == 1 and first.changed_files == []
     _check_with_oracle(layout, MOVIE_TICKET_SALES, d, [first])
     _check_sale_rules(layout, d, files, first)
 
     _lose_the_last_checkpoint_commit(layout)
     _change_sales(d, files)
-    second = advance(spark, layout, MOVIE_TICKET_SALES, event_time=False)
+    second = advance(spark, layout, MOVIE_TICKET_SALES, event_time=False, **EVERY_BATCH_LARGE)
     assert second.micro_batches == 2  # run 1's batch really was replayed, then the new one ran...
     for table in (MOVIE_TICKET_SALES.bronze_table, MOVIE_TICKET_SALES.state_tables[0].name):
         assert [c["user"]["batch_id"] for c in second.commits[table]] == [1], table  # ...and the replay wrote nothing
