@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from datetime import datetime, timedelta, timezone
 from decimal import Decimal
 from itertools import combinations
@@ -281,15 +282,24 @@ EXTRA_KEYS = ["promo", "x", "", "Title", "event_id ", "EVENT_ID", "\u0000", "é"
 WHITESPACE = ["", "", "", " ", "\t", "\r", " \t "]  # JSON whitespace; never "\n": it ends a line
 
 
+# An escaped lone surrogate: a high one not followed by a low one, or a low one not after a high one.
+LONE_SURROGATE = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})"
+                            rb"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}")
+
+
 def mutate(rng: random.Random, line: bytes) -> bytes:
-    """A line broken at the byte level: truncated, a byte replaced or inserted, garbage appended, a BOM."""
+    """A line broken at the byte level: truncated, a byte replaced or inserted, garbage appended, a BOM. A change
+    that would leave an escaped lone surrogate (a pair's backslash replaced) truncates instead: lone surrogates are
+    outside this property (the module's doc)."""
     how, at = rng.randrange(5), rng.randint(0, len(line))
     if how == 0:
         return line[:at]
     if how == 1:
-        return line[:at] + bytes([rng.choice([b for b in range(256) if b != 10])]) + line[at + 1:]
+        changed = line[:at] + bytes([rng.choice([b for b in range(256) if b != 10])]) + line[at + 1:]
+        return line[:at] if LONE_SURROGATE.search(changed) else changed
     if how == 2:
-        return line[:at] + rng.choice(INSERTS) + line[at:]
+        changed = line[:at] + rng.choice(INSERTS) + line[at:]
+        return line[:at] if LONE_SURROGATE.search(changed) else changed
     if how == 3:
         return line + rng.choice(TRAILERS)
     return b"\xef\xbb\xbf" + line
