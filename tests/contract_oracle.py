@@ -10,7 +10,8 @@ The validation rules it reads, in the order they are applied to a line:
 - then the stream's fields in order (movie_ticket_sales: event_id, title, ticket_total_value,
   sale_ts, customer_id; payments: payment_id, customer_id, amount, paid_at); the first failing
   check wins. "Trimmed" always means without JSON whitespace (space, tab, LF, CR) at both ends;
-- strings: missing_field, wrong_type, empty_field, too_long (title: > 500 code points, trimmed);
+- strings: missing_field, wrong_type, invalid_utf8 (an escaped lone surrogate, as "\\ud83c" alone), empty_field,
+  too_long (title: > 500 code points, trimmed);
   the title is kept trimmed, the other strings as given;
 - the value: missing_field; wrong_type (bool, object, array, or a string that is not a number);
   empty_field (blank string); out_of_range (< 0 for tickets, <= 0 for payments,
@@ -267,6 +268,10 @@ def _string(raw, name: str, required: bool) -> str | None:
         return None
     if not isinstance(raw, str):
         raise _Invalid("wrong_type", name)
+    try:
+        raw.encode("utf-8")
+    except UnicodeEncodeError:  # json.loads keeps an escaped lone surrogate, which no UTF-8 text can hold
+        raise _Invalid("invalid_utf8", name) from None
     trimmed = trim(raw)
     if not trimmed:
         raise _Invalid("empty_field", name)

@@ -7,7 +7,8 @@ serves every stream, on every engine the project starts (.jars/ is on each one's
 
 Reasons (column `reason`, with the offending field in `reason_field`), first failing rule first:
     invalid_utf8, not_json, not_object, then per field in the stream's order: missing_field, wrong_type,
-    empty_field, too_long, out_of_range, too_many_decimals, invalid_timestamp
+    invalid_utf8 (a string whose escapes decode to a lone surrogate), empty_field, too_long, out_of_range,
+    too_many_decimals, invalid_timestamp
 and, decided later against bronze, conflicting_duplicate. An integer field is checked whole (too_many_decimals)
 before its range: "12.0" and "1e3" are refused as written, so a range is only ever read from plain digits.
 """
@@ -103,6 +104,8 @@ def _field_details(rule: FieldRule, max_ahead: timedelta) -> dict[str, str]:
     details = {"missing_field": f"{name} is required", "empty_field": f"{name} is empty"}
     if rule.kind == "string":
         details["wrong_type"] = f"{name} must be a JSON string, got "
+        details["invalid_utf8"] = (f"{name} holds an escaped lone surrogate (a \\uD800-\\uDFFF escape not in a "
+                                   "pair), which UTF-8 text cannot hold")
         if rule.max_length:
             details["too_long"] = f"{name} is longer than {rule.max_length} characters"
     elif rule.kind in ("decimal", "integer"):

@@ -678,6 +678,9 @@ MALFORMED = [
     ('{"event_id":"x12","title":"Dune","ticket_total_value":1,"sale_ts":1762000000}', "wrong_type", "sale_ts"),
     ('{"event_id":"x13","title":"%s","ticket_total_value":1,"sale_ts":"2026-11-01T10:00:00Z"}' % ("a" * 501), "too_long", "title"),
     ('{"event_id":"x14","title":"Dune","ticket_total_value":1,"sale_ts":"2026-11-01T10:00:00Z","customer_id":5}', "wrong_type", "customer_id"),
+    # An escaped lone surrogate is valid JSON but no UTF-8 text: kept, it would be stored as '?'.
+    ('{"event_id":"x15","title":"Dune\\ud83c","ticket_total_value":1,"sale_ts":"2026-11-01T10:00:00Z"}', "invalid_utf8", "title"),
+    ('{"event_id":"x16","title":"Dune","ticket_total_value":1,"sale_ts":"2026-11-01T10:00:00Z","customer_id":"\\udfab"}', "invalid_utf8", "customer_id"),
 ]
 
 VALID = [

@@ -20,11 +20,12 @@ import java.nio.charset.StandardCharsets;
  * booleans in the order of their fields, each in the array of its kind.
  *
  * <p>Guarantees: it never throws on any input (a throw would stop the stream on every run); UTF-8 is checked as
- * Spark's is_valid_utf8 checks it; a document is one JSON value as Spark's parse_json reads it (Jackson's defaults,
- * duplicate keys refused at any depth), with nothing after it; decimals are read exactly from their text, whatever
- * the spelling. Two things are left to SQL, for the rare lines that need them: the name of a wrong JSON type in a
- * detail (`type_of` names the field, or "" for the whole document), and the text of an id that is not a JSON string
- * (`id_needs_variant`), both as Spark's schema_of_variant and variant cast spell them.
+ * Spark's is_valid_utf8 checks it, and a kept string whose escapes decode to a lone surrogate is invalid_utf8 too;
+ * a document is one JSON value as Spark's parse_json reads it (Jackson's defaults, duplicate keys refused at any
+ * depth), with nothing after it; decimals are read exactly from their text, whatever the spelling. Two things are
+ * left to SQL, for the rare lines that need them: the name of a wrong JSON type in a detail (`type_of` names the
+ * field, or "" for the whole document), and the text of an id that is not a JSON string (`id_needs_variant`), both
+ * as Spark's schema_of_variant and variant cast spell them.
  */
 public final class ValidateLine implements UDF3<byte[], String, Long, Row> {
     private static final long serialVersionUID = 1L;
@@ -81,6 +82,10 @@ public final class ValidateLine implements UDF3<byte[], String, Long, Row> {
             switch (f.kind) {
                 case STRING: {
                     if (!isString) return wrongType(f, recordId, idNeedsVariant);
+                    // An escaped lone surrogate (a high half with no low half after it) is valid JSON but no UTF-8
+                    // text: stored, it would become '?', and two different keys one.
+                    if (hasLoneSurrogate(value)) return verdict("invalid_utf8", f.name, f.details.get("invalid_utf8"),
+                            null, recordId, idNeedsVariant);
                     String trimmed = trim(value);
                     if (trimmed.isEmpty()) return verdict("empty_field", f.name, f.details.get("empty_field"), null,
                             recordId, idNeedsVariant);
@@ -153,6 +158,20 @@ public final class ValidateLine implements UDF3<byte[], String, Long, Row> {
                                boolean idNeedsVariant) {
         return RowFactory.create(reason, field, detail, typeOf, recordId, idNeedsVariant, null, null, null, null,
                 null);
+    }
+
+    /** Whether `s` holds a UTF-16 surrogate that is not half of a pair. */
+    static boolean hasLoneSurrogate(String s) {
+        for (int i = 0; i < s.length(); i++) {
+            char c = s.charAt(i);
+            if (!Character.isSurrogate(c)) continue;
+            if (Character.isHighSurrogate(c) && i + 1 < s.length() && Character.isLowSurrogate(s.charAt(i + 1))) {
+                i++;
+                continue;
+            }
+            return true;
+        }
+        return false;
     }
 
     /** Removes JSON's own whitespace at both ends (Spark's trim(s, ' \t\n\r')). */
