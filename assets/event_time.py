@@ -134,9 +134,8 @@ def deep_checks(spec: StreamSpec) -> list[dg.AssetChecksDefinition]:
     return [build(table) for table in spec.event_time_tables]
 
 
-def results(session: SparkSession, layout: StorageLayout, spec: StreamSpec, result: StreamRunResult, check_policy,
-            owns_late: bool):
-    """The materializations and checks of the stream's windowed and session tables after a run."""
+def results(session: SparkSession, layout: StorageLayout, spec: StreamSpec, result: StreamRunResult, owns_late: bool):
+    """The materializations of the stream's windowed and session tables after a run (their checks: `run_checks`)."""
     late_this_run = 0
     for table in spec.event_time_tables:
         batches = [c["user"] for c in result.commits[table.name] if "watermark_ms" in c["user"]]
@@ -170,12 +169,18 @@ def results(session: SparkSession, layout: StorageLayout, spec: StreamSpec, resu
                 **common, "windows_ranked_this_run": sum(b.get("windows_closed", 0) > 0 for b in batches),
                 "newest_window": frame_table(ranked.orderBy(F.desc(start), top.rank_column), top.n),
                 "table_version": result.versions[top.name].after})
+    if owns_late:
+        yield dg.MaterializeResult(asset_key=LATE_KEY, metadata={
+            "late_events_this_run": late_this_run, "table_version": result.versions[watermark.LATE].after})
+
+
+def run_checks(session: SparkSession, layout: StorageLayout, spec: StreamSpec, result: StreamRunResult, check_policy):
+    """The per-run checks of the stream's windowed and session tables: each against its declared query over the
+    rows the run wrote, each top N table against its query."""
+    for table in spec.event_time_tables:
         yield reconciliation(session, layout, spec, table, check_policy, RECONCILE, result.versions[table.name].before)
         for top in table.tops:
             wrong = table_checks.top_mismatches(session, layout, top)
             wrong_rows = wrong.count()
             yield check_policy.result(dg.AssetKey(top.name), TOP_MATCHES, passed=wrong_rows == 0, metadata={
                 "rows_differing": wrong_rows, "sample": frame_table(wrong, rows_known=wrong_rows)})
-    if owns_late:
-        yield dg.MaterializeResult(asset_key=LATE_KEY, metadata={
-            "late_events_this_run": late_this_run, "table_version": result.versions[watermark.LATE].after})

@@ -141,15 +141,18 @@ def build_stream_assets(spec: StreamSpec, keeps_event_time: bool = True) -> list
             if offsets is not None:
                 ingest["topic_offsets"] = dg.MetadataValue.json(offsets["next"])
         # What the tables hold after the run, each a Spark query of its own, asked at once: one after the other they
-        # were a fifth of a cold `statetables run` (measured). Yielded in order below.
+        # were a fifth of a cold `statetables run` (measured). Yielded in order below. The event-time checks, the
+        # longest of them, first.
         pool = ThreadPoolExecutor(METADATA_QUERIES_AT_ONCE, thread_name_prefix=f"{spec.name}-metadata")
+        checked = pool.submit(lambda: list(event_time_assets.run_checks(session, layout, current, result,
+                                                                        check_policy))) if event_time else None
         versions = result.versions[spec.quarantine_table]
         reasons = pool.submit(lambda: frame_table(
             quarantine_reasons(session, layout, spec, versions.before, versions.after), 20,
             rows_known=0 if counts["quarantined"] == 0 else None))
         states = [pool.submit(_state_result, session, layout, current, table, result, counts, common)
                   for table in current.state_tables]
-        windowed = pool.submit(lambda: list(event_time_assets.results(session, layout, current, result, check_policy,
+        windowed = pool.submit(lambda: list(event_time_assets.results(session, layout, current, result,
                                                                       owns_late))) if event_time else None
         changelogs = [pool.submit(_changelog_result, session, layout, table, result) for table in spec.state_tables]
         pool.shutdown(wait=False)
@@ -175,6 +178,7 @@ def build_stream_assets(spec: StreamSpec, keeps_event_time: bool = True) -> list
             yield state.result()
         if windowed is not None:
             yield from windowed.result()
+            yield from checked.result()
         for changelog in changelogs:
             yield changelog.result()
 
@@ -182,7 +186,7 @@ def build_stream_assets(spec: StreamSpec, keeps_event_time: bool = True) -> list
             *(event_time_assets.deep_checks(spec) if event_time else [])]
 
 
-METADATA_QUERIES_AT_ONCE = 4
+METADATA_QUERIES_AT_ONCE = 5
 
 
 def _changelog_result(session: SparkSession, layout, table: StateTableSpec,

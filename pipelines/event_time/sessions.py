@@ -50,6 +50,7 @@ from pipelines.storage.frames import frame_of_rows, kept
 from pipelines.storage.layout import StorageLayout
 
 OPEN, FIRST, LAST = "_open", "_first", "_last"
+NEWEST = "_newest"  # a closed session that is its key's newest in the batch
 _DAY_US = 86_400_000_000
 _US = dt.timedelta(microseconds=1)
 
@@ -169,9 +170,10 @@ def _forgotten(table: EventTimeTableSpec, started: Column, previous_last: Column
 
 
 def _closed_rows(table: EventTimeTableSpec, closing: DataFrame, carried: DataFrame) -> DataFrame:
-    """Rows of the table for `closing` (with `_first` and `_last` kept for the state), oldest first per key: the
-    previous session's values (the carried ones for the first), unless it is forgotten (null, and the day totals
-    start again); the day totals so far, the carried ones included while nothing has been forgotten in between."""
+    """Rows of the table for `closing` (with `_first`, `_last` and `_newest` kept for the state), oldest first per
+    key: the previous session's values (the carried ones for the first), unless it is forgotten (null, and the day
+    totals start again); the day totals so far, the carried ones included while nothing has been forgotten in
+    between."""
     keys, kinds = list(table.keys), {f.name: f.kind for f in table.fields}
     gap_us = table.size // _US
     stored = carried.select(*(F.col(k).alias(f"_k_{k}") for k in keys), F.col(LAST).alias("_stored_last"),
@@ -197,7 +199,10 @@ def _closed_rows(table: EventTimeTableSpec, closing: DataFrame, carried: DataFra
         return F.coalesce(running + kept, running, kept)
 
     bounds = (F.col(FIRST), F.timestamp_micros(F.unix_micros(LAST) + F.lit(gap_us)))
-    return numbered.select(*declared_columns(table, *bounds, value_of), FIRST, LAST)
+    # A key's sessions never overlap: the last by start is its newest, the one its per-key row carries on from
+    # (`_carried_after`), flagged here in the same window rather than ranked again there.
+    newest = F.lead(FIRST).over(by_key).isNull().alias(NEWEST)
+    return numbered.select(*declared_columns(table, *bounds, value_of), FIRST, LAST, newest)
 
 
 def _carried_after(table: EventTimeTableSpec, closed: DataFrame, carried: DataFrame, still_open: DataFrame,
@@ -206,10 +211,8 @@ def _carried_after(table: EventTimeTableSpec, closed: DataFrame, carried: DataFr
     LAG sees is this one's aggregate; its day totals go on from this one's); a key idle for the TTL with nothing
     open is forgotten (the rule would forget it anyway: this only keeps the table small)."""
     keys = list(table.keys)
-    newest = (closed.withColumn("_n", F.row_number().over(Window.partitionBy(*keys).orderBy(F.desc(LAST))))
-              .where(F.col("_n") == 1)
-              .select(*keys, LAST, *(F.col(c.of if c.role == "previous" else c.name).alias(_carried(c.name))
-                                     for c in _keyed(table))))
+    newest = closed.where(F.col(NEWEST)).select(
+        *keys, LAST, *(F.col(c.of if c.role == "previous" else c.name).alias(_carried(c.name)) for c in _keyed(table)))
     renamed = newest.select(*(F.col(k).alias(f"_k_{k}") for k in keys))
     kept = carried.join(renamed, _same_keys(carried, renamed, tuple(keys)), "left_anti")
     rows = kept.select(*keys, LAST, *(_carried(c.name) for c in _keyed(table))).unionByName(newest)
