@@ -79,10 +79,14 @@ def bronze_schema(spec: StreamSpec) -> StructType:
 
 def bronze_tables(layout: StorageLayout, spec: StreamSpec) -> list[NewTable]:
     """Bronze, quarantine and (a stream from files) its landing ledger."""
-    tables = [(spec.bronze_table, bronze_schema(spec)), (spec.quarantine_table, quarantine_schema(spec))]
+    tables = [NewTable(layout.table(spec.quarantine_table), quarantine_schema(spec)),
+              # Statistics of the event time only: every lookup of bronze skips files by it, none by another column,
+              # and the statistics of the strings cost a sixth of an append (1M rows: 3.22 s, 2.74 s without).
+              NewTable(layout.table(spec.bronze_table), bronze_schema(spec),
+                       properties={"delta.dataSkippingStatsColumns": spec.event_time_field})]
     if spec.topic is None:
-        tables.append((spec.files_table, LEDGER_SCHEMA))
-    return [NewTable(layout.table(name), schema) for name, schema in tables]
+        tables.append(NewTable(layout.table(spec.files_table), LEDGER_SCHEMA))
+    return tables
 
 
 def line_file(column: str = "source_file") -> Column:
