@@ -1,5 +1,6 @@
 """The aggregate kinds a table may declare, one row each: how the SQL spells it, the columns that keep its partial
-value, and how partials are computed over rows, combined across batches, merged into a table and finished.
+value, and how partials are computed over rows (or of one row alone), combined across batches, merged into a table
+and finished.
 
 Every table that aggregates (state, windowed and session tables, their checks and refreshes) reads its aggregates
 through `KINDS`, so a kind is added or changed in one place.
@@ -23,6 +24,11 @@ Fields = dict[str, FieldRule]
 
 def _summed_type(kind: str) -> DataType:
     return TOTAL_TYPE if kind == "decimal" else LongType()
+
+
+def _counted(column: str | None) -> Column:
+    """COUNT(column) of one row: 1, or 0 where the column is NULL; COUNT(*) when there is none."""
+    return (F.lit(1) if column is None else F.when(F.col(column).isNotNull(), 1).otherwise(0)).cast(LongType())
 
 
 def _either(t: str, s: str) -> str:
@@ -57,6 +63,11 @@ class AggregateKind:
         """The partial columns over rows of the stream (`groupBy(...).agg`)."""
         raise NotImplementedError
 
+    def of_row(self, a: Aggregate, kinds: dict[str, str]) -> list[Column]:
+        """The partial columns of each row of the stream alone (a projection, no aggregation): `partial` over that
+        one row, so that `combined` reads rows of the stream and rows of partials alike."""
+        raise NotImplementedError
+
     def combined(self, a: Aggregate, kinds: dict[str, str]) -> list[Column]:
         """The partial columns over rows of partial columns: several batches' partials of one key as one."""
         raise NotImplementedError
@@ -83,6 +94,9 @@ class _Count(AggregateKind):
     def partial(self, a, kinds):
         return [F.count(a.column or F.lit(1)).alias(a.name)]
 
+    def of_row(self, a, kinds):
+        return [_counted(a.column).alias(a.name)]
+
     def combined(self, a, kinds):
         return [F.sum(a.name).cast(LongType()).alias(a.name)]
 
@@ -103,6 +117,9 @@ class _Sum(AggregateKind):
 
     def partial(self, a, kinds):
         return [F.sum(a.column).cast(_summed_type(kinds[a.column])).alias(a.name)]
+
+    def of_row(self, a, kinds):
+        return [F.col(a.column).cast(_summed_type(kinds[a.column])).alias(a.name)]
 
     def combined(self, a, kinds):
         return [F.sum(a.name).cast(_summed_type(kinds[a.column])).alias(a.name)]
@@ -126,6 +143,9 @@ class _Extreme(AggregateKind):
 
     def partial(self, a, kinds):
         return [getattr(F, self.function)(a.column).alias(a.name)]
+
+    def of_row(self, a, kinds):
+        return [F.col(a.column).alias(a.name)]
 
     def combined(self, a, kinds):
         return [getattr(F, self.function)(a.name).alias(a.name)]
@@ -158,6 +178,10 @@ class _Avg(AggregateKind):
     def partial(self, a, kinds):
         return [F.sum(a.column).cast(_summed_type(kinds[a.column])).alias(_avg_sum(a)),
                 F.count(a.column).alias(_avg_count(a))]
+
+    def of_row(self, a, kinds):
+        return [F.col(a.column).cast(_summed_type(kinds[a.column])).alias(_avg_sum(a)),
+                _counted(a.column).alias(_avg_count(a))]
 
     def combined(self, a, kinds):
         return [F.sum(_avg_sum(a)).cast(_summed_type(kinds[a.column])).alias(_avg_sum(a)),
@@ -217,10 +241,19 @@ class _ExtremeBy(AggregateKind):
         # Ties to the greater value, so it does not depend on row order.
         return F.max(pairs) if self.function == "max_by" else F.min(pairs)
 
-    def partial(self, a, kinds):
+    @staticmethod
+    def _pair(a: Aggregate) -> Column:
         # NULL when the ordering is: Spark's MIN_BY/MAX_BY skip such rows, as collect_list and MIN/MAX of NULL do.
-        pair = F.when(F.col(a.by).isNotNull(), F.struct(F.col(a.by).alias("by"), F.col(a.column).alias("value")))
+        return F.when(F.col(a.by).isNotNull(), F.struct(F.col(a.by).alias("by"), F.col(a.column).alias("value")))
+
+    def partial(self, a, kinds):
+        pair = self._pair(a)
         return [(self._newest(F.collect_list(pair), a) if a.n else self._pick(pair)).alias(_by(a))]
+
+    def of_row(self, a, kinds):
+        # A list of its one pair, or none (flatten of a NULL list would make the combined list NULL).
+        pair = self._pair(a)
+        return [(F.filter(F.array(pair), lambda p: p.isNotNull()) if a.n else pair).alias(_by(a))]
 
     def combined(self, a, kinds):
         if a.n:
@@ -255,6 +288,11 @@ def kind_of(a: Aggregate) -> AggregateKind:
 def partial_columns(aggregates, kinds: dict[str, str]) -> list[Column]:
     """Every aggregate's partial columns over rows of the stream."""
     return [c for a in aggregates for c in kind_of(a).partial(a, kinds)]
+
+
+def row_columns(aggregates, kinds: dict[str, str]) -> list[Column]:
+    """Every aggregate's partial columns of each row of the stream alone, in `partial_fields`' order."""
+    return [c for a in aggregates for c in kind_of(a).of_row(a, kinds)]
 
 
 def combined_columns(aggregates, kinds: dict[str, str]) -> list[Column]:

@@ -35,7 +35,7 @@ from pyspark.sql import Column, DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 from pyspark.sql.types import BooleanType, LongType, StructField, StructType, TimestampType
 
-from pipelines.declare.aggregates import combined_columns, final_column, partial_columns
+from pipelines.declare.aggregates import combined_columns, final_column, partial_columns, row_columns
 from pipelines.declare.specs import FIELD_TYPES, EventTimeTableSpec, OutputColumn, StreamSpec
 from pipelines.event_time.watermark import (
     NO_PROGRESS, EventTimeStage, FoldedBatch, append_late, behind_watermark, declared_columns, ensure_tables,
@@ -121,26 +121,26 @@ def fold_sessions(table: EventTimeTableSpec, spec: StreamSpec, state: DataFrame 
         return pieces.withColumn("_starts", starts).withColumn(
             "_session", F.sum("_starts").over(in_order.rowsBetween(Window.unboundedPreceding, 0)))
 
-    def from_events(cut_pieces: DataFrame) -> DataFrame:
-        return (cut_pieces.where(~F.col("_held")).groupBy(*keys, "_session")
-                .agg(*partial_columns(table.aggregates, kinds), F.min(FIRST).alias(FIRST), F.max(LAST).alias(LAST)))
-
     if state is None:
         # Every session is made of events alone: their partial aggregates are its state, in one aggregation over
         # the cut events as the window left them (partitioned by key), with nothing to keep in between. A first
         # load of 1M payments aggregated them twice, the second time after a shuffle.
         state = frame_of_rows(events.sparkSession, [], schema)
-        sessions = kept(from_events(cut(arrived)).drop("_session"))
+        sessions = kept(cut(arrived).groupBy(*keys, "_session")
+                        .agg(*partial_columns(table.aggregates, kinds), F.min(FIRST).alias(FIRST),
+                             F.max(LAST).alias(LAST)).drop("_session"))
     else:
         # Sessions are cut on (key, first, last) alone: the state's partial columns travel renamed, beside the
-        # events' own fields, and each side is aggregated in its own way once every piece knows its session.
+        # events' own fields. Once every piece knows its session, an event becomes the partial columns of itself
+        # alone and an open session keeps its own, so one aggregation combines both (the cut pieces are read once).
         held = state.where(F.col(OPEN)).select(*keys, FIRST, LAST, *(F.col(p).alias(f"_s{p}") for p in partials),
                                                 F.lit(True).alias("_held"))
-        pieces = kept(cut(held.unionByName(arrived, allowMissingColumns=True)))
-        from_state = pieces.where(F.col("_held")).select(*keys, "_session",
-                                                         *(F.col(f"_s{p}").alias(p) for p in partials), FIRST, LAST)
+        pieces = cut(held.unionByName(arrived, allowMissingColumns=True))
+        own = row_columns(table.aggregates, kinds)
+        as_partials = pieces.select(*keys, "_session", FIRST, LAST, *(
+            F.when(F.col("_held"), F.col(f"_s{p}")).otherwise(row).alias(p) for p, row in zip(partials, own)))
         sessions = kept(
-            from_events(pieces).unionByName(from_state).groupBy(*keys, "_session")
+            as_partials.groupBy(*keys, "_session")
             .agg(*combined_columns(table.aggregates, kinds),
                  F.min(FIRST).alias(FIRST), F.max(LAST).alias(LAST)).drop("_session"))
     newest = newest_of_stream(table, stream_events, watermark_ms, sessions.agg(F.max(F.unix_millis(LAST))).first()[0])
