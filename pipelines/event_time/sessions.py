@@ -96,9 +96,10 @@ def _same_keys(left: DataFrame, right: DataFrame, keys: tuple[str, ...]) -> Colu
 
 
 def fold_sessions(table: EventTimeTableSpec, spec: StreamSpec, state: DataFrame | None, events: DataFrame,
-                  watermark_ms: int) -> SessionsFold:
+                  watermark_ms: int, newest_ms: int | None = None) -> SessionsFold:
     """(state before, a batch of bronze events, the watermark before) -> the state after and the outputs. A state
-    of None is none at all (the table's first batch, a rebuild): nothing open, nothing carried.
+    of None is none at all (the table's first batch, a rebuild): nothing open, nothing carried. `newest_ms`: the
+    events' newest event time, when known (otherwise one Spark job asks).
 
     An event at or behind the watermark is late. The others join their key's open sessions: per key, in
     event-time order, a piece (an open session, or an event) less than the gap after the latest end before it
@@ -143,7 +144,8 @@ def fold_sessions(table: EventTimeTableSpec, spec: StreamSpec, state: DataFrame 
             as_partials.groupBy(*keys, "_session")
             .agg(*combined_columns(table.aggregates, kinds),
                  F.min(FIRST).alias(FIRST), F.max(LAST).alias(LAST)).drop("_session"))
-    newest = newest_of_stream(table, stream_events, watermark_ms, sessions.agg(F.max(F.unix_millis(LAST))).first()[0])
+    newest = newest_of_stream(table, stream_events, watermark_ms,
+                              lambda: sessions.agg(F.max(F.unix_millis(LAST))).first()[0], newest_ms)
     after = next_watermark(watermark_ms, newest, spec.watermark_delay)
     closes = F.unix_micros(LAST) + F.lit(gap_us) <= F.lit(after * 1000)
     carried = state.where(~F.col(OPEN))
@@ -232,12 +234,13 @@ class SessionsStage(EventTimeStage):
 
     before_closing_fault = SESSIONS_BEFORE_CLOSING_COMMIT
 
-    def fold_and_write(self, rows: DataFrame, app_id: str, batch_id: int, marker: dict) -> FoldedBatch:
+    def fold_and_write(self, rows: DataFrame, newest_ms: int | None, app_id: str, batch_id: int, marker: dict
+                       ) -> FoldedBatch:
         spark, layout, table = rows.sparkSession, self.layout, self.table
         state_path = layout.table(table.state_table)
         before = (read_state(spark, state_path, self.last.state_version, state_schema(table))
                   if self.last.state_version is not None else None)
-        fold = fold_sessions(table, self.spec, before, rows, self.last.watermark_ms)
+        fold = fold_sessions(table, self.spec, before, rows, self.last.watermark_ms, newest_ms)
         sessions_closed, late_count = fold.closed.count(), fold.late.count()
         if late_count:
             append_late(fold.late, layout, marker)

@@ -169,15 +169,21 @@ def kept_events(table: EventTimeTableSpec, events: DataFrame) -> DataFrame:
     return events.where(F.expr(table.where)) if table.where else events
 
 
-def newest_of_stream(table: EventTimeTableSpec, events: DataFrame, watermark_ms: int, newest_kept_ms: int | None
-                     ) -> int | None:
+def newest_of_stream(table: EventTimeTableSpec, events: DataFrame, watermark_ms: int,
+                     newest_kept_ms: Callable[[], int | None], newest_known_ms: int | None = None) -> int | None:
     """The newest on-time event of the batch, in ms: the watermark is the stream's, as Spark's is set on the stream
-    before any filter, so with a WHERE the events it drops move it too (one more job, for such tables only)."""
+    before any filter, so with a WHERE the events it drops move it too (one more job, for such tables only).
+
+    `newest_known_ms`, the newest of all the batch's events, stands for it when given (no job): an event behind the
+    watermark is older than the watermark, and so moves it no more than the on-time ones. `newest_kept_ms` asks
+    Spark for the newest the table kept: what it held open before the batch is never a delay past the watermark."""
+    if newest_known_ms is not None:
+        return newest_known_ms
     if not table.where:
-        return newest_kept_ms
+        return newest_kept_ms()
     found = (events.where(~behind_watermark(table, watermark_ms))
              .agg(F.max(F.unix_millis(table.event_time_field))).first()[0])
-    return max((m for m in (found, newest_kept_ms) if m is not None), default=None)
+    return max((m for m in (found, newest_kept_ms()) if m is not None), default=None)
 
 
 def behind_watermark(table: EventTimeTableSpec, watermark_ms: int) -> Column:
@@ -290,7 +296,10 @@ class EventTimeStage:
         """The key under which a batch's earlier commits name its closing commit's version."""
         return f"{self.table.name}_version"
 
-    def fold_and_write(self, rows: DataFrame, app_id: str, batch_id: int, marker: dict) -> FoldedBatch:
+    def fold_and_write(self, rows: DataFrame, newest_ms: int | None, app_id: str, batch_id: int, marker: dict
+                       ) -> FoldedBatch:
+        """Fold `rows` (their newest event time `newest_ms` when known: `BronzeRows.newest_ms`) and write what the
+        batch emits before its closing commit."""
         raise NotImplementedError
 
     def advance(self, spark: SparkSession, bronze: BronzeRows, app_id: str, batch_id: int) -> None:
@@ -307,7 +316,7 @@ class EventTimeStage:
         closing = self.layout.table(self.table.name)
         # The version this batch's closing commit will have: until it exists, its earlier writes are unfinished.
         marker = {"app_id": app_id, "batch_id": batch_id, self.marker: (table_version(spark, closing) or 0) + 1}
-        folded = self.fold_and_write(rows, app_id, batch_id, marker)
+        folded = self.fold_and_write(rows, bronze.newest_ms(self.last.bronze_version), app_id, batch_id, marker)
         progress = {"app_id": app_id, "batch_id": batch_id, "watermark_ms": folded.watermark_ms,
                     "bronze_version": through, "rows_read": bronze.count_after(self.last.bronze_version),
                     "state_versions": {self.table.state_table: folded.state_version}, **folded.figures}

@@ -64,11 +64,12 @@ class WindowsFold:
 
 
 def fold_windows(table: EventTimeTableSpec, spec: StreamSpec, open_windows: DataFrame, events: DataFrame,
-                 watermark_ms: int) -> WindowsFold:
+                 watermark_ms: int, newest_ms: int | None = None) -> WindowsFold:
     """(open windows before, a batch of bronze events, the watermark before) -> the state after and the outputs.
 
     An event at or behind the watermark is late; the others add to their (key, window). The watermark then moves
-    to the batch's newest event minus the delay (never back), and every window whose end it has reached closes.
+    to the batch's newest event minus the delay (never back), and every window whose end it has reached closes;
+    `newest_ms`: that event's time, when known (otherwise one Spark job asks).
     One pass over the batch for the on-time events (kept, small: per key and window); the late ones are read again
     when written."""
     kinds = {f.name: f.kind for f in table.fields}
@@ -80,7 +81,8 @@ def fold_windows(table: EventTimeTableSpec, spec: StreamSpec, open_windows: Data
     on_time = kept(
         events.where(~behind).groupBy(*table.keys, F.timestamp_millis(ms - F.pmod(ms, F.lit(size_ms))).alias(START))
         .agg(*partial_columns(table.aggregates, kinds), F.max(ms).alias("_newest")))
-    newest = newest_of_stream(table, stream_events, watermark_ms, on_time.agg(F.max("_newest")).first()[0])
+    newest = newest_of_stream(table, stream_events, watermark_ms, lambda: on_time.agg(F.max("_newest")).first()[0],
+                              newest_ms)
     after = next_watermark(watermark_ms, newest, spec.watermark_delay)
     state_columns = state_schema(table).fieldNames()
     counted = (open_windows.select(*state_columns).unionByName(on_time.drop("_newest"))
@@ -139,11 +141,12 @@ class WindowsStage(EventTimeStage):
 
     before_closing_fault = WINDOWS_BEFORE_CLOSING_COMMIT
 
-    def fold_and_write(self, rows: DataFrame, app_id: str, batch_id: int, marker: dict) -> FoldedBatch:
+    def fold_and_write(self, rows: DataFrame, newest_ms: int | None, app_id: str, batch_id: int, marker: dict
+                       ) -> FoldedBatch:
         spark, layout, table = rows.sparkSession, self.layout, self.table
         state_path = layout.table(table.state_table)
         before = read_state(spark, state_path, self.last.state_version, state_schema(table))
-        fold = fold_windows(table, self.spec, before, rows, self.last.watermark_ms)
+        fold = fold_windows(table, self.spec, before, rows, self.last.watermark_ms, newest_ms)
         closed = kept(fold.closed)  # ranked, written and counted
         windows_closed, late_count = closed.count(), fold.late.count()
         if late_count:

@@ -299,10 +299,12 @@ def rows_added(spark: SparkSession, path: Path, after: int, through: int) -> Dat
 
 @dataclass(frozen=True)
 class Appended:
-    """The bronze commit a micro-batch has just made: its version and its rows (a kept frame: `frames.kept`)."""
+    """The bronze commit a micro-batch has just made: its version, its rows (a kept frame: `frames.kept`) and their
+    newest event time in ms (None: no row), counted with the batch's outcomes."""
 
     version: int
     rows: DataFrame
+    newest_ms: int | None = None
 
 
 @dataclass(frozen=True)
@@ -319,9 +321,17 @@ class BronzeRows:
 
     def after(self, folded: int) -> DataFrame:
         """The rows of the versions after `folded` up to `through`."""
-        if self.appended is not None and self.appended.version == self.through == folded + 1:
+        if self._own(folded):
             return self.appended.rows
         return rows_added(self.spark, self.path, folded, self.through)
+
+    def newest_ms(self, folded: int) -> int | None:
+        """The newest event time (ms) of `after(folded)`'s rows when known without a Spark job (this batch's own
+        append); None otherwise, or when they hold no row."""
+        return self.appended.newest_ms if self._own(folded) else None
+
+    def _own(self, folded: int) -> bool:
+        return self.appended is not None and self.appended.version == self.through == folded + 1
 
     def count_after(self, folded: int) -> int:
         return rows_appended(self.spark, self.path, folded, self.through)
