@@ -1,7 +1,8 @@
 """Session tables: `GROUP BY keys, session_window(event_time, gap)`, one row per closed session of a key.
 
 A session is a key's events with less than the gap between one and the next: exactly the gap apart is two
-sessions (the contract's rule, and Spark's: an event's session window is [time, time + gap)). It closes once the
+sessions (the contract's rule: "less than 30 minutes apart form one session"). Spark's own `session_window`
+merges windows that touch, so it puts two events exactly the gap apart in one session. It closes once the
 watermark (newest event of the earlier batches minus the stream's delay) is a gap past its last event: no event
 still to come can join it. Its row is final then: the declared aggregates, `session_window.start` (its first
 event) and `session_window.end` (its last event plus the gap, as Spark's), and two kinds of per-key values a
