@@ -314,7 +314,8 @@ def _warm_up(args: argparse.Namespace) -> int:
     print(f"warming the engine {remote}: {args.batches} micro-batches of each of {len(specs)} streams{large} on a "
           f"scratch root ...", flush=True)
     warm_up_engine(build_spark_session(SparkSettings(remote=remote)), specs, batches=args.batches,
-                   large_events=args.large_events, report=lambda w: print(f"  {w.stream}: {w.micro_batches} micro-batches in {w.seconds:.1f} s",
+                   large_events=args.large_events,
+                   report=lambda w: print(f"  {w.stream}: {w.micro_batches} micro-batches in {w.seconds:.1f} s",
                                           flush=True))
     print(f"engine warmed in {time.monotonic() - started:.1f} s", flush=True)
     return 0
