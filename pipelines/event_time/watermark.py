@@ -365,7 +365,10 @@ def event_time_new_tables(layout: StorageLayout, spec: StreamSpec, table: EventT
     return [NewTable(layout.table(LATE), LATE_SCHEMA),
             NewTable(layout.table(table.name), output_schema(table),
                      properties={DEFINITION_PROPERTY: definition_of(table, spec.watermark_delay)}),
-            NewTable(layout.table(table.state_table), state_schema, change_data_feed=False),
+            # Operator state is read whole, so no statistics but the row count: they were a third of its write
+            # (82k rows: 0.59 s, 0.39 s without).
+            NewTable(layout.table(table.state_table), state_schema, change_data_feed=False,
+                     properties={"delta.dataSkippingNumIndexedCols": "0"}),
             *(NewTable(layout.table(top.name), top_schema(top, table),
                        properties={DEFINITION_PROPERTY: definition_of(top, spec.watermark_delay)}) for top in table.tops)]
 

@@ -65,7 +65,10 @@ class ChangelogStage:
 
 
 def changelog_new_table(layout: StorageLayout, table: StateTableSpec) -> NewTable:
-    return NewTable(layout.table(changelog_name(table)), changelog_schema(table), change_data_feed=False)
+    # Statistics of the commit version only: its readers (the topic publisher, restore-changelog) select by it, and
+    # every column's were almost half of an append (100k change rows: 0.77 s, 0.44 s without).
+    return NewTable(layout.table(changelog_name(table)), changelog_schema(table), change_data_feed=False,
+                    properties={"delta.dataSkippingStatsColumns": "_commit_version"})
 
 
 def coverage_record(spark: SparkSession, path: Path) -> dict | None:

@@ -18,6 +18,7 @@ import subprocess
 import threading
 from decimal import Decimal
 
+import pyarrow as pa
 import pytest
 from deltalake import DeltaTable as IndependentDeltaTable
 
@@ -156,6 +157,13 @@ def test_a_state_table_stays_exact_through_a_busy_stream_read_only_storage_a_rep
     published = IndependentDeltaTable(str(layout.table(changelog_name(TABLE)))).to_pyarrow_table().to_pylist()
     assert sorted((r["_commit_version"], r["_change_type"], r[TABLE.key], r[TABLE.count_column], r[TABLE.sum_column])
                   for r in published) == sorted((version, *row) for version, rows in found.items() for row in rows)
+    # Every changelog file records the range of versions it holds, what its readers select by, and no other column's
+    # statistics (they were almost half of an append).
+    files = pa.table(IndependentDeltaTable(str(layout.table(changelog_name(TABLE)))).get_add_actions(flatten=True))
+    assert sorted(c for c in files.column_names if c.startswith(("min.", "max."))) == [
+        "max._commit_version", "min._commit_version"]
+    assert {(f["min._commit_version"], f["max._commit_version"]) for f in files.to_pylist()} == {
+        (first, first), (second, second)}
     for version in range(1, second + 1):
         rebuilt = restore_from_changelog(spark, layout, TABLE, version, f"rebuilt_v{version}")
         assert _all_columns(rebuilt) == _all_columns(layout.table(TABLE.name), version), version
