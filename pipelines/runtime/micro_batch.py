@@ -64,8 +64,8 @@ from pipelines.runtime.checkpoints import (
 )
 from pipelines.runtime.locks import Fence, LocalFence, writer_lock
 from pipelines.runtime.query import (
-    SMALL_BATCH_BYTES, SMALL_BATCH_CONFS, SMALL_BATCH_RECORDS, Continuous, StreamRunResult, TableVersions,
-    require_writable, run_query, session_confs_during, storage_errors,
+    KEPT_IN_MEMORY_FACTOR, SMALL_BATCH_BYTES, SMALL_BATCH_CONFS, SMALL_BATCH_RECORDS, Continuous, StreamRunResult,
+    TableVersions, require_writable, run_query, session_confs_during, storage_errors,
 )
 from pipelines.runtime.spark import require_kafka_jars
 from pipelines.state.changelog import ChangelogStage, changelog_name, changelog_new_table, changelog_stage
@@ -87,7 +87,8 @@ class StreamSettings:
     lock_timeout_s: float = 60.0
     event_time: bool = True  # keep the stream's windowed and session tables; False: they cost nothing
     # A batch of files with this many landing bytes or more runs as a large one (joins and kept frames, not decided
-    # in the driver); the engine's warm-up sets 0 for the batch that warms that path.
+    # in the driver), its frames kept on disk from KEPT_IN_MEMORY_FACTOR times it; the engine's warm-up sets 0 for the
+    # batch that warms that path.
     large_from_bytes: int = SMALL_BATCH_BYTES
 
 
@@ -197,13 +198,15 @@ class StreamBatch:
         if topic is None:
             listed, recorded = BatchUnits.of(units), None
             small = listed.landing_bytes < self.large_from_bytes
+            in_memory = listed.landing_bytes < self.large_from_bytes * KEPT_IN_MEMORY_FACTOR
         else:
             # A topic's batch is sized by the offsets its checkpoint plans, before any record is read.
             listed, recorded = None, recorded_offsets(spark, self.layout.table(self.spec.bronze_table), topic)
             records = planned_records(topic, batch_source_offsets(self.layout.checkpoint(self.spec.name), batch_id))
             small = records is not None and records < SMALL_BATCH_RECORDS
+            in_memory = records is not None and records < SMALL_BATCH_RECORDS * KEPT_IN_MEMORY_FACTOR
         steps_s: dict[str, float] = {}
-        with session_confs_during(spark, SMALL_BATCH_CONFS if small else {}), small_batch(small):
+        with session_confs_during(spark, SMALL_BATCH_CONFS if small else {}), small_batch(small, in_memory):
             with timed(steps_s, "ingest"):
                 ingested = (ingest_batch(listed, batch_id, settings=self.ingest) if listed is not None
                             else ingest_records(units, batch_id, recorded, settings=self.ingest))
