@@ -52,6 +52,7 @@ from pipelines.storage.layout import StorageLayout
 
 OPEN, FIRST, LAST = "_open", "_first", "_last"
 NEWEST = "_newest"  # a closed session that is its key's newest in the batch
+CLOSES = "_closes"  # a session the batch's watermark closes
 _DAY_US = 86_400_000_000
 _US = dt.timedelta(microseconds=1)
 
@@ -128,9 +129,9 @@ def fold_sessions(table: EventTimeTableSpec, spec: StreamSpec, state: DataFrame 
         # the cut events as the window left them (partitioned by key), with nothing to keep in between. A first
         # load of 1M payments aggregated them twice, the second time after a shuffle.
         state = frame_of_rows(events.sparkSession, [], schema)
-        sessions = kept(cut(arrived).groupBy(*keys, "_session")
-                        .agg(*partial_columns(table.aggregates, kinds), F.min(FIRST).alias(FIRST),
-                             F.max(LAST).alias(LAST)).drop("_session"))
+        aggregated = (cut(arrived).groupBy(*keys, "_session")
+                      .agg(*partial_columns(table.aggregates, kinds), F.min(FIRST).alias(FIRST),
+                           F.max(LAST).alias(LAST)).drop("_session"))
     else:
         # Sessions are cut on (key, first, last) alone: the state's partial columns travel renamed, beside the
         # events' own fields. Once every piece knows its session, an event becomes the partial columns of itself
@@ -141,19 +142,22 @@ def fold_sessions(table: EventTimeTableSpec, spec: StreamSpec, state: DataFrame 
         own = row_columns(table.aggregates, kinds)
         as_partials = pieces.select(*keys, "_session", FIRST, LAST, *(
             F.when(F.col("_held"), F.col(f"_s{p}")).otherwise(row).alias(p) for p, row in zip(partials, own)))
-        sessions = kept(
-            as_partials.groupBy(*keys, "_session")
-            .agg(*combined_columns(table.aggregates, kinds),
-                 F.min(FIRST).alias(FIRST), F.max(LAST).alias(LAST)).drop("_session"))
+        aggregated = (as_partials.groupBy(*keys, "_session")
+                      .agg(*combined_columns(table.aggregates, kinds),
+                           F.min(FIRST).alias(FIRST), F.max(LAST).alias(LAST)).drop("_session"))
+    if newest_ms is None:
+        aggregated = kept(aggregated)  # the watermark's job reads it too
     newest = newest_of_stream(table, stream_events, watermark_ms,
-                              lambda: sessions.agg(F.max(F.unix_millis(LAST))).first()[0], newest_ms)
+                              lambda: aggregated.agg(F.max(F.unix_millis(LAST))).first()[0], newest_ms)
     after = next_watermark(watermark_ms, newest, spec.watermark_delay)
     closes = F.unix_micros(LAST) + F.lit(gap_us) <= F.lit(after * 1000)
     carried = state.where(~F.col(OPEN))
-    closed = kept(_closed_rows(table, sessions.where(closes), carried))  # written; the state reads it
-    still_open = sessions.where(~closes)
+    # Kept: the closed rows are counted and written, and with the open ones they make the state.
+    sessions = kept(_session_rows(table, aggregated, carried, closes))
+    closed, still_open = sessions.where(F.col(CLOSES)), sessions.where(~F.col(CLOSES))
     typed = {f.name: f.dataType for f in schema}
-    open_rows = still_open.select(*keys, F.lit(True).alias(OPEN), FIRST, LAST, *partials,
+    open_rows = still_open.select(*keys, F.lit(True).alias(OPEN), FIRST, LAST, *(F.col(f"_s{p}").alias(p)
+                                                                                for p in partials),
                                   *(F.lit(None).cast(typed[_carried(c.name)]).alias(_carried(c.name))
                                     for c in _keyed(table)))
     next_state = open_rows
@@ -172,16 +176,24 @@ def _forgotten(table: EventTimeTableSpec, started: Column, previous_last: Column
     return previous_last.isNotNull() & (F.unix_micros(started) - F.unix_micros(previous_last) >= table.ttl // _US)
 
 
-def _closed_rows(table: EventTimeTableSpec, closing: DataFrame, carried: DataFrame) -> DataFrame:
-    """Rows of the table for `closing` (with `_first`, `_last` and `_newest` kept for the state), oldest first per
-    key: the previous session's values (the carried ones for the first), unless it is forgotten (null, and the day
-    totals start again); the day totals so far, the carried ones included while nothing has been forgotten in
-    between."""
+def _session_rows(table: EventTimeTableSpec, sessions: DataFrame, carried: DataFrame, closes: Column) -> DataFrame:
+    """Every session of the batch (`sessions`: keys, partial columns, first and last event) with whether the new
+    watermark closes it (`_closes`) and the table's row it makes then (with `_first`, `_last` and `_newest` kept for
+    the state); an open one with its partial columns, as `_s<name>`. Per key, oldest first: the previous session's
+    values (the carried ones for the first), unless it is forgotten (null, and the day totals start again); the day
+    totals so far, the carried ones included while nothing has been forgotten in between.
+
+    A key's closed sessions are its oldest (its sessions never overlap, and they close by their end), so the windows
+    over all its sessions give them what they would give over the closed ones alone, and they run on the partitions
+    the aggregation left (by key), with no shuffle of their own."""
     keys, kinds = list(table.keys), {f.name: f.kind for f in table.fields}
     gap_us = table.size // _US
+    partials = [f.name for f in partial_schema(table)]
     stored = carried.select(*(F.col(k).alias(f"_k_{k}") for k in keys), F.col(LAST).alias("_stored_last"),
                             *(F.col(_carried(c.name)).alias(f"_stored_{c.name}") for c in _keyed(table)))
-    finals = closing.select(*keys, FIRST, LAST, *(final_column(a, kinds).alias(a.name) for a in table.aggregates))
+    finals = sessions.select(*keys, FIRST, LAST, closes.alias(CLOSES),
+                             *(F.when(~closes, F.col(p)).alias(f"_s{p}") for p in partials),
+                             *(final_column(a, kinds).alias(a.name) for a in table.aggregates))
     joined = finals.join(stored, _same_keys(finals, stored, tuple(keys)), "left").drop(*(f"_k_{k}" for k in keys))
     by_key = Window.partitionBy(*keys).orderBy(FIRST)
     first_closed = F.row_number().over(by_key) == 1
@@ -202,10 +214,11 @@ def _closed_rows(table: EventTimeTableSpec, closing: DataFrame, carried: DataFra
         return F.coalesce(running + kept, running, kept)
 
     bounds = (F.col(FIRST), F.timestamp_micros(F.unix_micros(LAST) + F.lit(gap_us)))
-    # A key's sessions never overlap: the last by start is its newest, the one its per-key row carries on from
-    # (`_carried_after`), flagged here in the same window rather than ranked again there.
-    newest = F.lead(FIRST).over(by_key).isNull().alias(NEWEST)
-    return numbered.select(*declared_columns(table, *bounds, value_of), FIRST, LAST, newest)
+    # The last closed by start is the key's newest, the one its per-key row carries on from (`_carried_after`),
+    # flagged here in the same window rather than ranked again there.
+    newest = (F.col(CLOSES) & F.coalesce(~F.lead(CLOSES).over(by_key), F.lit(True))).alias(NEWEST)
+    return numbered.select(*declared_columns(table, *bounds, value_of), FIRST, LAST, newest, CLOSES,
+                           *(f"_s{p}" for p in partials))
 
 
 def _carried_after(table: EventTimeTableSpec, closed: DataFrame, carried: DataFrame, still_open: DataFrame,
