@@ -1,5 +1,6 @@
-"""Frames a micro-batch reads more than once, computed once and kept: in memory for a small batch, on the machine's
-local disk otherwise; whether the batch is small (`small_batch`); and rows the driver holds, as a frame."""
+"""Frames a micro-batch reads more than once, computed once and kept: in memory for a batch below 32 MiB of landing,
+on the machine's local disk otherwise; whether the batch is small (`small_batch`); and rows the driver holds, as a
+frame."""
 
 from __future__ import annotations
 
