@@ -33,7 +33,8 @@ def small_batch(small: bool, kept_in_memory: bool) -> Iterator[None]:
 
 
 def is_small_batch() -> bool:
-    """Inside `small_batch` with `small` true: the batch's lines fit in the driver, and decisions about them are made there."""
+    """Inside `small_batch` with `small` true: the batch's lines fit in the driver, and decisions about them are made
+    there."""
     return _SMALL.get()
 
 
