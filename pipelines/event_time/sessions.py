@@ -39,9 +39,9 @@ from pyspark.sql.types import BooleanType, LongType, StructField, StructType, Ti
 from pipelines.declare.aggregates import combined_columns, final_column, partial_columns, row_columns
 from pipelines.declare.specs import FIELD_TYPES, EventTimeTableSpec, OutputColumn, StreamSpec
 from pipelines.event_time.watermark import (
-    NO_PROGRESS, EventTimeStage, FoldedBatch, append_late, behind_watermark, declared_columns, ensure_tables,
-    kept_events, late_rows, newest_of_stream, next_watermark, output_schema, partial_schema, read_state, resume,
-    undo_late_rows, write_state,
+    NO_PROGRESS, EventTimeStage, FoldedBatch, append_late, behind_watermark, closed_and_late, declared_columns,
+    ensure_tables, kept_events, late_rows, newest_of_stream, next_watermark, output_schema, partial_schema,
+    read_state, resume, undo_late_rows, write_state,
 )
 from pipelines.faults import (
     SESSIONS_AFTER_LATE_COMMIT, SESSIONS_AFTER_STATE_COMMIT, SESSIONS_BEFORE_CLOSING_COMMIT, fault_point,
@@ -255,7 +255,7 @@ class SessionsStage(EventTimeStage):
         before = (read_state(spark, state_path, self.last.state_version, state_schema(table))
                   if self.last.state_version is not None else None)
         fold = fold_sessions(table, self.spec, before, rows, self.last.watermark_ms, newest_ms)
-        sessions_closed, late_count = fold.closed.count(), fold.late.count()
+        sessions_closed, late_count = closed_and_late(fold.closed, fold.late)
         if late_count:
             append_late(fold.late, layout, marker)
         fault_point(SESSIONS_AFTER_LATE_COMMIT)

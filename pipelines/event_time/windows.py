@@ -29,9 +29,9 @@ from pyspark.sql.types import LongType, StructField, StructType, TimestampType
 from pipelines.declare.aggregates import combined_columns, final_column, partial_columns
 from pipelines.declare.specs import FIELD_TYPES, EventTimeTableSpec, StreamSpec, TopSpec
 from pipelines.event_time.watermark import (
-    NO_PROGRESS, EventTimeStage, FoldedBatch, append_batch, append_late, behind_watermark, declared_columns,
-    ensure_tables, kept_events, late_rows, newest_of_stream, next_watermark, partial_schema, read_state, resume,
-    undo_late_rows, write_state,
+    NO_PROGRESS, EventTimeStage, FoldedBatch, append_batch, append_late, behind_watermark, closed_and_late,
+    declared_columns, ensure_tables, kept_events, late_rows, newest_of_stream, next_watermark, partial_schema,
+    read_state, resume, undo_late_rows, write_state,
 )
 from pipelines.faults import (
     WINDOWS_AFTER_LATE_COMMIT, WINDOWS_AFTER_STATE_COMMIT, WINDOWS_AFTER_TOP_COMMIT, WINDOWS_BEFORE_CLOSING_COMMIT,
@@ -148,7 +148,7 @@ class WindowsStage(EventTimeStage):
         before = read_state(spark, state_path, self.last.state_version, state_schema(table))
         fold = fold_windows(table, self.spec, before, rows, self.last.watermark_ms, newest_ms)
         closed = kept(fold.closed)  # ranked, written and counted
-        windows_closed, late_count = closed.count(), fold.late.count()
+        windows_closed, late_count = closed_and_late(closed, fold.late)
         if late_count:
             append_late(fold.late, layout, marker)
         fault_point(WINDOWS_AFTER_LATE_COMMIT)
