@@ -32,7 +32,7 @@ from pipelines.operate import table_checks
 from pipelines.operate.table_checks import quarantine_reasons, state_totals
 from pipelines.runtime.micro_batch import StreamSettings, advance_stream, event_time_streams
 from pipelines.runtime.query import StreamRunResult
-from pipelines.state.changelog import changelog_name
+from pipelines.state.changelog import changelog_figures, changelog_name
 from pipelines.state.expiry import EXPIRY
 from pipelines.state.tables import changed_definitions, folded_through
 from pipelines.storage.delta_log import commits_since
@@ -195,11 +195,10 @@ def _changelog_result(session: SparkSession, layout, table: StateTableSpec,
     path = layout.table(name)
     appended = sum(int(c["metrics"].get("numOutputRows", 0))
                    for c in commits_since(session, path, result.versions[name].before))
-    figures = session.read.format("delta").load(str(path)).agg(
-        F.count("*").alias("rows"), F.max("_commit_version").alias("covered")).first()
+    rows, covered = changelog_figures(session, path)
     return dg.MaterializeResult(asset_key=changelog_key(table), metadata={
-        "change_rows_appended": appended, "change_rows_total": figures["rows"],
-        "state_table_version_covered": figures["covered"] if figures["covered"] is not None else -1,
+        "change_rows_appended": appended, "change_rows_total": rows,
+        "state_table_version_covered": covered if covered is not None else -1,
         "path": dg.MetadataValue.path(str(path)), **_versions(result, name)})
 
 

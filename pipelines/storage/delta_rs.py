@@ -40,3 +40,27 @@ def delta_table(path: AnyPath):
     if not DeltaTable.is_deltatable(uri, storage_options=options):
         return None
     return DeltaTable(uri, storage_options=options)
+
+
+def rows_and_max(path: AnyPath, column: str) -> tuple[int, int | None] | None:
+    """The rows of the Delta table at `path` and the greatest value of its integer `column`, from the statistics
+    every file's add action carries in the log: no data file is read and no Spark job runs. None when there is no
+    table, or a file has no such statistics (written without them): then only reading the rows can tell."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    table = delta_table(path)
+    if table is None:
+        return None
+    files = pa.table(table.get_add_actions(flatten=True))
+    if files.num_rows == 0:
+        return 0, None
+    newest = f"max.{column}"
+    if newest not in files.column_names or files["num_records"].null_count:
+        return None
+    rows = pc.sum(files["num_records"]).as_py()
+    # A file whose column is all NULL has no maximum; one with values but none recorded cannot be trusted.
+    if pc.any(pc.and_(pc.is_null(files[newest]),
+                      pc.not_equal(files[f"null_count.{column}"], files["num_records"]))).as_py():
+        return None
+    return rows, pc.max(files[newest]).as_py()
