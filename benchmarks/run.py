@@ -128,6 +128,12 @@ def project_run(home: Path) -> list[str]:
     return [str(BIN / "statetables"), "run", "--job", "advance_payments", "--log-level", "WARNING"]
 
 
+# Event time: every history ends before HISTORY_ENDS_AGO; increments follow from INCREMENTS_START_AGO on, one after
+# another in a home, and the last ends in the past (a chain of six 100k increments spans 6.9 days).
+HISTORY_ENDS_AGO = timedelta(days=8)
+INCREMENTS_START_AGO = timedelta(days=7.9)
+
+
 class Data:
     """Generated landing files, made once per run and hard-linked into each case's folder."""
 
@@ -139,7 +145,8 @@ class Data:
         from pipelines.declare.project import stream_spec
         folder = self.root / f"history-{events}"
         if not folder.is_dir():
-            start = datetime.now(timezone.utc) - timedelta(seconds=15.5 * events, days=5)
+            # Ends before INCREMENTS_START whatever the size (steps average 15 s): increments follow it in event time.
+            start = datetime.now(timezone.utc) - timedelta(seconds=15.5 * events) - HISTORY_ENDS_AGO
             generate(stream_spec("payments"), folder, events=events, seed=1, events_per_file=self.file_lines, start=start,
                      customers=max(2000, events // 10))
         return folder
@@ -165,17 +172,21 @@ class Data:
         from pipelines.declare.project import stream_spec
         folder = self.root / f"sales-history-{events}"
         if not folder.is_dir():
-            start = datetime.now(timezone.utc) - timedelta(seconds=15.5 * events, days=5)
+            # Ends before INCREMENTS_START whatever the size (steps average 15 s): increments follow it in event time.
+            start = datetime.now(timezone.utc) - timedelta(seconds=15.5 * events) - HISTORY_ENDS_AGO
             generate(stream_spec("movie_ticket_sales"), folder, events=events, seed=2, events_per_file=self.file_lines, start=start)
         return folder
 
-    def increment(self, events: int, seed: int, customers: int) -> Path:
+    def increment(self, events: int, seed: int, customers: int, after_s: int = 0) -> Path:
+        """`events` new payments 1 s apart (a day or so of traffic), starting `after_s` seconds of event time after
+        the history ends: a home that gets several increments gets each after the one before (`after_s` the events
+        it already got), as the next day's traffic comes. Increments over the same hours would be behind the
+        watermark the first one moved: late events, which no session or window folds."""
         from pipelines.ingest.generate import generate
         from pipelines.declare.project import stream_spec
-        folder = self.root / f"increment-{events}-{seed}-{customers}"
+        folder = self.root / (f"increment-{events}-{seed}-{customers}" + (f"-after-{after_s}" if after_s else ""))
         if not folder.is_dir():
-            # recent events, about 1 s apart: an increment is the last day or so of traffic
-            start = datetime.now(timezone.utc) - timedelta(days=3)
+            start = datetime.now(timezone.utc) - INCREMENTS_START_AGO + timedelta(seconds=after_s)
             generate(stream_spec("payments"), folder, events=events, seed=100 + seed, events_per_file=min(events, INCREMENT_FILE_LINES),
                      start=start, customers=customers, max_step_s=2)
         return folder
@@ -259,20 +270,26 @@ def bench(sizes: list[int], increments: list[int], repeat: int, work: Path) -> d
         history_home = work / f"home-{size}-0"
         record(f"f_statetables_run_no_new_files@{size}", [measure(project_run(history_home), history_home)
                                                          for _ in range(repeat)])
+        history_got_s = 0  # the event time of the increments history_home got so far
         for inc in increments:
             customers = max(2000, size // 10)
             # whole process, on empty history and on this history (which grows by each increment)
             for base, label in ((None, "0"), (history_home, str(size))):
                 process_runs = []
                 for rep in range(repeat):
-                    folder = data.increment(inc, seed=rep, customers=customers)
+                    folder = data.increment(inc, seed=rep, customers=customers,
+                                            after_s=0 if base is None else history_got_s)
+                    history_got_s += 0 if base is None else inc
                     home = base or work / f"inc-{inc}-{rep}"
                     link_into(folder, home / "landing" / "payments", prefix=f"p{rep}-{label}-")
                     process_runs.append(measure(project_run(home), home))
                 record(f"f_increment_{inc}_process@history_{label}", process_runs)
                 warm_home = base or work / f"warm-{inc}"
                 (warm_home / "landing" / "payments").mkdir(parents=True, exist_ok=True)
-                folders = [data.increment(inc, seed=10 + rep, customers=customers) for rep in range(repeat)]
+                got_s = 0 if base is None else history_got_s
+                folders = [data.increment(inc, seed=10 + rep, customers=customers, after_s=got_s + rep * inc)
+                           for rep in range(repeat)]
+                history_got_s += 0 if base is None else repeat * inc
                 warm = measure(case("warm", home=warm_home, increment=folders), warm_home)
                 steps = [{"wall_s": r["run_s"], "work_s": r["run_s"], "peak_rss_mb": warm["peak_rss_mb"], **r}
                          for r in warm["runs"]]
@@ -433,8 +450,9 @@ def only_core(repeat: int, work: Path, *, keep: bool, quick: bool) -> None:
     record(f"floor_increment_{inc}_process@history_{size}", floor_plus)
     record(f"a_spark_floor@{size + inc}", floor_all)
     record(f"b_full_recompute@{size + inc}", recompute)
-    warm_home = work / "home-0"
-    folders = [data.increment(inc, seed=10 + rep, customers=max(2000, size // 10)) for rep in range(repeat)]
+    warm_home = work / "home-0"  # which got the first +inc above: the warm increments follow it
+    folders = [data.increment(inc, seed=10 + rep, customers=max(2000, size // 10), after_s=(1 + rep) * inc)
+               for rep in range(repeat)]
     warm = measure(case("warm", home=warm_home, increment=folders), warm_home)
     record(f"f_increment_{inc}_warm_run@history_{size}",
            [{"wall_s": r["run_s"], "work_s": r["run_s"], "peak_rss_mb": warm["peak_rss_mb"], **r} for r in warm["runs"]])
@@ -483,11 +501,12 @@ def only_history(repeat: int, work: Path, *, keep: bool, quick: bool) -> None:
         record(f"f_statetables_run@{size}", [measure(project_run(home), home)])
         plus = []
         for rep in range(repeat):
-            link_into(data.increment(inc, seed=rep, customers=max(2000, size // 10)), home / "landing" / "payments",
-                      prefix=f"inc-{size}-")
+            link_into(data.increment(inc, seed=rep, customers=max(2000, size // 10), after_s=rep * inc),
+                      home / "landing" / "payments", prefix=f"inc-{size}-")
             plus.append(measure(project_run(home), home))
         record(f"f_increment_{inc}_process@history_{size}", plus)
-        folders = [data.increment(inc, seed=10 + rep, customers=max(2000, size // 10)) for rep in range(repeat)]
+        folders = [data.increment(inc, seed=10 + rep, customers=max(2000, size // 10), after_s=(repeat + rep) * inc)
+                   for rep in range(repeat)]
         warm = measure(case("warm", home=home, increment=folders), home)
         record(f"f_increment_{inc}_warm_run@history_{size}",
                [{"wall_s": r["run_s"], "work_s": r["run_s"], "peak_rss_mb": warm["peak_rss_mb"], **r}
@@ -637,7 +656,8 @@ def engine_runs(repeat: int, work: Path, *, history: int, increment: int) -> dic
         for i in range(repeat):
             minimal.append(measure(case("minimal", out=small)))
             for name, home in homes.items():
-                link_into(data.increment(increment, 50 + i, customers=2000), home / "landing" / "payments", f"inc{i}-")
+                link_into(data.increment(increment, 50 + i, customers=2000, after_s=i * increment),
+                          home / "landing" / "payments", f"inc{i}-")
                 for kind in ("increment", "no_new_files"):
                     run = measure(project_run(home) + urls[name], home)
                     runs[f"{name}_{kind}"].append(run)
