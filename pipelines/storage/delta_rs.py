@@ -55,12 +55,12 @@ def rows_and_max(path: AnyPath, column: str) -> tuple[int, int | None] | None:
     files = pa.table(table.get_add_actions(flatten=True))
     if files.num_rows == 0:
         return 0, None
-    newest = f"max.{column}"
-    if newest not in files.column_names or files["num_records"].null_count:
+    newest, nulls, rows = f"max.{column}", f"null_count.{column}", files["num_records"]
+    if newest not in files.column_names or nulls not in files.column_names:
         return None
-    rows = pc.sum(files["num_records"]).as_py()
-    # A file whose column is all NULL has no maximum; one with values but none recorded cannot be trusted.
-    if pc.any(pc.and_(pc.is_null(files[newest]),
-                      pc.not_equal(files[f"null_count.{column}"], files["num_records"]))).as_py():
+    if rows.null_count or files[nulls].null_count:
         return None
-    return rows, pc.max(files[newest]).as_py()
+    # A file whose column is all NULL has no maximum; any other without one was written without its statistics.
+    if pc.any(pc.and_(pc.is_null(files[newest]), pc.not_equal(files[nulls], rows))).as_py():
+        return None
+    return pc.sum(rows).as_py(), pc.max(files[newest]).as_py()
