@@ -145,7 +145,7 @@ class Data:
         from pipelines.declare.project import stream_spec
         folder = self.root / f"history-{events}"
         if not folder.is_dir():
-            # Ends before INCREMENTS_START whatever the size (steps average 15 s): increments follow it in event time.
+            # Ends before HISTORY_ENDS_AGO whatever the size (its steps average 15 s): the increments follow it.
             start = datetime.now(timezone.utc) - timedelta(seconds=15.5 * events) - HISTORY_ENDS_AGO
             generate(stream_spec("payments"), folder, events=events, seed=1, events_per_file=self.file_lines, start=start,
                      customers=max(2000, events // 10))
@@ -172,15 +172,14 @@ class Data:
         from pipelines.declare.project import stream_spec
         folder = self.root / f"sales-history-{events}"
         if not folder.is_dir():
-            # Ends before INCREMENTS_START whatever the size (steps average 15 s): increments follow it in event time.
-            start = datetime.now(timezone.utc) - timedelta(seconds=15.5 * events) - HISTORY_ENDS_AGO
+            start = datetime.now(timezone.utc) - timedelta(seconds=15.5 * events, days=5)
             generate(stream_spec("movie_ticket_sales"), folder, events=events, seed=2, events_per_file=self.file_lines, start=start)
         return folder
 
     def increment(self, events: int, seed: int, customers: int, after_s: int = 0) -> Path:
-        """`events` new payments 1 s apart (a day or so of traffic), starting `after_s` seconds of event time after
-        the history ends: a home that gets several increments gets each after the one before (`after_s` the events
-        it already got), as the next day's traffic comes. Increments over the same hours would be behind the
+        """`events` new payments 1 s apart (a day or so of traffic), starting `after_s` seconds after
+        INCREMENTS_START_AGO (past every history's end): a home that gets several increments gets each after the one
+        before (`after_s` the events it already got), as the next day's traffic comes. Increments over the same hours would be behind the
         watermark the first one moved: late events, which no session or window folds."""
         from pipelines.ingest.generate import generate
         from pipelines.declare.project import stream_spec
