@@ -68,8 +68,7 @@ class ChangelogStage:
 def changelog_figures(spark: SparkSession, path: Path) -> tuple[int, int | None]:
     """(change rows, the newest state-table version among them) of the changelog at `path`: from its files'
     statistics in the log (delta-rs, no Spark job; the table keeps statistics of `_commit_version` for this and its
-    readers), else read by Spark. A run's figures: reading every row of a changelog that only grows cost four Spark
-    jobs a run."""
+    readers), else read by Spark: a changelog only grows, and reading its rows takes four Spark jobs a run."""
     figures = rows_and_max(path, "_commit_version")
     if figures is not None:
         return figures
