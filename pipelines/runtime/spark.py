@@ -97,6 +97,10 @@ LOCAL_DEFAULTS = {
     # One partition per core: a small micro-batch then costs one task per stage instead of two waves.
     "spark.sql.shuffle.partitions": "2",
     "spark.default.parallelism": "2",
+    # A join whose smaller side fits a hash map of a partition (AQE replans with the sizes it measured) hashes it
+    # instead of sorting both sides: a state table's MERGE joins the batch's keys with every row of the files they
+    # touch, and with 100k random keys that is the whole table.
+    "spark.sql.join.preferSortMergeJoin": "false",
     # Spark keeps 100 compiled classes by default; one ingest batch generates ~124 distinct ones, so every
     # batch compiled all of them again (~178 compiles: a third of the JVM's Java samples, profiled).
     # Read once, when the JVM starts.
