@@ -179,8 +179,8 @@ class Data:
     def increment(self, events: int, seed: int, customers: int, after_s: int = 0) -> Path:
         """`events` new payments 1 s apart (a day or so of traffic), starting `after_s` seconds after
         INCREMENTS_START_AGO (past every history's end): a home that gets several increments gets each after the one
-        before (`after_s` the events it already got), as the next day's traffic comes. Increments over the same hours would be behind the
-        watermark the first one moved: late events, which no session or window folds."""
+        before (`after_s` the events it already got), as the next day's traffic comes. Increments over the same hours
+        would be behind the watermark the first one moved: late events, which no session or window folds."""
         from pipelines.ingest.generate import generate
         from pipelines.declare.project import stream_spec
         folder = self.root / (f"increment-{events}-{seed}-{customers}" + (f"-after-{after_s}" if after_s else ""))

@@ -1,8 +1,8 @@
 """Delta tables read in this process through delta-rs (`deltalake`), without a Spark job: small reads a run makes
 before its query (the landing ledger), a small micro-batch's lookup of bronze's events of its ids
 (pipelines/ingest/bronze.py), a table's size from its log's file statistics (`rows_and_max`) and the CLI's looks at
-tables (`statetables show`). Only reads: every write goes
-through Spark (pipelines/storage/delta_sql.py), so one engine decides what a commit holds."""
+tables (`statetables show`). Only reads: every write goes through Spark (pipelines/storage/delta_sql.py), so one
+engine decides what a commit holds."""
 
 from __future__ import annotations
 
