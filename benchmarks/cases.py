@@ -12,6 +12,7 @@ Cases (docs/performance.md):
   polars     (d) Polars + delta-rs: aggregate the files, MERGE into a Delta table (it has no quarantine and
                  stops at the first malformed line, so it reads a copy of the files without them)
   paths      (g) the event-time steps (windows, sessions) against the all-time MERGE step on the same bronze
+  floor_increment_warm  the floor of a warm increment: its append and MERGE, repeated in one warm engine process
   warm       (f) this project inside a warm process: one catch-up run, then `--repeat` runs that each add an
                  increment's files, timed one by one (the step cost without the process start)
   batch      a micro-batch of `--events` new payments in a warm process, without event time and with sessions, each
@@ -186,19 +187,15 @@ def floor_batch(args) -> dict:
     return {"work_s": _plain_delta_spark(spark, Path(args.out), Path(args.landing))["floor_s"]}
 
 
-def floor_increment(args) -> dict:
-    """The floor of `statetables run` of an increment on a history: a new Python process and driver JVM (compiled as
-    the run's, C1 only) that makes the two commits exactly-once cannot do without, and nothing else. It appends the
-    increment's rows (`--landing`) to a Delta table, as bronze, and MERGEs them by customer into `--out`/state, a copy
-    of the history's payments_per_customer (the harness copies it), change feed on. No validation, dedup, event time,
-    changelog or checks."""
+def _append_and_merge(spark, landing: Path, out: Path) -> dict:
+    """The two commits exactly-once cannot do without for an increment, and nothing else: the increment's rows
+    (`landing`) appended to a Delta table, as bronze, and MERGEd by customer into `out`/state (a copy of the history's
+    payments_per_customer, change feed on). No validation, dedup, event time, changelog or checks. Each step's
+    seconds."""
     from pyspark.sql import functions as F
-    from pipelines.runtime.spark import SparkSettings, build_spark_session
     from pipelines.storage import delta_sql
-    spark = build_spark_session(SparkSettings(one_command=True))
     started = time.monotonic()
-    out = Path(args.out)
-    rows = spark.read.schema(PAYMENT_SCHEMA).json(_landing_files(Path(args.landing)))
+    rows = spark.read.schema(PAYMENT_SCHEMA).json(_landing_files(landing))
     rows.write.format("delta").mode("append").save(str(out / "bronze"))
     appended_s = time.monotonic() - started
     # The state table's NOT NULL columns: a malformed line would break the MERGE (the run quarantines it).
@@ -213,8 +210,38 @@ def floor_increment(args) -> dict:
         "WHEN NOT MATCHED THEN INSERT (customer_id, payment_count, total_amount, first_paid_at, last_paid_at, "
         "updated_at) VALUES (s.customer_id, s.payment_count, s.total_amount, s.first_paid_at, s.last_paid_at, "
         "current_timestamp())"))
-    return {"work_s": time.monotonic() - started, "append_s": appended_s,
-            "merge_s": time.monotonic() - started - appended_s}
+    work_s = time.monotonic() - started
+    return {"work_s": work_s, "append_s": appended_s, "merge_s": work_s - appended_s}
+
+
+def floor_increment(args) -> dict:
+    """The floor of `statetables run` of an increment on a history: a new Python process and driver JVM (compiled as
+    the run's, C1 only) that makes the increment's two commits (`_append_and_merge`) into `--out` (the harness copies
+    the history's state table to `--out`/state)."""
+    from pipelines.runtime.spark import SparkSettings, build_spark_session
+    spark = build_spark_session(SparkSettings(one_command=True))
+    return _append_and_merge(spark, Path(args.landing), Path(args.out))
+
+
+def floor_increment_warm(args) -> dict:
+    """The floor of a warm increment run: one engine process (the engine's JVM settings, as `warm` runs in) makes an
+    increment's two commits (`_append_and_merge`) WARM_UP_ROUNDS times, then `--repeat` times timed, each round on a
+    new copy of the history's state table (`--home`'s tables/payments_per_customer, copied untimed into `--out`), the
+    increments of `--increment` in turn."""
+    import shutil
+    from pipelines.runtime.spark import build_spark_session
+    spark = build_spark_session()
+    state, out = Path(args.home) / "tables" / "payments_per_customer", Path(args.out)
+    rounds = []
+    for round_ in range(WARM_UP_ROUNDS + args.repeat):
+        copy = out / f"round-{round_}"
+        shutil.copytree(state, copy / "state")
+        rounds.append(_append_and_merge(spark, Path(args.increment[round_ % len(args.increment)]), copy))
+    return {"work_s": sum(r["work_s"] for r in rounds[WARM_UP_ROUNDS:]), "runs": rounds[WARM_UP_ROUNDS:],
+            "warm_up": rounds[:WARM_UP_ROUNDS]}
+
+
+WARM_UP_ROUNDS = 2
 
 
 def batch(args) -> dict:
@@ -358,7 +385,8 @@ def validation(args) -> dict:
 
 CASES = {"validation": validation, "paths": paths, "minimal": minimal, "floor": floor, "recompute": recompute, "stateful": stateful, "polars": polars_merge,
          "warm": warm, "batch": batch, "floor_batch": floor_batch,
-         "floor_increment": floor_increment}
+         "floor_increment": floor_increment,
+         "floor_increment_warm": floor_increment_warm}
 
 
 def main() -> None:

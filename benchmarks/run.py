@@ -408,7 +408,7 @@ def markdown(results: dict) -> str:
 def only_core(repeat: int, work: Path, *, keep: bool, quick: bool) -> None:
     """The incremental and bulk targets on payments, medians of `repeat`: Spark's floor (a) and the bulk `statetables
     run` over the history; then on that history, +increment as a whole `statetables run`, as its process floor
-    (`floor_increment`) and as warm runs; then (a) and the full recompute (b) over history + increment. Prints each
+    (`floor_increment`), as its warm floor (`floor_increment_warm`) and as warm runs; then (a) and the full recompute (b) over history + increment. Prints each
     case with its jobs and commits per micro-batch and the ratios; writes docs/bench/core.json."""
     size, inc = (20_000, 5_000) if quick else (1_000_000, 100_000)
     data = Data(work / "data", min(INCREMENT_FILE_LINES, size // 10))
@@ -452,6 +452,11 @@ def only_core(repeat: int, work: Path, *, keep: bool, quick: bool) -> None:
     warm_home = work / "home-0"  # which got the first +inc above: the warm increments follow it
     folders = [data.increment(inc, seed=10 + rep, customers=max(2000, size // 10), after_s=(1 + rep) * inc)
                for rep in range(repeat)]
+    # The warm floor first, from the state table the warm runs start from.
+    floor_warm = measure(case("floor_increment_warm", home=warm_home, out=work / "floor-increment-warm",
+                              increment=folders, repeat=repeat))
+    record(f"floor_increment_{inc}_warm@history_{size}",
+           [{"wall_s": r["work_s"], "peak_rss_mb": floor_warm["peak_rss_mb"], **r} for r in floor_warm["runs"]])
     warm = measure(case("warm", home=warm_home, increment=folders), warm_home)
     record(f"f_increment_{inc}_warm_run@history_{size}",
            [{"wall_s": r["run_s"], "work_s": r["run_s"], "peak_rss_mb": warm["peak_rss_mb"], **r} for r in warm["runs"]])
@@ -468,6 +473,11 @@ def only_core(repeat: int, work: Path, *, keep: bool, quick: bool) -> None:
             c[f"floor_increment_{inc}_process@history_{size}"] / c[f"a_spark_floor@{size + inc}"],
         f"+{inc} `statetables run` / its process floor, whole process":
             c[f"f_increment_{inc}_process@history_{size}"] / c[f"floor_increment_{inc}_process@history_{size}"],
+        f"warm +{inc} floor (append + MERGE, plain delta-spark, warm) / full recompute (b)@{size + inc} "
+        f"[above 0.5: target 0.5 is below the stack's floor]":
+            c[f"floor_increment_{inc}_warm@history_{size}"] / c[f"b_full_recompute@{size + inc}"],
+        f"warm +{inc} run / its warm floor":
+            c[f"f_increment_{inc}_warm_run@history_{size}"] / c[f"floor_increment_{inc}_warm@history_{size}"],
         f"events/s, warm +{inc} run": inc / c[f"f_increment_{inc}_warm_run@history_{size}"],
         **({f"bulk run@{size} / Flink's streaming job (h)@{size}, whole process [target <= 1.5]":
             c[f"f_statetables_run@{size}"] / c[f"h_flink_streaming@{size}"]} if f"h_flink_streaming@{size}" in c else {}),
