@@ -36,7 +36,7 @@ from pipelines.ingest.kafka_source import (
 from pipelines.ingest.landing import LEDGER_SCHEMA, BatchUnits, read_units, split_lines
 from pipelines.ingest.validate import content_identity, validate_lines
 from pipelines.storage.delta_log import (
-    Appended, NewTable, history_rows, made_by_batch, retry_on_conflict, table_version,
+    Appended, NewTable, commit_metadata, history_rows, made_by_batch, retry_on_conflict, table_version,
 )
 from pipelines.storage.delta_rs import delta_table
 from pipelines.storage.files import storage_path
@@ -547,8 +547,8 @@ def accepted_totals(spark: SparkSession, bronze_path: str, value_field: str | No
     for row in history_rows(spark, bronze_path, TOTALS_SEARCHED):
         if version is not None and row["version"] > version:
             continue
-        meta = json.loads(row["userMetadata"]) if row["userMetadata"] else {}
-        if isinstance(meta, dict) and ACCEPTED_TOTAL in meta:
+        meta = commit_metadata(row)
+        if ACCEPTED_TOTAL in meta:
             return int(meta[ACCEPTED_TOTAL]), Decimal(meta[ACCEPTED_VALUE_TOTAL])
         if row["version"] == 0:
             return 0, Decimal(0)

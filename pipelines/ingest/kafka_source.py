@@ -22,7 +22,7 @@ from pyspark.sql.types import BinaryType, IntegerType, LongType, StringType, Str
 
 from pipelines.declare.specs import KafkaTopic
 from pipelines.errors import ConfigurationError
-from pipelines.storage.delta_log import history_rows
+from pipelines.storage.delta_log import commit_metadata, history_rows
 
 SOURCE_OFFSETS = "source_offsets"  # commit metadata: {"topic": name, "next": {partition: next offset}}
 OFFSETS_SEARCHED = 50  # newest commits searched for the offsets (maintenance commits carry none)
@@ -115,8 +115,7 @@ def recorded_offsets(spark: SparkSession, table_path, topic: KafkaTopic) -> dict
     # a bucket), then further back.
     for limit in (3, OFFSETS_SEARCHED):
         for row in history_rows(spark, table_path, limit) or []:
-            meta = json.loads(row["userMetadata"]) if row["userMetadata"] else {}
-            offsets = meta.get(SOURCE_OFFSETS) if isinstance(meta, dict) else None
+            offsets = commit_metadata(row).get(SOURCE_OFFSETS)
             if offsets is None:
                 continue
             if offsets.get("topic") != topic.topic:

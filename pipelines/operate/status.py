@@ -17,7 +17,6 @@ quarantine grouped by reason, late_events counted by stream.
 
 from __future__ import annotations
 
-import json
 import os
 from datetime import datetime, timezone
 from typing import Callable
@@ -38,7 +37,7 @@ from pipelines.runtime.micro_batch import StreamSettings, stream_tables
 from pipelines.runtime.spark import REMOTE_ENV, build_spark_session, engine_answers
 from pipelines.state.changelog import COVERS, changelog_name, coverage_record
 from pipelines.state.tables import folded_through
-from pipelines.storage.delta_log import history_rows, table_version
+from pipelines.storage.delta_log import commit_metadata, history_rows, table_version
 from pipelines.storage.layout import StorageLayout
 
 PENDING_SHOWN = 20  # pending landing files named (all are counted)
@@ -96,8 +95,8 @@ def _topic(spark: SparkSession | None, layout: StorageLayout, spec: StreamSpec, 
 def last_batch(spark: SparkSession, layout: StorageLayout, spec: StreamSpec) -> dict | None:
     """The newest micro-batch's bronze commit: its counts (pipelines/ingest/bronze.py `_write_batch`) and when."""
     for row in history_rows(spark, layout.table(spec.bronze_table), LAST_BATCH_SEARCHED):
-        meta = json.loads(row["userMetadata"]) if row["userMetadata"] else {}
-        if isinstance(meta, dict) and "batch_id" in meta and "lines" in meta:
+        meta = commit_metadata(row)
+        if "batch_id" in meta and "lines" in meta:
             return {"batch_id": int(meta["batch_id"]), "app_id": meta.get("app_id"), "bronze_version": row["version"],
                     "committed_at": _iso(row.get("timestamp_ms")),
                     **{k: int(meta.get(k, 0)) for k in ("files", "lines", "accepted", "quarantined", "duplicates")}}

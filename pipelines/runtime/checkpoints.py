@@ -27,7 +27,7 @@ from pathlib import Path
 from pyspark.sql import SparkSession
 
 from pipelines.storage import files
-from pipelines.storage.delta_log import history_rows, new_app_id, table_version
+from pipelines.storage.delta_log import commit_metadata, history_rows, new_app_id, table_version
 from pipelines.storage.files import AnyPath
 
 ORIGIN_FILE = "statetables_checkpoint.json"
@@ -169,11 +169,8 @@ def _last_batches(rows: list, app_id: str) -> tuple[int | None, int | None]:
             # A restore by timestamp names no version: treat everything before it as undone (safe side).
             undone.append((int(target) if target not in (None, "") else -1, row["version"]))
             continue
-        try:
-            meta = json.loads(row["userMetadata"]) if row["userMetadata"] else {}
-        except ValueError:
-            continue
-        if not isinstance(meta, dict) or meta.get("app_id") != app_id or meta.get("batch_id") is None:
+        meta = commit_metadata(row)
+        if meta.get("app_id") != app_id or meta.get("batch_id") is None:
             continue
         batch = int(meta["batch_id"])
         ever = batch if ever is None else ever

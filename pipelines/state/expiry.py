@@ -38,7 +38,7 @@ from pyspark.sql import functions as F
 from pipelines.declare.specs import StateTableSpec
 from pipelines.errors import ExpiryHistoryError
 from pipelines.storage import delta_sql
-from pipelines.storage.delta_log import USER_METADATA, commit_confs, history_rows, table_properties
+from pipelines.storage.delta_log import USER_METADATA, commit_confs, commit_metadata, history_rows, table_properties
 from pipelines.storage.delta_sql import ident
 from pipelines.storage.frames import frame_of_rows
 
@@ -63,14 +63,6 @@ class ExpiredTotals:
     @classmethod
     def from_metadata(cls, meta: dict) -> "ExpiredTotals":
         return cls(int(meta["keys"]), int(meta["events"]), Decimal(meta["value"]))
-
-
-def _user_metadata(row) -> dict:
-    try:
-        meta = json.loads(row["userMetadata"]) if row["userMetadata"] else {}
-    except ValueError:
-        return {}
-    return meta if isinstance(meta, dict) else {}
 
 
 def ttl_property(spark: SparkSession, table_path: str | Path) -> str | None:
@@ -106,7 +98,7 @@ def expired_totals(spark: SparkSession, table_path: str | Path, *, as_of: int | 
             if row["operation"] == "RESTORE":
                 target = int((row["operationParameters"] or {}).get("version") or -1)
                 continue
-            meta = _user_metadata(row)
+            meta = commit_metadata(row)
             if EXPIRED in meta:
                 return ExpiredTotals.from_metadata(meta[EXPIRED])
         if len(rows) < RECENT_COMMITS:
@@ -133,7 +125,7 @@ def expired_rows(spark: SparkSession, table_path: str | Path, table: StateTableS
     undone: list[tuple[int, int]] = []  # (went back to version, at version)
     expiries: dict[int, int] = {}  # commit version → ingested_through, epoch µs
     for row in rows:
-        meta = _user_metadata(row)
+        meta = commit_metadata(row)
         if row["operation"] == "RESTORE":
             undone.append((int((row["operationParameters"] or {}).get("version") or -1), row["version"]))
         elif "restored_version" in meta:

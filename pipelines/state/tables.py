@@ -31,7 +31,7 @@ from pipelines.state.expiry import (
 )
 from pipelines.storage import delta_sql
 from pipelines.storage.delta_log import (
-    USER_METADATA, BronzeRows, commit_confs, commits_since, NewTable, create_tables_if_missing, history_rows,
+    USER_METADATA, BronzeRows, commit_confs, commit_metadata, commits_since, NewTable, create_tables_if_missing, history_rows,
     holds_no_rows, logged_properties, new_app_id, newest_commit_with, retry_on_conflict, table_properties,
     table_version,
 )
@@ -156,8 +156,8 @@ def folded_through(spark: SparkSession, table_path: Path) -> Folded | None:
                 return None
             target = restored_to = int(restored)
             continue
-        meta = json.loads(row["userMetadata"]) if row["userMetadata"] else {}
-        if isinstance(meta, dict) and meta.get(FOLDED_THROUGH) is not None:
+        meta = commit_metadata(row)
+        if meta.get(FOLDED_THROUGH) is not None:
             return Folded(latest, int(meta[FOLDED_THROUGH]), restored_to)
     return None
 

@@ -237,7 +237,7 @@ def made_by_batch(spark: SparkSession, path: Path | str, app_id: str, batch_id: 
     """Whether one of the table's newest commits was made by micro-batch `batch_id` of `app_id` (its metadata
     says so). Spark replays only a checkpoint's last batch, and a stream has one writer (its lock), so that batch's
     commit, if it was made, is among the newest: only maintenance (OPTIMIZE, VACUUM) commits after it."""
-    return any(_metadata(row).get("app_id") == app_id and _metadata(row).get("batch_id") == batch_id
+    return any(commit_metadata(row).get("app_id") == app_id and commit_metadata(row).get("batch_id") == batch_id
                for row in history_rows(spark, path, BATCH_COMMITS_SEARCHED))
 
 
@@ -250,13 +250,14 @@ def newest_commit_with(spark: SparkSession, path: Path | str, key: str, limit: i
     for row in _history_newest_first(spark, path, limit, None):
         if row["operation"] == unless_after:
             return None
-        if (meta := _metadata(row)).get(key) is not None:
+        if (meta := commit_metadata(row)).get(key) is not None:
             return row["version"], meta
     return None
 
 
-def _metadata(row: dict) -> dict:
-    """A commit's userMetadata as statetables writes it (a JSON object); {} for none or another writer's text."""
+def commit_metadata(row: dict) -> dict:
+    """A commit's userMetadata as statetables writes it (a JSON object); {} for none, or for another writer's text
+    (not JSON, or not an object): a commit someone else made never breaks a run."""
     try:
         meta = json.loads(row["userMetadata"]) if row.get("userMetadata") else {}
     except ValueError:
@@ -277,7 +278,7 @@ def commits_since(spark: SparkSession, path: Path, version: int | None) -> list[
             "version": r["version"],
             "operation": r["operation"],
             "metrics": dict(r["operationMetrics"] or {}),
-            "user": json.loads(r["userMetadata"]) if r["userMetadata"] else {},
+            "user": commit_metadata(r),
         }
         for r in rows
     ]
