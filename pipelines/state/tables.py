@@ -31,9 +31,9 @@ from pipelines.state.expiry import (
 )
 from pipelines.storage import delta_sql
 from pipelines.storage.delta_log import (
-    USER_METADATA, BronzeRows, commit_confs, commit_metadata, commits_since, NewTable, create_tables_if_missing, history_rows,
-    holds_no_rows, logged_properties, new_app_id, newest_commit_with, retry_on_conflict, table_properties,
-    table_version,
+    USER_METADATA, BronzeRows, commit_confs, commit_metadata, commits_since, NewTable, create_tables_if_missing,
+    history_rows, holds_no_rows, logged_properties, new_app_id, newest_commit_with, retry_on_conflict,
+    table_properties, table_version,
 )
 from pipelines.storage.delta_sql import ident
 from pipelines.storage.layout import StorageLayout
