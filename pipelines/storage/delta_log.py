@@ -237,7 +237,7 @@ def made_by_batch(spark: SparkSession, path: Path | str, app_id: str, batch_id: 
     """Whether one of the table's newest commits was made by micro-batch `batch_id` of `app_id` (its metadata
     says so). Spark replays only a checkpoint's last batch, and a stream has one writer (its lock), so that batch's
     commit, if it was made, is among the newest: only maintenance (OPTIMIZE, VACUUM) commits after it."""
-    return any(commit_metadata(row).get("app_id") == app_id and commit_metadata(row).get("batch_id") == batch_id
+    return any((meta := commit_metadata(row)).get("app_id") == app_id and meta.get("batch_id") == batch_id
                for row in history_rows(spark, path, BATCH_COMMITS_SEARCHED))
 
 

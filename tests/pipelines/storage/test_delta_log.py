@@ -1,4 +1,5 @@
-"""The newest version of a table, read from its Delta log without listing the whole log."""
+"""What a table's Delta log tells: its newest version, read without listing the whole log; what statetables
+recorded in its commits' metadata, whatever else wrote there."""
 
 from __future__ import annotations
 
