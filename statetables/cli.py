@@ -19,7 +19,7 @@ from pathlib import Path
 
 from pipelines.declare.project import PROJECT_ENV, stream_spec, streams
 from pipelines.errors import ConfigurationError, SavepointError, StorageError, StreamBusyError
-from pipelines.runtime.warm_up import WARM_UP_BATCHES, WARM_UP_LARGE_EVENTS
+from pipelines.runtime.warm_up import WARM_UP_BATCHES, WARM_UP_LARGE_BATCHES, WARM_UP_LARGE_EVENTS
 from pipelines.storage.layout import StorageLayout
 from statetables.servers import prepare_instance
 
@@ -310,11 +310,12 @@ def _warm_up(args: argparse.Namespace) -> int:
                                  "$STATETABLES_SPARK_REMOTE.")
     specs = list(streams().values())
     started = time.monotonic()
-    large = f", then a large one of {args.large_events:,} events," if args.large_events > 0 else ""
+    large = (f", then {args.large_batches} large ones of {args.large_events:,} events each,"
+             if args.large_events > 0 and args.large_batches > 0 else "")
     print(f"warming the engine {remote}: {args.batches} micro-batches of each of {len(specs)} streams{large} on a "
           f"scratch root ...", flush=True)
     warm_up_engine(build_spark_session(SparkSettings(remote=remote)), specs, batches=args.batches,
-                   large_events=args.large_events,
+                   large_events=args.large_events, large_batches=args.large_batches,
                    report=lambda w: print(f"  {w.stream}: {w.micro_batches} micro-batches in {w.seconds:.1f} s",
                                           flush=True))
     print(f"engine warmed in {time.monotonic() - started:.1f} s", flush=True)
@@ -683,8 +684,10 @@ def _parser() -> argparse.ArgumentParser:
     warm.add_argument("--remote", help="the engine (default $STATETABLES_SPARK_REMOTE)")
     warm.add_argument("--batches", type=int, default=WARM_UP_BATCHES, help="micro-batches of each stream")
     warm.add_argument("--large-events", type=int, default=WARM_UP_LARGE_EVENTS, metavar="N",
-                      help="then one batch of N events of each stream, run as a large batch (as a file of 100k events "
-                           "is); 0: none")
+                      help="then --large-batches batches of N events of each stream, each run as a large batch (as a "
+                           "file of 100k events is); 0: none")
+    warm.add_argument("--large-batches", type=int, default=WARM_UP_LARGE_BATCHES, metavar="N",
+                      help="how many large batches of each stream; 0: none")
     server = command("connect-server", "serve Spark Connect with Delta on 127.0.0.1 until interrupted",
                      "statetables connect-server --port 15002", _connect_server)
     server.add_argument("--port", type=int, default=15002, help="the port to listen on")

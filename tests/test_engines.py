@@ -94,15 +94,16 @@ def run_pipeline(landing: Path, home: Path, *engine: str) -> StorageLayout:
 
 def assert_warms_up(url: str, home: Path) -> None:
     """`statetables warm-up` runs its micro-batches of every stream in the engine on a scratch root it deletes (the
-    small ones, then one run as a large batch), and writes nothing under the storage root."""
+    small ones, then two run as large batches), and writes nothing under the storage root."""
     scratch = home / "scratch"
     scratch.mkdir()
     env = {**os.environ, HOME_ENV: str(home), "TMPDIR": str(scratch)}
-    done = subprocess.run([STATETABLES, "warm-up", "--remote", url, "--batches", "2", "--large-events", "300"],
+    done = subprocess.run([STATETABLES, "warm-up", "--remote", url, "--batches", "2", "--large-events", "300",
+                           "--large-batches", "2"],
                           env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     for stream in ("payments", "movie_ticket_sales"):
-        assert f"{stream}: 3 micro-batches in" in done.stdout, done.stdout
+        assert f"{stream}: 4 micro-batches in" in done.stdout, done.stdout
     assert not list(scratch.iterdir()) and sorted(p.name for p in home.iterdir()) == ["scratch"]
     scratch.rmdir()
 

@@ -13,6 +13,7 @@ import shutil
 import tempfile
 import time
 from dataclasses import dataclass, replace
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -23,9 +24,16 @@ if TYPE_CHECKING:  # the command line reads WARM_UP_BATCHES for its help without
 
 WARM_UP_BATCHES = 10  # per stream; from about the tenth on, a batch takes what it will (docs/performance.md)
 WARM_UP_EVENTS = 20  # per batch: a small batch, as the continuous job's are
-# Then one batch of this many events per stream, run as a large batch (joins and kept frames instead of the driver's
-# decisions): a file of 100k events is one, and without it an engine's first such batch ran that code cold.
+# Then batches of this many events per stream, each run as a large batch (joins and kept frames instead of the
+# driver's decisions): a file of 100k events is one, and without them an engine's first such batch ran that code cold.
 WARM_UP_LARGE_EVENTS = 20_000
+# Three, not one: after one, the JIT still compiled the large path's driver code through the next real batches
+# (~2.5 s of compiler CPU each, on 2 cores busy 1.8 of 2 already); the bench's warm +100k runs took 9% less after three
+# (medians of 3 in four pairs alternated: 8.06-8.63 s against 9.07-9.46 s; docs/performance.md).
+WARM_UP_LARGE_BATCHES = 3
+# The most a generated event steps past the one before (pipelines/ingest/generate.py): each large batch's events
+# start after the previous batch's last, so none of them is late.
+EVENT_STEP_S = 30
 
 
 @dataclass(frozen=True)
@@ -36,11 +44,12 @@ class WarmedStream:
 
 
 def warm_up_engine(spark: SparkSession, specs: list[StreamSpec], *, batches: int = WARM_UP_BATCHES,
-                   large_events: int = WARM_UP_LARGE_EVENTS, scratch: Path | None = None,
+                   large_events: int = WARM_UP_LARGE_EVENTS, large_batches: int = WARM_UP_LARGE_BATCHES,
+                   scratch: Path | None = None,
                    report: Callable[[WarmedStream], None] = lambda _: None) -> list[WarmedStream]:
-    """Run `batches` micro-batches of each stream (one landing file each, a topic's stream from files too), then one
-    large batch of `large_events` (none for 0), on a scratch root that is deleted after: nothing of the project's
-    root is read or written. `report` is called as each stream is done."""
+    """Run `batches` micro-batches of each stream (one landing file each, a topic's stream from files too), then
+    `large_batches` large batches of `large_events` each (none for 0), on a scratch root that is deleted after:
+    nothing of the project's root is read or written. `report` is called as each stream is done."""
     from pipelines.ingest.generate import generate
     from pipelines.runtime.micro_batch import StreamSettings, advance_stream
     from pipelines.storage.layout import StorageLayout
@@ -57,9 +66,12 @@ def warm_up_engine(spark: SparkSession, specs: list[StreamSpec], *, batches: int
                      events_per_file=WARM_UP_EVENTS, malformed=0.05, seed=number + 1)
             result = advance_stream(spark, layout, from_files, StreamSettings(max_files_per_trigger=1))
             micro_batches = result.micro_batches
-            if large_events > 0:
+            # In the past (the contract quarantines events more than a day ahead), each batch's after the one before.
+            first = datetime.now(timezone.utc) - timedelta(days=1, seconds=EVENT_STEP_S * large_events * large_batches)
+            for round_ in range(large_batches if large_events > 0 else 0):
                 generate(from_files, layout.landing(spec.name), events=large_events, events_per_file=large_events,
-                         malformed=0.05, seed=number + 101)
+                         malformed=0.05, seed=100 * (number + 1) + round_, max_step_s=EVENT_STEP_S,
+                         start=first + timedelta(seconds=EVENT_STEP_S * large_events * round_))
                 micro_batches += advance_stream(spark, layout, from_files,
                                                 StreamSettings(large_from_bytes=0)).micro_batches
             warmed.append(WarmedStream(spec.name, micro_batches, time.monotonic() - started))
