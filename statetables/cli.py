@@ -310,8 +310,8 @@ def _warm_up(args: argparse.Namespace) -> int:
                                  "$STATETABLES_SPARK_REMOTE.")
     specs = list(streams().values())
     started = time.monotonic()
-    large = (f", then {args.large_batches} large ones of {args.large_events:,} events each,"
-             if args.large_events > 0 and args.large_batches > 0 else "")
+    large = (f", then {args.large_batches} large batch{'es' if args.large_batches > 1 else ''} of "
+             f"{args.large_events:,} events," if args.large_events > 0 and args.large_batches > 0 else "")
     print(f"warming the engine {remote}: {args.batches} micro-batches of each of {len(specs)} streams{large} on a "
           f"scratch root ...", flush=True)
     warm_up_engine(build_spark_session(SparkSettings(remote=remote)), specs, batches=args.batches,
