@@ -119,6 +119,21 @@ def polars_merge(args) -> dict:
     return {"work_s": time.monotonic() - started, "keys": batch.height}
 
 
+def cpu_s() -> dict:
+    """CPU seconds used so far by this process and by its JVM (the embedded engine is a child process): a warm run is
+    CPU-bound on this machine's 2 cores, and its CPU time varies less than its wall time between processes."""
+    tick, jvm = os.sysconf("SC_CLK_TCK"), 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # a process that ended while listed
+            continue
+        if int(fields[1]) == os.getpid() and "java" in stat.with_name("cmdline").read_bytes().split(b"\0")[0].decode():
+            jvm += int(fields[11]) + int(fields[12])  # utime, stime
+    own = os.times()
+    return {"jvm": jvm / tick, "python": own.user + own.system}
+
+
 def warm(args) -> dict:
     """The project's job inside one warm process: a catch-up run and the warm-up an engine gets when it starts
     (`statetables warm-up`, as `make serve` and `make dev` run it), then one timed run per increment folder."""
@@ -138,15 +153,16 @@ def warm(args) -> dict:
             for source in sorted(Path(increment).glob("*.jsonl")):
                 os.link(source, landing / f"{Path(increment).name}-{source.name}")
             commits_before, jobs_before = delta_commits(Path(args.home)), spark_jobs(Path(args.home) / "event-log")
-            started = time.monotonic()
+            started, cpu_before = time.monotonic(), cpu_s()
             result = job.execute_in_process(instance=instance)
-            elapsed = time.monotonic() - started
+            elapsed, cpu_after = time.monotonic() - started, cpu_s()
             counted = counts(Path(args.home), commits_before)
             counted["spark_jobs"] -= jobs_before
             counted["jobs_per_batch"] = round(counted["spark_jobs"] / max(counted["micro_batches"], 1), 1)
             # One step: the stream's query through every table.
             steps = {"payments": result.asset_materializations_for_node("payments")[0].metadata["duration_s"].value}
-            runs.append({"run_s": elapsed, "steps_s": steps, "success": result.success, **counted})
+            runs.append({"run_s": elapsed, "steps_s": steps, "success": result.success,
+                         "cpu_s": {k: round(cpu_after[k] - cpu_before[k], 2) for k in cpu_after}, **counted})
     return {"work_s": sum(r["run_s"] for r in runs), "runs": runs}
 
 
