@@ -197,7 +197,7 @@ def validate_lines(lines: DataFrame, spec: StreamSpec, *, ingested_at: datetime,
     register_validator(lines.sparkSession)
     latest = ingested_at + max_ahead
     latest_micros = (latest - EARLIEST_EVENT_TIME) // timedelta(microseconds=1)
-    judged = lines.withColumn("_verdict", F.call_function(VALIDATOR, F.col("raw_bytes"), F.lit(line_rules(spec, max_ahead)),
+    judged = lines.withColumn("_verdict", F.call_function(VALIDATOR, F.col("raw_bytes"), F.lit(line_rules(spec, max_ahead).encode()),
                                                           F.lit(latest_micros).cast("bigint")))
     text = F.col("raw_bytes").cast("string")
     typed = judged.select(

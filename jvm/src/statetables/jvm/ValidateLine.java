@@ -15,7 +15,7 @@ import java.nio.charset.StandardCharsets;
 
 /**
  * `statetables_validate(raw_bytes, rules_json, latest_event_micros)`: one landing line, judged in one pass, by the
- * stream's rules (LineRules). The result is the line's first failing rule (reason, field, detail) in the order the
+ * stream's rules (LineRules: their JSON as UTF-8 bytes, a BINARY literal). The result is the line's first failing rule (reason, field, detail) in the order the
  * contract lists them, or its typed values: strings, DECIMAL(18,2) values, event times (micros), BIGINT values and
  * booleans in the order of their fields, each in the array of its kind.
  *
@@ -27,7 +27,7 @@ import java.nio.charset.StandardCharsets;
  * field, or "" for the whole document), and the text of an id that is not a JSON string (`id_needs_variant`), both
  * as Spark's schema_of_variant and variant cast spell them.
  */
-public final class ValidateLine implements UDF3<byte[], String, Long, Row> {
+public final class ValidateLine implements UDF3<byte[], byte[], Long, Row> {
     private static final long serialVersionUID = 1L;
     // Spark's parse_json is Jackson with its defaults, reading the line inside `[line, "end"]`: one level deeper.
     private static final JsonFactory JSON = JsonFactory.builder()
@@ -41,7 +41,7 @@ public final class ValidateLine implements UDF3<byte[], String, Long, Row> {
     private static final char[] TRIMMED = {' ', '\t', '\n', '\r'};
 
     @Override
-    public Row call(byte[] raw, String rulesJson, Long latestMicros) {
+    public Row call(byte[] raw, byte[] rulesJson, Long latestMicros) {
         LineRules rules = LineRules.of(rulesJson);
         if (raw == null || !UTF8String.fromBytes(raw).isValid()) {
             return verdict("invalid_utf8", null, rules.lineDetails.get("invalid_utf8"), null, null, false);
