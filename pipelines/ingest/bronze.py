@@ -34,7 +34,8 @@ from pipelines.ingest.kafka_source import (
     KAFKA_FIELDS, RECORD_LINES_SCHEMA, SOURCE_OFFSETS, batch_ranges, offsets_record, record_lines,
 )
 from pipelines.ingest.landing import LEDGER_SCHEMA, BatchUnits, read_units, split_lines
-from pipelines.ingest.validate import content_identity, validate_lines
+from pipelines.ingest.jvm import batch_constant, batch_timestamp
+from pipelines.ingest.validate import EARLIEST_EVENT_TIME, content_identity, validate_lines
 from pipelines.storage.delta_log import (
     Appended, NewTable, commit_metadata, history_rows, made_by_batch, retry_on_conflict, table_version,
 )
@@ -114,6 +115,21 @@ def _already_ingested(bronze: DataFrame, quarantine: DataFrame, spec: StreamSpec
                  .where(F.col("source_file").isin(files)))
     in_quarantine = quarantine.select(*lines).where(F.col("source_file").isin(files))
     return in_bronze.unionByName(in_quarantine).distinct()
+
+
+# Bronze is searched between bounds that skip its files by their statistics, so they are literals, and Spark writes
+# literals into the code it generates for the search: bounds widened to whole UTC days are the same for every batch of
+# a day, and so is that code (not compiled again each batch). Wider bounds decide nothing: each line is compared with
+# the events within its own horizon.
+_DAY_US = 86_400_000_000
+
+
+def _day_floor(us: int) -> int:
+    return us - us % _DAY_US
+
+
+def _day_ceil(us: int) -> int:
+    return _day_floor(us) + (_DAY_US if us % _DAY_US else 0)
 
 
 def _outcomes(marked: DataFrame, bronze: DataFrame, spec: StreamSpec, lo: Column, hi: Column,
@@ -371,7 +387,8 @@ def _classify(lines: DataFrame, batch_id: int, settings: IngestSettings, ingeste
         lines = lines.withColumn("raw_bytes", F.when(F.col("raw_bytes").cast("string").contains(poison),
                                                      F.raise_error(F.lit(f"injected poison {poison}")).cast("binary"))
                                  .otherwise(F.col("raw_bytes")))
-    stamp = {"ingest_batch_id": F.lit(batch_id).cast("bigint"), "ingested_at": F.lit(ingested_at)}
+    stamp = {"ingest_batch_id": batch_constant(spark, batch_id),
+             "ingested_at": batch_timestamp(spark, (ingested_at - EARLIEST_EVENT_TIME) // timedelta(microseconds=1))}
     stamped = validate_lines(lines, spec, ingested_at=ingested_at, max_ahead=settings.max_ahead).withColumns(stamp)
     if isolated is not None:
         raw = isolated.select(*isolated.columns, F.make_valid_utf8(F.col("raw_bytes").cast("string")).alias("raw_line"))
@@ -402,13 +419,13 @@ def _classify(lines: DataFrame, batch_id: int, settings: IngestSettings, ingeste
     # Event times are compared as micros, never as Python datetimes: no year-0 or year-10000 surprises.
     lo, hi = facts["lo"] or 0, facts["hi"] or 0
     if may_repeat:
-        done = _already_ingested(bronze, quarantine, spec, facts["files"], F.timestamp_micros(F.lit(lo)),
-                                 F.timestamp_micros(F.lit(hi))).withColumn("_done", F.lit(True))
+        done = _already_ingested(bronze, quarantine, spec, facts["files"], F.timestamp_micros(F.lit(_day_floor(lo))),
+                                 F.timestamp_micros(F.lit(_day_ceil(hi)))).withColumn("_done", F.lit(True))
         marked = stamped.join(done, ["source_file", "line_number"], "left")
     else:
         marked = stamped.withColumn("_done", F.lit(None).cast("boolean"))
-    classified = kept(_outcomes(marked, bronze, spec, F.timestamp_micros(F.lit(lo - horizon)),
-                                F.timestamp_micros(F.lit(hi + horizon)), horizon, bronze_empty))
+    classified = kept(_outcomes(marked, bronze, spec, F.timestamp_micros(F.lit(_day_floor(lo - horizon))),
+                                F.timestamp_micros(F.lit(_day_ceil(hi + horizon))), horizon, bronze_empty))
     by_outcome = classified.groupBy("outcome").agg(F.count("*").alias("count"),
                                                    F.sum(spec.value_field or F.lit(0)).alias("value"),
                                                    F.unix_millis(F.max(ts_col)).alias("newest_ms"))

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from pyspark.sql import SparkSession
-from pyspark.sql.types import DataType
+import weakref
+
+from pyspark.sql import Column, SparkSession
+from pyspark.sql import functions as F
+from pyspark.sql.types import DataType, LongType
 
 from pipelines.errors import ConfigurationError
 
@@ -20,3 +23,23 @@ def register_jvm_function(spark: SparkSession, name: str, class_name: str, retur
                 f"Fix: run `make jars` once, and start the engine with every jar in .jars/ (`make connect-server`, "
                 f"`make cluster` and the embedded engine do).") from exc
         raise
+
+
+CONSTANT, CONSTANT_CLASS = "statetables_constant", "statetables.jvm.BatchConstant"
+_HAS_CONSTANT: weakref.WeakSet = weakref.WeakSet()  # sessions `statetables_constant` is registered in
+
+
+def batch_constant(spark: SparkSession, value: int) -> Column:
+    """`value` as a BIGINT column that is not a literal (jvm/, BatchConstant): for a constant that changes with each
+    micro-batch (its id, its time, a watermark), so that the Java source Spark generates for the batch's stages, and
+    its compiled classes, stay the same from one batch to the next. A literal would be written into that source.
+    Not for a bound that must skip files by their statistics: only literals do."""
+    if spark not in _HAS_CONSTANT:
+        register_jvm_function(spark, CONSTANT, CONSTANT_CLASS, LongType())
+        _HAS_CONSTANT.add(spark)
+    return F.call_function(CONSTANT, F.lit(value.to_bytes(8, "big", signed=True)))
+
+
+def batch_timestamp(spark: SparkSession, micros: int) -> Column:
+    """`batch_constant` of a TIMESTAMP, in microseconds since the epoch."""
+    return F.timestamp_micros(batch_constant(spark, micros))

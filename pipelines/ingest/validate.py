@@ -29,7 +29,7 @@ from pyspark.sql.types import (
 
 from pipelines.declare.specs import FieldRule, StreamSpec
 from pipelines.errors import ConfigurationError
-from pipelines.ingest.jvm import register_jvm_function
+from pipelines.ingest.jvm import batch_constant, register_jvm_function
 
 VALIDATOR = "statetables_validate"
 VALIDATOR_CLASS = "statetables.jvm.ValidateLine"
@@ -198,7 +198,7 @@ def validate_lines(lines: DataFrame, spec: StreamSpec, *, ingested_at: datetime,
     latest = ingested_at + max_ahead
     latest_micros = (latest - EARLIEST_EVENT_TIME) // timedelta(microseconds=1)
     judged = lines.withColumn("_verdict", F.call_function(VALIDATOR, F.col("raw_bytes"), F.lit(line_rules(spec, max_ahead).encode()),
-                                                          F.lit(latest_micros).cast("bigint")))
+                                                          batch_constant(lines.sparkSession, latest_micros)))
     text = F.col("raw_bytes").cast("string")
     typed = judged.select(
         *lines.columns,

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Callable
 
-from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.types import StructField, StructType, TimestampType
 
@@ -25,6 +26,7 @@ from pipelines.errors import ConcurrentWriterError, ConfigurationError, Definiti
 from pipelines.faults import (
     STATE_AFTER_MERGE_COMMIT, STATE_AFTER_REBUILD, STATE_BATCH_END, STATE_MERGE_START, fault_point,
 )
+from pipelines.ingest.jvm import batch_timestamp
 from pipelines.state.expiry import (
     EXPIRED, ExpiredTotals, expire_keys, expired_rows, expired_totals, newest_ingested_us, record_policy,
     require_whole_history, since_last_expiry, ttl_property,
@@ -110,9 +112,9 @@ def changed_definitions(layout: StorageLayout, tables: list[StateTableSpec]) -> 
             if (found := recorded_definition(layout.table(t.name))) is not None and found != definition_of(t)]
 
 
-def aggregate(events: DataFrame, table: StateTableSpec) -> DataFrame:
-    """The declared query over `events`: one row per key with every column of the state table except
-    `updated_at` (the hidden ones too)."""
+def aggregate(events: DataFrame, table: StateTableSpec, updated_at: Column | None = None) -> DataFrame:
+    """The declared query over `events`: one row per key with every column of the state table (the hidden ones
+    too), `updated_at` (default: the query's current_timestamp())."""
     kinds = {f.name: f.kind for f in table.fields}
     if table.where:
         events = events.where(F.expr(table.where))
@@ -120,8 +122,8 @@ def aggregate(events: DataFrame, table: StateTableSpec) -> DataFrame:
     finals = [kind_of(a).final(a, kinds) for a in table.aggregates if not kind_of(a).shown_as_kept()]
     schema = state_schema(table)
     return grouped.select("*", *finals).select(
-        *[F.col(f.name).cast(f.dataType) if f.name != "updated_at" else F.current_timestamp().alias("updated_at")
-          for f in schema])
+        *[F.col(f.name).cast(f.dataType) if f.name != "updated_at"
+          else (F.current_timestamp() if updated_at is None else updated_at).alias("updated_at") for f in schema])
 
 
 FOLDED_THROUGH = "bronze_version"  # commit metadata: every bronze version up to this one is folded into the table
@@ -189,7 +191,9 @@ class StateTableStage:
             return
         folded = self.through
         events = bronze.after(folded)
-        batch = aggregate(events, table)
+        # The batch's time as a constant that is not a literal (`batch_timestamp`): current_timestamp() became one,
+        # written into the code generated for the fold's and the MERGE's stages, new each batch.
+        batch = aggregate(events, table, batch_timestamp(spark, time.time_ns() // 1000))
         fault_point(STATE_MERGE_START)
         metadata = {"app_id": app_id, "batch_id": batch_id, FOLDED_THROUGH: through}
         if self.ttl is not None:
@@ -286,8 +290,7 @@ def upsert(spark: SparkSession, table_path: str, table: StateTableSpec, batch: D
 
 def _inserted(batch: DataFrame, table: StateTableSpec) -> DataFrame:
     """The rows the MERGE's insert clause (`_upsert_clauses`) makes of a batch's keys."""
-    return batch.select(*(F.current_timestamp().alias(f.name) if f.name == "updated_at"
-                          else F.col(f.name).cast(f.dataType).alias(f.name) for f in state_schema(table)))
+    return batch.select(*(F.col(f.name).cast(f.dataType).alias(f.name) for f in state_schema(table)))
 
 
 def merge_text(table: StateTableSpec, path) -> str:
@@ -309,8 +312,8 @@ def _upsert_clauses(table: StateTableSpec) -> str:
     types = {f.name: f.dataType.simpleString() for f in schema}
     sets = [clause for a in table.aggregates for clause in kind_of(a).merged(a, types, field)]
     columns = [ident(f.name) for f in schema]
-    values = ["current_timestamp()" if f.name == "updated_at" else f"s.{ident(f.name)}" for f in schema]
-    return (f"WHEN MATCHED THEN UPDATE SET {', '.join(sets)}, t.updated_at = current_timestamp() "
+    values = [f"s.{ident(f.name)}" for f in schema]
+    return (f"WHEN MATCHED THEN UPDATE SET {', '.join(sets)}, t.updated_at = s.updated_at "
             f"WHEN NOT MATCHED THEN INSERT ({', '.join(columns)}) VALUES ({', '.join(values)})")
 
 
