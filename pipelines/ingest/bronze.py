@@ -387,8 +387,8 @@ def _classify(lines: DataFrame, batch_id: int, settings: IngestSettings, ingeste
         lines = lines.withColumn("raw_bytes", F.when(F.col("raw_bytes").cast("string").contains(poison),
                                                      F.raise_error(F.lit(f"injected poison {poison}")).cast("binary"))
                                  .otherwise(F.col("raw_bytes")))
-    stamp = {"ingest_batch_id": batch_constant(spark, batch_id),
-             "ingested_at": batch_timestamp(spark, (ingested_at - EARLIEST_EVENT_TIME) // timedelta(microseconds=1))}
+    ingested_us = (ingested_at - EARLIEST_EVENT_TIME) // timedelta(microseconds=1)
+    stamp = {"ingest_batch_id": batch_constant(spark, batch_id), "ingested_at": batch_timestamp(spark, ingested_us)}
     stamped = validate_lines(lines, spec, ingested_at=ingested_at, max_ahead=settings.max_ahead).withColumns(stamp)
     if isolated is not None:
         raw = isolated.select(*isolated.columns, F.make_valid_utf8(F.col("raw_bytes").cast("string")).alias("raw_line"))
@@ -420,7 +420,8 @@ def _classify(lines: DataFrame, batch_id: int, settings: IngestSettings, ingeste
     lo, hi = facts["lo"] or 0, facts["hi"] or 0
     if may_repeat:
         done = _already_ingested(bronze, quarantine, spec, facts["files"], F.timestamp_micros(F.lit(_day_floor(lo))),
-                                 F.timestamp_micros(F.lit(_day_ceil(hi)))).withColumn("_done", F.lit(True))
+                                 F.timestamp_micros(F.lit(_day_ceil(hi))))
+        done = done.withColumn("_done", F.lit(True))
         marked = stamped.join(done, ["source_file", "line_number"], "left")
     else:
         marked = stamped.withColumn("_done", F.lit(None).cast("boolean"))

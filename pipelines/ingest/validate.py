@@ -197,7 +197,9 @@ def validate_lines(lines: DataFrame, spec: StreamSpec, *, ingested_at: datetime,
     register_validator(lines.sparkSession)
     latest = ingested_at + max_ahead
     latest_micros = (latest - EARLIEST_EVENT_TIME) // timedelta(microseconds=1)
-    judged = lines.withColumn("_verdict", F.call_function(VALIDATOR, F.col("raw_bytes"), F.lit(line_rules(spec, max_ahead).encode()),
+    # The rules as BINARY: Spark hands a STRING argument to the function as a new String for every row.
+    rules = F.lit(line_rules(spec, max_ahead).encode())
+    judged = lines.withColumn("_verdict", F.call_function(VALIDATOR, F.col("raw_bytes"), rules,
                                                           batch_constant(lines.sparkSession, latest_micros)))
     text = F.col("raw_bytes").cast("string")
     typed = judged.select(

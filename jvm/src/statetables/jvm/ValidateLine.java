@@ -15,9 +15,10 @@ import java.nio.charset.StandardCharsets;
 
 /**
  * `statetables_validate(raw_bytes, rules_json, latest_event_micros)`: one landing line, judged in one pass, by the
- * stream's rules (LineRules: their JSON as UTF-8 bytes, a BINARY literal). The result is the line's first failing rule (reason, field, detail) in the order the
- * contract lists them, or its typed values: strings, DECIMAL(18,2) values, event times (micros), BIGINT values and
- * booleans in the order of their fields, each in the array of its kind.
+ * stream's rules (LineRules: their JSON as UTF-8 bytes, a BINARY literal). The result is the line's first failing
+ * rule (reason, field, detail) in the order the contract lists them, or its typed values: strings, DECIMAL(18,2)
+ * values, event times (micros), BIGINT values and booleans in the order of their fields, each in the array of its
+ * kind.
  *
  * <p>Guarantees: it never throws on any input (a throw would stop the stream on every run); UTF-8 is checked as
  * Spark's is_valid_utf8 checks it, and a kept string whose escapes decode to a lone surrogate is invalid_utf8 too;
