@@ -16,6 +16,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import threading
+from datetime import datetime, timezone
 from decimal import Decimal
 
 import pyarrow as pa
@@ -97,7 +98,12 @@ def test_a_state_table_stays_exact_through_a_busy_stream_read_only_storage_a_rep
         thread.join()
     assert table_version(spark, layout.table(SPEC.bronze_table)) is None  # nothing was created or written
     assert not layout.tables_root.exists() or not any(layout.tables_root.iterdir())
+    started = datetime.now(timezone.utc)
     first = _advance(spark, layout).versions[TABLE.name].after
+    # updated_at: the time of the batch that wrote the row, one instant for the whole batch (the MERGE's and the
+    # append's `statetables_constant`, not a literal).
+    stamps = set(IndependentDeltaTable(str(layout.table(TABLE.name))).to_pyarrow_table()["updated_at"].to_pylist())
+    assert len(stamps) == 1 and started <= (first_stamp := stamps.pop()) <= datetime.now(timezone.utc)
 
     # Its checkpoint is trusted; each kind of damage to a copy of it is detected.
     checkpoint, bronze = layout.checkpoint(SPEC.name), [layout.table(SPEC.bronze_table)]
@@ -123,7 +129,12 @@ def test_a_state_table_stays_exact_through_a_busy_stream_read_only_storage_a_rep
 
     # The run after it is exact: the batch's MERGE (a catch-up before the query starts), then the batch replayed,
     # which finds every commit made (Spark had not written its commit file) and writes nothing.
+    started = datetime.now(timezone.utc)
     result = _advance(spark, layout)
+    # The MERGE stamps the rows it changes with its batch's time; the others keep the first batch's.
+    stamps = set(IndependentDeltaTable(str(layout.table(TABLE.name))).to_pyarrow_table()["updated_at"].to_pylist())
+    merged = stamps - {first_stamp}
+    assert len(merged) == 1 and started <= merged.pop() <= datetime.now(timezone.utc)
     assert result.micro_batches == 1 + 1 and (commits / "1").exists()
     history = IndependentDeltaTable(str(layout.table(TABLE.name))).history()
     # A fold per delivery, none replayed: the new table's first an append, then a MERGE.
