@@ -255,7 +255,9 @@ def storage_errors() -> Iterator[None]:
 # warm 300-payment run 6-11% faster, the first run of a process 7-13%). Adaptive execution re-plans a query at each
 # shuffle, as a job of its own per stage, to size partitions that a small batch's few rows never fill: without it,
 # a warm 300-payment batch without event time 1.32-1.34 s -> 1.26 s, with sessions the same (docs/performance.md).
-# Above SMALL_BATCH_BYTES of input both win again, and the session's own settings stand.
+# The engines the project starts run without it anyway (`spark.LOCAL_DEFAULTS`); this keeps a small batch without it
+# on a cluster of the user's. Above SMALL_BATCH_BYTES of input, code generation wins again, and the session's own
+# settings stand.
 SMALL_BATCH_CONFS = {"spark.sql.codegen.wholeStage": "false", "spark.sql.codegen.factoryMode": "NO_CODEGEN",
                      "spark.sql.adaptive.enabled": "false"}
 SMALL_BATCH_BYTES = 8 << 20  # of landing bytes (pipelines/ingest/landing.py `BatchUnits`)

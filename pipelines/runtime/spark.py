@@ -97,10 +97,15 @@ LOCAL_DEFAULTS = {
     # One partition per core: a small micro-batch then costs one task per stage instead of two waves.
     "spark.sql.shuffle.partitions": "2",
     "spark.default.parallelism": "2",
-    # A join whose smaller side fits a hash map of a partition (AQE replans with the sizes it measured) hashes it
-    # instead of sorting both sides: a state table's MERGE joins the batch's keys with every row of the files they
-    # touch, and with 100k random keys that is the whole table.
+    # A join whose smaller side fits a hash map of a partition hashes it instead of sorting both sides: a state
+    # table's MERGE joins the batch's keys with every row of the files they touch, and with 100k random keys that is
+    # the whole table.
     "spark.sql.join.preferSortMergeJoin": "false",
+    # Adaptive execution re-plans a query at each shuffle, as a Spark job of its own per stage, to size partitions
+    # and pick joins from what it measured: with two shuffle partitions on two cores there is little to resize, and
+    # a warm +100k run made 54 jobs instead of 97 and took 5% less time without it (runs 2-3 of four alternated warm
+    # pairs, 8.26 s against 8.73 s); the 1M bulk run took the same (docs/performance.md).
+    "spark.sql.adaptive.enabled": "false",
     # Spark keeps 100 compiled classes by default; one ingest batch generates ~124 distinct ones, so every
     # batch compiled all of them again (~178 compiles: a third of the JVM's Java samples, profiled).
     # Read once, when the JVM starts.
