@@ -97,9 +97,10 @@ def check_specs(spec: StreamSpec) -> list:
                 "the sessions of the keys this run closed a session of (a sample of "
                 f"{table_checks.RUN_CHECK_KEYS:,} keys, different each run, when it closed more), cut again by window "
                 "functions with the contract's rule (less than the gap apart is one session) from their events "
-                "since") +
-            f"; every late event is at or behind the watermark it missed. All of bronze: the deep check "
-            f"`{DEEP_CHECK}`, nightly.")))
+                "since (read by delta-rs, an independent reader), the late ones among them at or behind the "
+                "watermark they missed") +
+            ("; every late event is at or behind the watermark it missed" if table.kind == "window" else "") +
+            f". All of bronze: the deep check `{DEEP_CHECK}`, nightly.")))
         found += [dg.AssetCheckSpec(TOP_MATCHES, asset=dg.AssetKey(top.name), blocking=True, description=(
             f"{top.name} equals its declared query run by Spark over {table.name}, row for row."))
             for top in table.tops]
