@@ -12,9 +12,9 @@ from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
 from assets.keys import RECOVERY_ATTEMPT_TAG, RECOVERY_OF_TAG, RECOVERY_REASON_TAG
+from pipelines.operate.table_checks import TOP_ROWS
 from pipelines.runtime.query import StreamRunResult
 
-TOP_ROWS = 10
 RUNBOOK = Path(__file__).resolve().parent.parent / "docs" / "recovery.md"
 # In every asset's definition metadata (the asset page's Definition tab), and named in the descriptions.
 RUNBOOK_METADATA = {"runbook": dg.MetadataValue.path(str(RUNBOOK))}

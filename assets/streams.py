@@ -14,7 +14,6 @@ from decimal import Decimal
 import dagster as dg
 from pydantic import Field
 from pyspark.sql import SparkSession
-from pyspark.sql import functions as F
 
 from assets.metadata import (
     RUNBOOK_LINE, RUNBOOK_METADATA, event_time_metadata, frame_table, records_table, recovery_metadata,
@@ -34,7 +33,7 @@ from pipelines.runtime.micro_batch import StreamSettings, advance_stream, event_
 from pipelines.runtime.query import StreamRunResult
 from pipelines.state.changelog import changelog_figures, changelog_name
 from pipelines.state.expiry import EXPIRY
-from pipelines.state.tables import changed_definitions, folded_through
+from pipelines.state.tables import changed_definitions, folded_through, state_schema
 from pipelines.storage.delta_log import commits_since
 from resources import CheckPolicyResource, SparkSessionResource, StorageResource
 
@@ -238,11 +237,9 @@ def _state_result(session: SparkSession, layout, spec: StreamSpec, table: StateT
     def metric(name: str) -> int:
         return sum(int(c["metrics"].get(name if c["operation"] == "MERGE" else APPENDED_AS.get(name, ""), 0))
                    for c in folds)
-    current = session.read.format("delta").load(str(layout.table(table.name)))
     totals = state_totals(session, layout, spec, table)
     found = folded_through(session, layout.table(table.name))
     built = result.built_through.get(table.name)
-    order = [F.desc(table.count_column)] if table.count_column else []
     figures = {"keys": totals["keys"]}
     if table.last_ts_column:  # the newest event folded in, where the table keeps MAX(event time)
         figures["latest_event_time"] = event_time_metadata(totals["latest_event_time"])
@@ -265,8 +262,8 @@ def _state_result(session: SparkSession, layout, spec: StreamSpec, table: StateT
         "keys_expired_this_run": sum(int(c["metrics"].get("numTargetRowsDeleted", 0)) for c in expiries),
         "bronze_table_version": result.versions[spec.bronze_table].after,
         "bronze_version_folded": found.through if found else -1,
-        "top_rows": frame_table(current.orderBy(*order, *table.keys).select(
-            *table.keys, *(a.name for a in table.aggregates))),
+        "top_rows": records_table(totals["top_rows"], {f.name: f.dataType.simpleString() for f in state_schema(table)
+                                                       if f.name in (*table.keys, *(a.name for a in table.aggregates))}),
         **_versions(result, table.name),
     })
 

@@ -1,6 +1,8 @@
 """The per-run checks of a state table find what they look for: a key held twice, a negative count.
 Their figures come from one scan per table version, shared by the run's materialization and its checks; a new
-version is scanned again, so a table changed behind the pipeline's back is seen by the next check."""
+version is scanned again, so a table changed behind the pipeline's back is seen by the next check. A table of up to
+SCANNED_IN_PROCESS_ROWS rows is scanned by delta-rs in the driver's process, a larger one by Spark: both give the same
+figures."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from tests.streams import PAYMENTS, advance
 TABLE = PAYMENTS.state_tables[0]
 
 
-def test_per_run_checks_find_duplicated_and_negative_rows(spark, layout):
+def test_per_run_checks_find_duplicated_and_negative_rows(spark, layout, monkeypatch):
     generate(PAYMENTS, layout.landing(PAYMENTS.name), events=200, seed=7, customers=20)
     advance(spark, layout, PAYMENTS, event_time=False)
     clean = table_checks.state_totals(spark, layout, PAYMENTS, TABLE)
@@ -33,3 +35,15 @@ def test_per_run_checks_find_duplicated_and_negative_rows(spark, layout):
     negative, rows = table_checks.negative_rows(spark, layout, PAYMENTS, TABLE)
     assert negative == 1 and rows.count() == 1
     assert table_checks.state_totals(spark, layout, PAYMENTS, TABLE)["keys"] == 21
+
+    # The same figures, top rows included, from Spark's scan of the table (too many rows for delta-rs).
+    in_process = table_checks.state_totals(spark, layout, PAYMENTS, TABLE)
+    table_checks._SCANS.clear()
+    monkeypatch.setattr(table_checks, "SCANNED_IN_PROCESS_ROWS", 0)
+    assert table_checks.state_totals(spark, layout, PAYMENTS, TABLE) == in_process
+    assert table_checks.duplicated_or_null_keys(spark, layout, PAYMENTS, TABLE)[0] == 1
+    assert table_checks.negative_rows(spark, layout, PAYMENTS, TABLE)[0] == 1
+    # The largest counts first, then by key: the copied key's two rows side by side, the -1 row not among them.
+    rows = spark.read.format("delta").load(str(layout.table(TABLE.name))).collect()
+    expected = sorted(((-r["payment_count"], r["customer_id"], r["total_amount"]) for r in rows))[:table_checks.TOP_ROWS]
+    assert [(-r["payment_count"], r["customer_id"], r["total_amount"]) for r in in_process["top_rows"]] == expected
