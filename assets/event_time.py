@@ -139,7 +139,8 @@ def results(session: SparkSession, layout: StorageLayout, spec: StreamSpec, resu
     """The materializations of the stream's windowed and session tables after a run (their checks: `run_checks`)."""
     late_this_run = 0
     for table in spec.event_time_tables:
-        batches = [c["user"] for c in result.commits[table.name] if "watermark_ms" in c["user"]]
+        closing = [c for c in result.commits[table.name] if "watermark_ms" in c["user"]]
+        batches = [c["user"] for c in closing]
         progress = watermark.last_progress(session, table, layout)
         state = watermark.state_table_figures(session, layout.table(table.state_table))
         common = {"bronze_rows_read": watermark.rows_read(result.commits[table.name]),
@@ -155,7 +156,8 @@ def results(session: SparkSession, layout: StorageLayout, spec: StreamSpec, resu
             if order in (table.column("start"), newest) else None
         rows = session.read.format("delta").load(str(layout.table(table.name)))
         yield dg.MaterializeResult(asset_key=dg.AssetKey(table.name), metadata={
-            **common, f"{closed_key}_this_run": sum(b.get(closed_key, 0) for b in batches),
+            # A closing commit's rows are the windows or sessions its batch closed.
+            **common, f"{closed_key}_this_run": sum(int(c["metrics"].get("numOutputRows", 0)) for c in closing),
             "late_events_this_run": late, "operator_state_rows": state.get("rows", -1),
             "operator_state_bytes": state.get("bytes", -1),
             "newest_rows": frame_table(rows.orderBy(F.desc(order)), recent=recent),

@@ -36,8 +36,8 @@ from pipelines.faults import fault_point
 from pipelines.state.tables import DEFINITION_PROPERTY
 from pipelines.storage import delta_sql
 from pipelines.storage.delta_log import (
-    BronzeRows, NewTable, commits_since, create_tables_if_missing, history_rows, newest_commit_with, retry_on_conflict,
-    table_properties, table_version,
+    BronzeRows, NewTable, commit_metadata, commits_since, create_tables_if_missing, history_rows, newest_commit_with,
+    retry_on_conflict, table_properties, table_version,
 )
 from pipelines.storage.frames import frame_of_rows, kept
 from pipelines.storage.layout import StorageLayout
@@ -127,10 +127,16 @@ def append_batch(frame: DataFrame, path: Path | str, metadata: dict) -> None:
     frame.write.format("delta").mode("append").option("userMetadata", json.dumps(metadata)).save(str(path))
 
 
-def append_late(frame: DataFrame, layout: StorageLayout, marker: dict) -> None:
+def append_late(frame: DataFrame, layout: StorageLayout, marker: dict) -> int:
     """Append a batch's late events; `marker` names the step that found them (late_events has a writer per windowed
-    or session table: `undo_late_rows` tells them apart by it)."""
-    append_batch(frame, layout.table(LATE), marker)
+    or session table: `undo_late_rows` tells them apart by it). Returns how many it appended, from its commit's
+    metrics: no count of its own."""
+    path = layout.table(LATE)
+    append_batch(frame, path, marker)
+    for row in history_rows(frame.sparkSession, path, _UNDO_WINDOW):
+        if commit_metadata(row) == marker:
+            return int((row["operationMetrics"] or {}).get("numOutputRows", 0))
+    return frame.count()  # a commit buried under as many of other writers' since: counted instead
 
 
 def read_state(spark: SparkSession, path: Path, version: int | None, schema: StructType) -> DataFrame:
@@ -305,10 +311,11 @@ class EventTimeStage:
         """The key under which a batch's earlier commits name its closing commit's version."""
         return f"{self.table.name}_version"
 
-    def fold_and_write(self, rows: DataFrame, newest_ms: int | None, app_id: str, batch_id: int, marker: dict
-                       ) -> FoldedBatch:
+    def fold_and_write(self, rows: DataFrame, newest_ms: int | None, app_id: str, batch_id: int, marker: dict,
+                       late_possible: bool = True) -> FoldedBatch:
         """Fold `rows` (their newest event time `newest_ms` when known: `BronzeRows.newest_ms`) and write what the
-        batch emits before its closing commit."""
+        batch emits before its closing commit. Not `late_possible`: the rows' oldest event time is known to be
+        after the watermark, so none is late."""
         raise NotImplementedError
 
     def advance(self, spark: SparkSession, bronze: BronzeRows, app_id: str, batch_id: int) -> None:
@@ -325,7 +332,9 @@ class EventTimeStage:
         closing = self.layout.table(self.table.name)
         # The version this batch's closing commit will have: until it exists, its earlier writes are unfinished.
         marker = {"app_id": app_id, "batch_id": batch_id, self.marker: (table_version(spark, closing) or 0) + 1}
-        folded = self.fold_and_write(rows, bronze.newest_ms(self.last.bronze_version), app_id, batch_id, marker)
+        oldest_ms = bronze.oldest_ms(self.last.bronze_version)
+        folded = self.fold_and_write(rows, bronze.newest_ms(self.last.bronze_version), app_id, batch_id, marker,
+                                     late_possible=oldest_ms is None or oldest_ms <= self.last.watermark_ms)
         progress = {"app_id": app_id, "batch_id": batch_id, "watermark_ms": folded.watermark_ms,
                     "bronze_version": through, "rows_read": bronze.count_after(self.last.bronze_version),
                     "state_versions": {self.table.state_table: folded.state_version}, **folded.figures}

@@ -141,14 +141,14 @@ class WindowsStage(EventTimeStage):
 
     before_closing_fault = WINDOWS_BEFORE_CLOSING_COMMIT
 
-    def fold_and_write(self, rows: DataFrame, newest_ms: int | None, app_id: str, batch_id: int, marker: dict
-                       ) -> FoldedBatch:
+    def fold_and_write(self, rows: DataFrame, newest_ms: int | None, app_id: str, batch_id: int, marker: dict,
+                       late_possible: bool = True) -> FoldedBatch:
         spark, layout, table = rows.sparkSession, self.layout, self.table
         state_path = layout.table(table.state_table)
         before = read_state(spark, state_path, self.last.state_version, state_schema(table))
         fold = fold_windows(table, self.spec, before, rows, self.last.watermark_ms, newest_ms)
         closed = kept(fold.closed)  # ranked, written and counted
-        windows_closed, late_count = closed_and_late(closed, fold.late)
+        windows_closed, late_count = closed_and_late(closed, fold.late) if late_possible else (closed.count(), 0)
         if late_count:
             append_late(fold.late, layout, marker)
         fault_point(WINDOWS_AFTER_LATE_COMMIT)

@@ -302,13 +302,15 @@ def _decided_in_driver(stamped: DataFrame, bronze: DataFrame, quarantine: DataFr
                    "quarantined" if not r["_valid"] else decided[(r["unit"], r["line_number"])])
         outcome = "quarantined" if verdict == "conflicting" else verdict
         verdicts.append(outcome)
-        counted = outcomes.setdefault(outcome, {"count": 0, "value": 0, "newest_ms": None})
+        counted = outcomes.setdefault(outcome, {"count": 0, "value": 0, "newest_ms": None, "oldest_ms": None})
         counted["count"] += 1
         if outcome == "accepted" and r["_value"] is not None:
             counted["value"] += r["_value"]
         at_ms = r["_at"] // 1000 if r["_at"] is not None else None  # floored, as unix_millis does
         if at_ms is not None and (counted["newest_ms"] is None or at_ms > counted["newest_ms"]):
             counted["newest_ms"] = at_ms
+        if at_ms is not None and (counted["oldest_ms"] is None or at_ms < counted["oldest_ms"]):
+            counted["oldest_ms"] = at_ms
     looked_up = frame_of_arrow(spark, held.append_column("outcome", pa.array(verdicts, pa.string())),
                                StructType([*stamped.schema.fields, StructField("outcome", StringType())]))
     conflict = (F.col("outcome") == "quarantined") & F.col("reason").isNull()
@@ -355,7 +357,7 @@ def _micros(value: timedelta) -> int:
 class Classified:
     """Every line of a batch with its `outcome` (kept, or a cheap join of kept lines); how many lines and which
     files the batch holds; and per outcome its `count`, (accepted) `value`, the sum of the value field, and
-    `newest_ms`, its newest event time."""
+    `newest_ms` and `oldest_ms`, its newest and oldest event times (floored to the millisecond)."""
 
     frame: DataFrame
     lines: int
@@ -429,9 +431,11 @@ def _classify(lines: DataFrame, batch_id: int, settings: IngestSettings, ingeste
                                 F.timestamp_micros(F.lit(_day_ceil(hi + horizon))), horizon, bronze_empty))
     by_outcome = classified.groupBy("outcome").agg(F.count("*").alias("count"),
                                                    F.sum(spec.value_field or F.lit(0)).alias("value"),
-                                                   F.unix_millis(F.max(ts_col)).alias("newest_ms"))
+                                                   F.unix_millis(F.max(ts_col)).alias("newest_ms"),
+                                                   F.unix_millis(F.min(ts_col)).alias("oldest_ms"))
     return Classified(classified, facts["lines"], facts["files"],
-                      {r["outcome"]: {"count": r["count"], "value": r["value"], "newest_ms": r["newest_ms"]}
+                      {r["outcome"]: {"count": r["count"], "value": r["value"], "newest_ms": r["newest_ms"],
+                                      "oldest_ms": r["oldest_ms"]}
                        for r in by_outcome.collect()})
 
 
@@ -646,6 +650,6 @@ def _write_batch(lines: DataFrame, batch_id: int, settings: IngestSettings, inge
         fault_point(fault)
     # One writer (the lock): a version after the one before is this batch's commit, not a replay that skipped it.
     bronze_after = table_version(lines.sparkSession, settings.bronze_path)
-    newest_ms = accepted["newest_ms"] if accepted else None
-    return Ingested(counts, Appended(bronze_after, accepted_rows, newest_ms)
+    newest_ms, oldest_ms = (accepted["newest_ms"], accepted["oldest_ms"]) if accepted else (None, None)
+    return Ingested(counts, Appended(bronze_after, accepted_rows, newest_ms, oldest_ms)
                     if bronze_after == (bronze_before or 0) + 1 else None)

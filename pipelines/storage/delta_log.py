@@ -301,11 +301,12 @@ def rows_added(spark: SparkSession, path: Path, after: int, through: int) -> Dat
 @dataclass(frozen=True)
 class Appended:
     """The bronze commit a micro-batch has just made: its version, its rows (a kept frame: `frames.kept`) and their
-    newest event time in ms (None: no row), counted with the batch's outcomes."""
+    newest and oldest event times in ms (None: no row), counted with the batch's outcomes."""
 
     version: int
     rows: DataFrame
     newest_ms: int | None = None
+    oldest_ms: int | None = None
 
 
 @dataclass(frozen=True)
@@ -330,6 +331,11 @@ class BronzeRows:
         """The newest event time (ms) of `after(folded)`'s rows when known without a Spark job (this batch's own
         append); None otherwise, or when they hold no row."""
         return self.appended.newest_ms if self._own(folded) else None
+
+    def oldest_ms(self, folded: int) -> int | None:
+        """The oldest event time (ms, floored) of `after(folded)`'s rows when known without a Spark job, as
+        `newest_ms`."""
+        return self.appended.oldest_ms if self._own(folded) else None
 
     def _own(self, folded: int) -> bool:
         return self.appended is not None and self.appended.version == self.through == folded + 1
