@@ -8,8 +8,7 @@ from decimal import Decimal
 from pathlib import Path
 
 import dagster as dg
-from pyspark.sql import Column, DataFrame
-from pyspark.sql import functions as F
+from pyspark.sql import DataFrame
 
 from assets.keys import RECOVERY_ATTEMPT_TAG, RECOVERY_OF_TAG, RECOVERY_REASON_TAG
 from pipelines.operate.table_checks import TOP_ROWS
@@ -27,43 +26,34 @@ def _cell(value):
         return value
     if isinstance(value, Decimal):
         return str(value)
-    if isinstance(value, dt.datetime):
+    if isinstance(value, dt.datetime):  # as Spark returns it: naive, in the session's UTC
+        if value.tzinfo is not None:
+            value = value.astimezone(dt.timezone.utc).replace(tzinfo=None)
         return value.isoformat(sep=" ")
     if isinstance(value, (list, tuple)):
         return ", ".join(str(_cell(v)) for v in value)
     return str(value)
 
 
-def frame_table(frame: DataFrame, limit: int = TOP_ROWS, *, rows_known: int | None = None,
-                recent: Column | None = None) -> dg.MetadataValue:
+def frame_table(frame: DataFrame, limit: int = TOP_ROWS, *, rows_known: int | None = None) -> dg.MetadataValue:
     """Up to `limit` rows of `frame` as a Dagster table, typed by the frame's schema. A frame known to be empty
-    (`rows_known=0`) costs no Spark job: a passing check or a run without quarantined lines reads nothing more.
-
-    `recent`: for a frame ordered newest first by a column of a table that only grows (closed sessions, closed
-    hours), a bound on that column (`column >= x`). When `limit` rows pass it, they are the newest, and only the
-    files whose statistics can hold them are read, not the whole table; otherwise the whole frame is."""
+    (`rows_known=0`) costs no Spark job: a passing check or a run without quarantined lines reads nothing more."""
     schema = dg.TableSchema(columns=[dg.TableColumn(f.name, f.dataType.simpleString()) for f in frame.schema.fields])
-    rows = [] if rows_known == 0 else None
-    if rows is None and recent is not None:
-        rows = frame.where(recent).limit(limit).collect()
-        rows = rows if len(rows) == limit else None
-    if rows is None:
-        rows = frame.limit(limit).collect()
+    rows = [] if rows_known == 0 else frame.limit(limit).collect()
     return dg.MetadataValue.table(
         records=[dg.TableRecord({k: _cell(v) for k, v in row.asDict().items()}) for row in rows], schema=schema)
 
 
-# How far behind the watermark the newest rows of a growing event-time table are looked for first (frame_table).
+# How far behind the watermark the newest rows of a growing event-time table are looked for first (`newest_rows`).
 RECENT = dt.timedelta(days=1)
 
 
-def within_watermark(watermark_ms: int | None, column: str, slack: dt.timedelta = dt.timedelta(0)) -> Column | None:
-    """`column >= watermark - RECENT - slack`: where the newest closed rows of an event-time table lie (`recent` of
-    frame_table); None before there is a watermark."""
+def recent_since_ms(watermark_ms: int | None, slack: dt.timedelta = dt.timedelta(0)) -> int | None:
+    """`watermark - RECENT - slack`: where the newest closed rows of an event-time table lie; None before there is
+    a watermark."""
     if not watermark_ms:
         return None
-    bound = watermark_ms - (RECENT + slack) // dt.timedelta(milliseconds=1)
-    return F.col(column) >= F.timestamp_millis(F.lit(bound))
+    return watermark_ms - (RECENT + slack) // dt.timedelta(milliseconds=1)
 
 
 def records_table(records: list[dict], columns: dict[str, str]) -> dg.MetadataValue:

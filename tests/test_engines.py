@@ -137,6 +137,11 @@ def run_embedded(landing: Path, home: Path) -> StorageLayout:
     assert hourly["windows_closed_this_run"].value > 0 and hourly["watermark"].value.startswith("2026-")
     activity = materialized("payments", "customer_activity")
     assert activity["sessions_closed_this_run"].value > 0 and activity["operator_state_rows"].value > 0
+    newest = [r.data for r in activity["newest_rows"].records]  # the newest closed sessions, newest first (delta-rs)
+    assert len(newest) == 10 and newest == sorted(newest, key=lambda r: r["session_start"], reverse=True)
+    assert activity["newest_rows"].schema.columns[0].name == "customer_id"
+    hourly_newest = [r.data["window_start"] for r in hourly["newest_rows"].records]
+    assert hourly_newest and hourly_newest == sorted(hourly_newest, reverse=True)
     bronze = materialized("movie_ticket_sales", "movie_ticket_sales_bronze")
     assert bronze["lines_read"].value == 1500
     assert hourly["bronze_rows_read"].value == bronze["rows_accepted"].value  # each bronze row read once

@@ -69,6 +69,21 @@ def query(table, sql_where: str | None = None, *, order_by: list[str] | None = N
                                  f"\"region = 'north'\"") from None
 
 
+def newest_rows(path, column: str, since_ms: int | None, limit: int) -> pa.Table | None:
+    """The `limit` rows of the Delta table at `path` with the greatest `column`, by delta-rs: first among the
+    rows at `since_ms` or later, whose files the others' statistics let it skip; all of them when fewer are there.
+    None when there is no table. For the UI after each run: by Spark, a query of ~0.5 s on a warm +100k run."""
+    table = delta_table(path)
+    if table is None:
+        return None
+    order = [f"{_quoted(column)} DESC"]
+    if since_ms is not None:
+        rows = query(table, f"{_quoted(column)} >= to_timestamp_millis({int(since_ms)})", order_by=order, limit=limit)
+        if rows.num_rows == limit:
+            return rows
+    return query(table, order_by=order, limit=limit)
+
+
 def _arrow(stream) -> pa.Table:
     """delta-rs answers in arro3's Arrow types: the same data as a pyarrow table (the Arrow C stream, no copy)."""
     return pa.RecordBatchReader.from_stream(stream).read_all()
