@@ -262,8 +262,9 @@ def _state_result(session: SparkSession, layout, spec: StreamSpec, table: StateT
         "keys_expired_this_run": sum(int(c["metrics"].get("numTargetRowsDeleted", 0)) for c in expiries),
         "bronze_table_version": result.versions[spec.bronze_table].after,
         "bronze_version_folded": found.through if found else -1,
-        "top_rows": records_table(totals["top_rows"], {f.name: f.dataType.simpleString() for f in state_schema(table)
-                                                       if f.name in (*table.keys, *(a.name for a in table.aggregates))}),
+        "top_rows": records_table(totals["top_rows"], {
+            f.name: f.dataType.simpleString() for f in state_schema(table)
+            if f.name in (*table.keys, *(a.name for a in table.aggregates))}),
         **_versions(result, table.name),
     })
 

@@ -36,7 +36,6 @@ from pipelines.state.tables import aggregate, folded_through, state_schema
 from pipelines.storage import files
 from pipelines.storage.delta_log import table_version
 from pipelines.storage.delta_rs import delta_table
-from pipelines.storage.files import storage_path
 from pipelines.storage.frames import frame_of_arrow, frame_of_rows, kept
 from pipelines.storage.layout import StorageLayout
 
@@ -355,11 +354,12 @@ def recomputed_sessions(table: EventTimeTableSpec, events: DataFrame) -> DataFra
 RUN_CHECK_KEYS = 1_000
 
 
-def _written_sample(sessions, table: EventTimeTableSpec, first: str, since_version: int, seed: int
+def _written_sample(sessions, table: EventTimeTableSpec, first: str, since_version: int
                     ) -> tuple[pa.Table | None, int]:
     """The keys of the sessions the table gained after `since_version` (its change feed's inserts, read by
     delta-rs), each with the start of its first such session (`_since`): at most RUN_CHECK_KEYS of them, a sample
-    drawn with `seed` (None when there were none), and how many keys there were."""
+    drawn with `since_version` as its seed, so each run checks others (None when there were none); and how many keys
+    there were."""
     keys = list(table.keys)
     if sessions is None or since_version >= sessions.version():
         return None, 0
@@ -373,7 +373,7 @@ def _written_sample(sessions, table: EventTimeTableSpec, first: str, since_versi
     # Sorted first, so the same keys and seed draw the same sample whatever order the files were read in.
     written = written.sort_by([(k, "ascending") for k in keys])
     if count > RUN_CHECK_KEYS:
-        written = written.take(sorted(random.Random(seed).sample(range(count), RUN_CHECK_KEYS)))
+        written = written.take(sorted(random.Random(since_version).sample(range(count), RUN_CHECK_KEYS)))
     return written, count
 
 
@@ -413,8 +413,8 @@ def _session_run_check(spark: SparkSession, layout: StorageLayout, spec: StreamS
     compared = [c.name for c in table.columns if c.role in ("key", "start", "end", "aggregate")]
     typed = {f.name: f.dataType for f in output_schema(table)}
     stored_schema = StructType([StructField(c, typed[c]) for c in compared])
-    sessions = delta_table(storage_path(layout.table(table.name)))
-    written, keys_written = _written_sample(sessions, table, first, since_version, since_version)
+    sessions = delta_table(files.storage_path(layout.table(table.name)))
+    written, keys_written = _written_sample(sessions, table, first, since_version)
     figures.update({"keys_written": keys_written, "keys_checked": written.num_rows if written else 0})
     if not written:
         schema = StructType([*stored_schema.fields, StructField("side", StringType())])
@@ -422,9 +422,10 @@ def _session_run_check(spark: SparkSession, layout: StorageLayout, spec: StreamS
     keys = set(zip(*(written[k].to_pylist() for k in table.keys)))
     since = pc.min(written["_since"]).as_py()
     micros = pa.timestamp("us", tz="UTC")
-    stored = _rows_of_keys(sessions.to_pyarrow_dataset(schema=to_arrow_schema(output_schema(table))), table, keys, ds.field(first) >= pa.scalar(since, micros),
-                           compared)
-    bronze = delta_table(storage_path(layout.table(spec.bronze_table)))
+    # Read with the tables' declared schemas: plain strings, whoever wrote the files.
+    stored = _rows_of_keys(sessions.to_pyarrow_dataset(schema=to_arrow_schema(output_schema(table))), table, keys,
+                           ds.field(first) >= pa.scalar(since, micros), compared)
+    bronze = delta_table(files.storage_path(layout.table(spec.bronze_table)))
     bronze.load_as_version(progress.bronze_version)
     events = _rows_of_keys(bronze.to_pyarrow_dataset(schema=to_arrow_schema(bronze_schema(spec))), table, keys,
                            ds.field(table.event_time_field) >= pa.scalar(since - table.size, micros),
@@ -448,13 +449,13 @@ def _session_run_check(spark: SparkSession, layout: StorageLayout, spec: StreamS
 
 def _late_of(layout: StorageLayout, table: EventTimeTableSpec, ids: pa.ChunkedArray) -> pa.Table:
     """late_events' rows for `table` of the events `ids`, read by delta-rs: event_id, event_time, watermark."""
-    late = delta_table(storage_path(layout.table(watermark.LATE)))
+    late = delta_table(files.storage_path(layout.table(watermark.LATE)))
     columns = ["event_id", "event_time", "watermark"]
     if late is None:
         return pa.table({c: [] for c in columns}, schema=pa.schema(
             [f for f in to_arrow_schema(watermark.LATE_SCHEMA) if f.name in columns]))
-    return late.to_pyarrow_dataset(schema=to_arrow_schema(watermark.LATE_SCHEMA)).to_table(columns=columns, filter=(ds.field("table_name") == table.name)
-                                              & ds.field("event_id").isin(pc.unique(ids)))
+    return late.to_pyarrow_dataset(schema=to_arrow_schema(watermark.LATE_SCHEMA)).to_table(
+        columns=columns, filter=(ds.field("table_name") == table.name) & ds.field("event_id").isin(pc.unique(ids)))
 
 
 def event_time_mismatches(spark: SparkSession, layout: StorageLayout, spec: StreamSpec, table: EventTimeTableSpec,
