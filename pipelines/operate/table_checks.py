@@ -363,11 +363,19 @@ def _written_sample(sessions, table: EventTimeTableSpec, first: str, since_versi
     keys = list(table.keys)
     if sessions is None or since_version >= sessions.version():
         return None, 0
-    changes = pa.table(sessions.load_cdf(starting_version=since_version + 1, ending_version=sessions.version(),
-                                         columns=[*keys, first, "_change_type"]).read_all())
-    changes = changes.cast(pa.schema([pa.field(f.name, _plain(f.type)) for f in changes.schema]))
-    inserted = changes.filter(pc.equal(changes["_change_type"], "insert"))
-    written = (inserted.group_by(keys).aggregate([(first, "min")]).select([*keys, f"{first}_min"])
+    # Batch by batch, each key's first session kept: a first load's change feed is every session it closed.
+    per_batch = []
+    for batch in pa.RecordBatchReader.from_stream(sessions.load_cdf(
+            starting_version=since_version + 1, ending_version=sessions.version(),
+            columns=[*keys, first, "_change_type"])):
+        changes = pa.Table.from_batches([batch])
+        changes = changes.cast(pa.schema([pa.field(f.name, _plain(f.type)) for f in changes.schema]))
+        inserted = changes.filter(pc.equal(changes["_change_type"], "insert")).select([*keys, first])
+        per_batch.append(inserted.group_by(keys).aggregate([(first, "min")]).select([*keys, f"{first}_min"])
+                         .rename_columns([*keys, first]))
+    if not per_batch:
+        return None, 0
+    written = (pa.concat_tables(per_batch).group_by(keys).aggregate([(first, "min")]).select([*keys, f"{first}_min"])
                .rename_columns([*keys, "_since"]))
     count = written.num_rows
     # Sorted first, so the same keys and seed draw the same sample whatever order the files were read in.
@@ -384,17 +392,26 @@ def _plain(kind: pa.DataType) -> pa.DataType:
 
 def _rows_of_keys(dataset, table: EventTimeTableSpec, keys: set[tuple], where, columns: list[str]) -> pa.Table:
     """The rows of a delta-rs `dataset` matching `where` whose key is one of `keys`, NULL equal to NULL as the table
-    groups it. Files are skipped by their statistics of `where`'s (time) column; the keys are matched here, as
-    pyarrow cannot compare the string statistics of files delta-rs itself wrote (views)."""
-    rows = dataset.to_table(columns=columns, filter=where)
+    groups it. Files are skipped by their statistics of `where`'s (time) column; the keys are matched here, batch by
+    batch, so only the matching rows are held (a sample of a first load's keys reaches back to its first event), and
+    not by the scan: pyarrow cannot compare the string statistics of files delta-rs itself wrote (views)."""
     first_key = table.keys[0]
-    firsts = pa.array(sorted({k[0] for k in keys}, key=lambda v: (v is None, v)), rows.schema.field(first_key).type)
-    rows = rows.filter(pc.is_in(rows[first_key], value_set=firsts, skip_nulls=False))
-    if len(table.keys) == 1 or rows.num_rows == 0:
-        return rows
-    return rows.filter(pa.array([key in keys for key in zip(*(rows[k].to_pylist() for k in table.keys))]))
-
-
+    firsts = None
+    found = []
+    for batch in dataset.to_batches(columns=columns, filter=where, batch_size=16_384, batch_readahead=0,
+                                    fragment_readahead=0, use_threads=False,
+                                    fragment_scan_options=ds.ParquetFragmentScanOptions(pre_buffer=False)):
+        if firsts is None:
+            firsts = pa.array(sorted({k[0] for k in keys}, key=lambda v: (v is None, v)),
+                              batch.schema.field(first_key).type)
+        batch = batch.filter(pc.is_in(batch.column(first_key), value_set=firsts, skip_nulls=False))
+        if len(table.keys) > 1 and batch.num_rows:
+            batch = batch.filter(pa.array([key in keys for key in zip(*(batch.column(k).to_pylist()
+                                                                          for k in table.keys))]))
+        found.append(batch)
+    if not found:
+        return pa.table({c: [] for c in columns}, schema=pa.schema([dataset.schema.field(c) for c in columns]))
+    return pa.Table.from_batches(found)
 def _session_run_check(spark: SparkSession, layout: StorageLayout, spec: StreamSpec, table: EventTimeTableSpec,
                        progress, since_version: int, figures: dict) -> tuple[DataFrame, dict]:
     """The per-run session check: the keys of the sessions the run wrote (at most RUN_CHECK_KEYS of them, a sample
