@@ -226,6 +226,13 @@ def test_sessions_late_payments_ttls_and_their_edges_equal_the_recomputation_and
     assert (figures["rows_checked"], figures["events"]) == (15, 23)  # all but cy's 09:00 and the day before's
     written = figures["keys_written"]
     assert written == figures["keys_checked"] > 1
+    # A run that wrote more sessions (a first load) is checked by Spark instead of delta-rs: the same findings.
+    with monkeypatch.context() as large:
+        large.setattr(table_checks, "CHECKED_IN_PROCESS_SESSIONS", 0)
+        mismatched, by_spark = table_checks.event_time_mismatches(spark, layout, spec, TABLE, first_version)
+        assert sorted(r["customer_id"] for r in mismatched.collect()) == ["zed", "zed"]
+        assert {k: by_spark[k] for k in ("rows_checked", "events", "keys_written", "keys_checked", "late_events")} \
+            == {k: figures[k] for k in ("rows_checked", "events", "keys_written", "keys_checked", "late_events")}
     # Past RUN_CHECK_KEYS keys, a sample of them is checked: here one key, with its sessions and events only.
     monkeypatch.setattr(table_checks, "RUN_CHECK_KEYS", 1)
     mismatched, figures = table_checks.event_time_mismatches(spark, layout, spec, TABLE, first_version)
