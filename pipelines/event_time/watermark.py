@@ -36,8 +36,8 @@ from pipelines.faults import fault_point
 from pipelines.state.tables import DEFINITION_PROPERTY
 from pipelines.storage import delta_sql
 from pipelines.storage.delta_log import (
-    BronzeRows, NewTable, commit_metadata, commits_since, create_tables_if_missing, history_rows, newest_commit_with,
-    retry_on_conflict, table_properties, table_version,
+    BronzeRows, NewTable, commits_since, create_tables_if_missing, history_rows, newest_commit_with, retry_on_conflict,
+    rows_written_by, table_properties, table_version,
 )
 from pipelines.storage.frames import frame_of_rows, kept
 from pipelines.storage.layout import StorageLayout
@@ -133,10 +133,9 @@ def append_late(frame: DataFrame, layout: StorageLayout, marker: dict) -> int:
     metrics: no count of its own."""
     path = layout.table(LATE)
     append_batch(frame, path, marker)
-    for row in history_rows(frame.sparkSession, path, _UNDO_WINDOW):
-        if commit_metadata(row) == marker:
-            return int((row["operationMetrics"] or {}).get("numOutputRows", 0))
-    return frame.count()  # a commit buried under as many of other writers' since: counted instead
+    written = rows_written_by(frame.sparkSession, path, marker, _UNDO_WINDOW)
+    # None: a commit buried under as many of other writers' since; counted instead.
+    return frame.count() if written is None else written
 
 
 def read_state(spark: SparkSession, path: Path, version: int | None, schema: StructType) -> DataFrame:

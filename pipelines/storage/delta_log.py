@@ -230,6 +230,15 @@ def _history_newest_first(spark: SparkSession, path: Path | str, limit: int | No
                "timestamp_ms": info.get("inCommitTimestamp", info.get("timestamp"))}
 
 
+def rows_written_by(spark: SparkSession, path: Path | str, metadata: dict, limit: int) -> int | None:
+    """The rows the newest commit among the newest `limit` whose metadata is `metadata` wrote (its
+    `numOutputRows`), read newest first and stopping there (most often at the newest); None when none is."""
+    for row in _history_newest_first(spark, path, limit, None):
+        if commit_metadata(row) == metadata:
+            return int(row["operationMetrics"].get("numOutputRows", 0))
+    return None
+
+
 BATCH_COMMITS_SEARCHED = 20  # newest commits searched for a replayed batch's own (`made_by_batch`)
 
 
