@@ -27,10 +27,10 @@ WARM_UP_EVENTS = 20  # per batch: a small batch, as the continuous job's are
 # Then batches of this many events per stream, each run as a large batch (joins and kept frames instead of the
 # driver's decisions): a file of 100k events is one, and without them an engine's first such batch ran that code cold.
 WARM_UP_LARGE_EVENTS = 20_000
-# Three, not one: after one, the JIT still compiled the large path's driver code through the next real batches
-# (~2.5 s of compiler CPU each, on 2 cores busy 1.8 of 2 already); the bench's warm +100k runs took 9% less after three
-# (medians of 3 in four pairs alternated: 8.06-8.63 s against 9.07-9.46 s; docs/performance.md).
-WARM_UP_LARGE_BATCHES = 3
+# Six: after one, the JIT still compiled the large path's driver code through the next real batches (~2.5 s of
+# compiler CPU each, on 2 cores busy 1.8 of 2 already); the bench's warm +100k runs took 9% less after three than after
+# one, and 9% less again after six than after three (docs/performance.md). Each costs an engine's start ~2 s a stream.
+WARM_UP_LARGE_BATCHES = 6
 # The most a generated event steps past the one before (pipelines/ingest/generate.py): each large batch's events
 # start after the previous batch's last, so none of them is late.
 EVENT_STEP_S = 30
