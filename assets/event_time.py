@@ -18,13 +18,12 @@ from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
 from assets.keys import KINDS, bronze_key
-from assets.metadata import RUNBOOK_LINE, RUNBOOK_METADATA, TOP_ROWS, frame_table, recent_since_ms, records_table
+from assets.metadata import RUNBOOK_LINE, RUNBOOK_METADATA, frame_table, recent_since_ms, records_table
 from pipelines.declare.project import streams
 from pipelines.declare.specs import EventTimeTableSpec, StreamSpec
 from pipelines.event_time import watermark
 from pipelines.event_time.watermark import output_schema
 from pipelines.operate import table_checks
-from pipelines.operate.inspect import newest_rows
 from pipelines.runtime.query import StreamRunResult
 from pipelines.storage.layout import StorageLayout
 from resources import CheckPolicyResource, SparkSessionResource, StorageResource
@@ -156,14 +155,13 @@ def results(session: SparkSession, layout: StorageLayout, spec: StreamSpec, resu
         order = table.column("start") or newest or table.aggregates[0].name
         since = recent_since_ms(progress and progress.watermark_ms, table.size) \
             if order in (table.column("start"), newest) else None
-        rows = newest_rows(layout.table(table.name), order, since, TOP_ROWS)
+        rows = table_checks.newest_rows(session, layout.table(table.name), order, since)
         yield dg.MaterializeResult(asset_key=dg.AssetKey(table.name), metadata={
             # A closing commit's rows are the windows or sessions its batch closed.
             **common, f"{closed_key}_this_run": sum(int(c["metrics"].get("numOutputRows", 0)) for c in closing),
             "late_events_this_run": late, "operator_state_rows": state.get("rows", -1),
             "operator_state_bytes": state.get("bytes", -1),
-            "newest_rows": records_table([] if rows is None else rows.to_pylist(),
-                                         {f.name: f.dataType.simpleString() for f in output_schema(table)}),
+            "newest_rows": records_table(rows, {f.name: f.dataType.simpleString() for f in output_schema(table)}),
             "table_version": result.versions[table.name].after})
         yield dg.MaterializeResult(asset_key=dg.AssetKey(table.state_table), metadata={
             **common, "rows": state.get("rows", -1), "bytes": state.get("bytes", -1),

@@ -35,6 +35,7 @@ from pipelines.state.expiry import EXPIRED_VALUE, expired_rows, expired_totals, 
 from pipelines.state.tables import aggregate, folded_through, state_schema
 from pipelines.storage import files
 from pipelines.storage.delta_log import commits_since, table_version
+from pipelines.operate.inspect import newest_rows as newest_rows_in_process, rows_in_files
 from pipelines.storage.delta_rs import delta_table
 from pipelines.storage.frames import frame_of_arrow, frame_of_rows, kept
 from pipelines.storage.layout import StorageLayout
@@ -113,6 +114,29 @@ TOP_ROWS = 10
 # A state table of at most this many rows is scanned in this process by delta-rs: the columns the figures need, as
 # Arrow (1M rows of a key, two counts and a time are ~50 MB). A larger one is scanned by Spark.
 SCANNED_IN_PROCESS_ROWS = 2_000_000
+
+
+# The newest rows of an event-time table are read in this process by delta-rs (DataFusion) when the files that may
+# hold them have at most this many rows; from more, by Spark. DataFusion decodes a file's row groups whole: the 1M
+# sessions of a first load (two files) raised the run's Python process by 60-70 MB, at the JVM's peak.
+NEWEST_IN_PROCESS_ROWS = 250_000
+
+
+def newest_rows(spark: SparkSession, path, column: str, since_ms: int | None, limit: int = TOP_ROWS) -> list[dict]:
+    """The `limit` rows of the Delta table at `path` with the greatest `column`, newest first: first among those at
+    `since_ms` or later (their files found by their statistics), all of them when fewer are there."""
+    counted = rows_in_files(path, column, since_ms)
+    if counted is not None and counted[0] <= NEWEST_IN_PROCESS_ROWS:
+        rows = newest_rows_in_process(path, column, since_ms, limit, whole=counted[1] <= NEWEST_IN_PROCESS_ROWS)
+        if rows is not None or counted[1] == 0:
+            return [] if rows is None else rows.to_pylist()
+    table = spark.read.format("delta").load(str(path))
+    if since_ms is not None:
+        recent = (table.where(F.col(column) >= F.timestamp_millis(F.lit(int(since_ms))))
+                  .orderBy(F.desc(column)).limit(limit).collect())
+        if len(recent) == limit:
+            return [r.asDict() for r in recent]
+    return [r.asDict() for r in table.orderBy(F.desc(column)).limit(limit).collect()]
 
 
 def _top_order(table: StateTableSpec) -> list[tuple[str, str]]:

@@ -2,9 +2,11 @@
 Their figures come from one scan per table version, shared by the run's materialization and its checks; a new
 version is scanned again, so a table changed behind the pipeline's back is seen by the next check. A table of up to
 SCANNED_IN_PROCESS_ROWS rows is scanned by delta-rs in the driver's process, a larger one by Spark: both give the same
-figures."""
+figures. So do the newest rows of an event-time table shown after a run, read by delta-rs or by Spark."""
 
 from __future__ import annotations
+
+import datetime as dt
 
 from pipelines.ingest.generate import generate
 from pipelines.operate import table_checks
@@ -48,3 +50,29 @@ def test_per_run_checks_find_duplicated_and_negative_rows(spark, layout, monkeyp
     def shown(r):
         return -r["payment_count"], r["customer_id"], r["total_amount"]
     assert [shown(r) for r in in_process["top_rows"]] == sorted(map(shown, rows))[:table_checks.TOP_ROWS]
+
+
+def test_newest_rows_of_a_session_table_read_in_process_or_by_spark(spark, layout, monkeypatch):
+    """The newest rows shown after a run: delta-rs in the run's process for a table whose candidate files hold few
+    rows, Spark for more (NEWEST_IN_PROCESS_ROWS): the same rows, newest first, with or without a recent bound."""
+    generate(PAYMENTS, layout.landing(PAYMENTS.name), events=600, seed=11, customers=40, events_per_file=200)
+    advance(spark, layout, PAYMENTS, max_files_per_trigger=1)
+    sessions = PAYMENTS.event_time_tables[0]
+    path, order = layout.table(sessions.name), "session_start"
+    every = sorted((r.asDict() for r in spark.read.format("delta").load(str(path)).collect()),
+                   key=lambda r: r[order], reverse=True)
+    assert len(every) > 2 * table_checks.TOP_ROWS
+    middle = int(every[table_checks.TOP_ROWS + 3][order].replace(tzinfo=dt.timezone.utc).timestamp() * 1000)
+    newest = int(every[2][order].replace(tzinfo=dt.timezone.utc).timestamp() * 1000)
+
+    def read(since):
+        rows = [{k: table_checks._naive_utc(v) for k, v in r.items()}
+                for r in table_checks.newest_rows(spark, path, order, since)]
+        assert [r[order] for r in rows] == sorted((r[order] for r in rows), reverse=True)
+        return rows
+
+    # A bound that leaves fewer rows than asked for reads them all; none at all, too.
+    in_process = {since: read(since) for since in (None, middle, newest)}
+    assert all(rows == every[:table_checks.TOP_ROWS] for rows in in_process.values())
+    monkeypatch.setattr(table_checks, "NEWEST_IN_PROCESS_ROWS", 0)
+    assert {since: read(since) for since in in_process} == in_process
