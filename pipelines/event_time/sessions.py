@@ -53,6 +53,7 @@ from pipelines.storage.layout import StorageLayout
 OPEN, FIRST, LAST = "_open", "_first", "_last"
 NEWEST = "_newest"  # a closed session that is its key's newest in the batch
 CLOSES = "_closes"  # a session the batch's watermark closes
+CARRIES = "_carries"  # the row a key's per-key state row comes from after the batch
 _DAY_US = 86_400_000_000
 _US = dt.timedelta(microseconds=1)
 
@@ -152,8 +153,9 @@ def fold_sessions(table: EventTimeTableSpec, spec: StreamSpec, state: DataFrame 
     after = next_watermark(watermark_ms, newest, spec.watermark_delay)
     closes = F.unix_micros(LAST) + F.lit(gap_us) <= F.lit(after * 1000)
     carried = state.where(~F.col(OPEN))
-    # Kept: the closed rows are counted and written, and with the open ones they make the state.
-    sessions = kept(_session_rows(table, aggregated, carried, closes))
+    # Kept: the closed rows are counted and written, and with the open ones and the keys' carried rows they make the
+    # state, all from this one frame.
+    sessions = kept(_session_rows(table, aggregated, carried, closes, after))
     closed, still_open = sessions.where(F.col(CLOSES)), sessions.where(~F.col(CLOSES))
     typed = {f.name: f.dataType for f in schema}
     open_rows = still_open.select(*keys, F.lit(True).alias(OPEN), FIRST, LAST, *(F.col(f"_s{p}").alias(p)
@@ -162,8 +164,10 @@ def fold_sessions(table: EventTimeTableSpec, spec: StreamSpec, state: DataFrame 
                                     for c in _keyed(table)))
     next_state = open_rows
     if _keyed(table):
-        next_state = open_rows.unionByName(_carried_after(table, closed, carried, still_open, after),
-                                           allowMissingColumns=True)
+        carried_after = sessions.where(F.col(CARRIES)).select(
+            *keys, F.lit(False).alias(OPEN), F.lit(None).cast(TimestampType()).alias(FIRST),
+            F.col(_carried(LAST)).alias(LAST), *(F.col(_carried(c.name)) for c in _keyed(table)))
+        next_state = open_rows.unionByName(carried_after, allowMissingColumns=True)
     return SessionsFold(state=next_state.select(*(F.col(f.name).cast(f.dataType) for f in schema)),
                         closed=closed.select(*output_schema(table).fieldNames()),
                         late=late_rows(table, spec, events.where(behind), watermark_ms), watermark_ms=after)
@@ -176,12 +180,21 @@ def _forgotten(table: EventTimeTableSpec, started: Column, previous_last: Column
     return previous_last.isNotNull() & (F.unix_micros(started) - F.unix_micros(previous_last) >= table.ttl // _US)
 
 
-def _session_rows(table: EventTimeTableSpec, sessions: DataFrame, carried: DataFrame, closes: Column) -> DataFrame:
+def _session_rows(table: EventTimeTableSpec, sessions: DataFrame, carried: DataFrame, closes: Column,
+                  watermark_ms: int) -> DataFrame:
     """Every session of the batch (`sessions`: keys, partial columns, first and last event) with whether the new
     watermark closes it (`_closes`) and the table's row it makes then (with `_first`, `_last` and `_newest` kept for
     the state); an open one with its partial columns, as `_s<name>`. Per key, oldest first: the previous session's
     values (the carried ones for the first), unless it is forgotten (null, and the day totals start again); the day
     totals so far, the carried ones included while nothing has been forgotten in between.
+
+    When the table declares per-key values, the keys' rows after the batch come out of the same pass: one row per
+    key flagged `_carries`, with `_carried__last` and the `_carried_<column>` values. A key's newest closed session
+    replaces its row (what the next session's LAG sees is this one's aggregate; its day totals go on from this one's);
+    a key without one keeps its row, from the stored per-key rows joined in full (a key of no session this batch
+    is a row of its own, with no session columns); a key idle for the TTL with nothing open is forgotten (the rule
+    would forget it anyway: this only keeps the table small). Read this way, the state is read and joined once per
+    batch: its write was a second read of it, an anti join and a join with the open keys.
 
     A key's closed sessions are its oldest (its sessions never overlap, and they close by their end), so the windows
     over all its sessions give them what they would give over the closed ones alone, and they run on the partitions
@@ -189,12 +202,17 @@ def _session_rows(table: EventTimeTableSpec, sessions: DataFrame, carried: DataF
     keys, kinds = list(table.keys), {f.name: f.kind for f in table.fields}
     gap_us = table.size // _US
     partials = [f.name for f in partial_schema(table)]
+    keyed = _keyed(table)
     stored = carried.select(*(F.col(k).alias(f"_k_{k}") for k in keys), F.col(LAST).alias("_stored_last"),
-                            *(F.col(_carried(c.name)).alias(f"_stored_{c.name}") for c in _keyed(table)))
-    finals = sessions.select(*keys, FIRST, LAST, closes.alias(CLOSES),
+                            *(F.col(_carried(c.name)).alias(f"_stored_{c.name}") for c in keyed))
+    finals = sessions.select(*keys, FIRST, LAST, closes.alias(CLOSES), F.lit(True).alias("_in_batch"),
                              *(F.when(~closes, F.col(p)).alias(f"_s{p}") for p in partials),
                              *(final_column(a, kinds).alias(a.name) for a in table.aggregates))
-    joined = finals.join(stored, _same_keys(finals, stored, tuple(keys)), "left").drop(*(f"_k_{k}" for k in keys))
+    joined = finals.join(stored, _same_keys(finals, stored, tuple(keys)), "full" if keyed else "left")
+    # A stored key with no session this batch: its key from the stored side (NULL-safe, as the join).
+    joined = joined.select(*(F.when(F.col("_in_batch").isNull(), F.col(f"_k_{k}")).otherwise(F.col(k)).alias(k)
+                             for k in keys),
+                           *(c for c in joined.columns if c not in keys and not c.startswith("_k_")))
     by_key = Window.partitionBy(*keys).orderBy(FIRST)
     first_closed = F.row_number().over(by_key) == 1
     previous_last = F.when(first_closed, F.col("_stored_last")).otherwise(F.lag(LAST).over(by_key))
@@ -214,32 +232,31 @@ def _session_rows(table: EventTimeTableSpec, sessions: DataFrame, carried: DataF
         return F.coalesce(running + kept, running, kept)
 
     bounds = (F.col(FIRST), F.timestamp_micros(F.unix_micros(LAST) + F.lit(gap_us)))
-    # The last closed by start is the key's newest, the one its per-key row carries on from (`_carried_after`),
-    # flagged here in the same window rather than ranked again there.
+    # The last closed by start is the key's newest, the one its per-key row carries on from, flagged here in the
+    # same window rather than ranked again.
     newest = (F.col(CLOSES) & F.coalesce(~F.lead(CLOSES).over(by_key), F.lit(True))).alias(NEWEST)
-    return numbered.select(*declared_columns(table, *bounds, value_of), FIRST, LAST, newest, CLOSES,
-                           *(f"_s{p}" for p in partials))
-
-
-def _carried_after(table: EventTimeTableSpec, closed: DataFrame, carried: DataFrame, still_open: DataFrame,
-                   watermark_ms: int) -> DataFrame:
-    """The per-key rows after the batch: a key's newest closed session replaces its row (what the next session's
-    LAG sees is this one's aggregate; its day totals go on from this one's); a key idle for the TTL with nothing
-    open is forgotten (the rule would forget it anyway: this only keeps the table small)."""
-    keys = list(table.keys)
-    newest = closed.where(F.col(NEWEST)).select(
-        *keys, LAST, *(F.col(c.of if c.role == "previous" else c.name).alias(_carried(c.name)) for c in _keyed(table)))
-    renamed = newest.select(*(F.col(k).alias(f"_k_{k}") for k in keys))
-    kept = carried.join(renamed, _same_keys(carried, renamed, tuple(keys)), "left_anti")
-    rows = kept.select(*keys, LAST, *(_carried(c.name) for c in _keyed(table))).unionByName(newest)
+    rows = numbered.select(*declared_columns(table, *bounds, value_of), FIRST, LAST, newest, CLOSES,
+                           *(f"_s{p}" for p in partials),
+                           *((first_closed.alias("_first_of_key"), "_in_batch", "_stored_last",
+                              *(f"_stored_{c.name}" for c in keyed)) if keyed else ()))
+    if not keyed:
+        return rows
+    # Per key: whether a session stays open, and whether one closed (the newest of those carries).
+    whole_key = Window.partitionBy(*keys)
+    open_in_key = F.max(F.col("_in_batch").isNotNull() & ~F.col(CLOSES)).over(whole_key)
+    closed_in_key = F.max(F.coalesce(F.col(CLOSES), F.lit(False))).over(whole_key)
+    from_stored = F.col("_first_of_key") & ~closed_in_key & F.col("_stored_last").isNotNull()
+    carried_last = F.when(F.col(NEWEST), F.col(LAST)).otherwise(F.col("_stored_last"))
+    carries = F.coalesce(F.col(NEWEST), F.lit(False)) | from_stored
     if table.ttl is not None:
-        opened = still_open.select(*(F.col(k).alias(f"_k_{k}") for k in keys)).distinct().withColumn("_has_open",
-                                                                                                   F.lit(True))
-        rows = (rows.join(opened, _same_keys(rows, opened, tuple(keys)), "left")
-                .where(F.col("_has_open").isNotNull()
-                       | (F.unix_micros(LAST) + F.lit(table.ttl // _US) > F.lit(watermark_ms * 1000)))
-                .drop("_has_open", *(f"_k_{k}" for k in keys)))
-    return rows.withColumn(OPEN, F.lit(False)).withColumn(FIRST, F.lit(None).cast(TimestampType()))
+        carries = carries & (F.coalesce(open_in_key, F.lit(False))
+                             | (F.unix_micros(carried_last) + F.lit(table.ttl // _US) > F.lit(watermark_ms * 1000)))
+    return rows.select(
+        *(c for c in rows.columns if c not in ("_first_of_key", "_in_batch", "_stored_last")
+          and not c.startswith("_stored_")),
+        carries.alias(CARRIES), carried_last.alias(_carried(LAST)),
+        *(F.when(F.col(NEWEST), F.col(c.of if c.role == "previous" else c.name))
+          .otherwise(F.col(f"_stored_{c.name}")).alias(_carried(c.name)) for c in keyed))
 
 
 class SessionsStage(EventTimeStage):
