@@ -252,8 +252,7 @@ def _session_rows(table: EventTimeTableSpec, sessions: DataFrame, carried: DataF
         carries = carries & (F.coalesce(open_in_key, F.lit(False))
                              | (F.unix_micros(carried_last) + F.lit(table.ttl // _US) > F.lit(watermark_ms * 1000)))
     return rows.select(
-        *(c for c in rows.columns if c not in ("_first_of_key", "_in_batch", "_stored_last")
-          and not c.startswith("_stored_")),
+        *(c for c in rows.columns if c not in ("_first_of_key", "_in_batch") and not c.startswith("_stored_")),
         carries.alias(CARRIES), carried_last.alias(_carried(LAST)),
         *(F.when(F.col(NEWEST), F.col(c.of if c.role == "previous" else c.name))
           .otherwise(F.col(f"_stored_{c.name}")).alias(_carried(c.name)) for c in keyed))

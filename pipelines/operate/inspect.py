@@ -69,31 +69,26 @@ def query(table, sql_where: str | None = None, *, order_by: list[str] | None = N
                                  f"\"region = 'north'\"") from None
 
 
-def newest_rows(path, column: str, since_ms: int | None, limit: int, *, whole: bool = True) -> pa.Table | None:
-    """The `limit` rows of the Delta table at `path` with the greatest `column`, by delta-rs: first among the
-    rows at `since_ms` or later, whose files the others' statistics let it skip; all of them when fewer are there
-    (unless `whole` is False: then None). None when there is no table. For the UI after each run: by Spark, a query
-    of ~0.5 s on a warm +100k run."""
-    table = delta_table(path)
-    if table is None:
-        return None
+def newest_rows(table, column: str, since_ms: int | None, limit: int, *, whole: bool = True) -> pa.Table | None:
+    """The `limit` rows of `table` (a delta-rs DeltaTable) with the greatest `column`: first among the rows at
+    `since_ms` or later, whose files the others' statistics let it skip; all of them when fewer are there (unless
+    `whole` is False: then None). For the UI after each run: by Spark, a query of ~0.5 s on a warm +100k run."""
     order = [f"{_quoted(column)} DESC"]
     if since_ms is not None:
         rows = query(table, f"{_quoted(column)} >= to_timestamp_millis({int(since_ms)})", order_by=order, limit=limit)
-        if rows.num_rows == limit or not whole:
-            return rows if rows.num_rows == limit else None
+        if rows.num_rows == limit:
+            return rows
+        if not whole:
+            return None
     return query(table, order_by=order, limit=limit)
 
 
-def rows_in_files(path, column: str, since_ms: int | None) -> tuple[int, int] | None:
-    """(the rows of the files that may hold `column` at `since_ms` or later, every row) of the Delta table at
-    `path`, from its files' statistics: no data file is read. None without a table or when a file lacks its row
-    count; a file without the column's statistics counts as one that may hold it."""
+def rows_in_files(table, column: str, since_ms: int | None) -> tuple[int, int] | None:
+    """(the rows of the files that may hold `column` at `since_ms` or later, every row) of `table` (a delta-rs
+    DeltaTable), from its files' statistics: no data file is read. None when a file lacks its row count; a file
+    without the column's statistics counts as one that may hold it."""
     import pyarrow.compute as pc
 
-    table = delta_table(path)
-    if table is None:
-        return None
     files = pa.table(table.get_add_actions(flatten=True))
     rows = files["num_records"] if files.num_rows else pa.chunked_array([[]], pa.int64())
     if rows.null_count:

@@ -31,11 +31,11 @@ from pipelines.declare.sql import query_over
 from pipelines.event_time import watermark
 from pipelines.event_time.watermark import output_schema
 from pipelines.ingest.bronze import accepted_totals, bronze_schema
+from pipelines.operate.inspect import newest_rows as newest_rows_in_process, rows_in_files
 from pipelines.state.expiry import EXPIRED_VALUE, expired_rows, expired_totals, since_last_expiry
 from pipelines.state.tables import aggregate, folded_through, state_schema
 from pipelines.storage import files
 from pipelines.storage.delta_log import commits_since, table_version
-from pipelines.operate.inspect import newest_rows as newest_rows_in_process, rows_in_files
 from pipelines.storage.delta_rs import delta_table
 from pipelines.storage.frames import frame_of_arrow, frame_of_rows, kept
 from pipelines.storage.layout import StorageLayout
@@ -125,11 +125,14 @@ NEWEST_IN_PROCESS_ROWS = 250_000
 def newest_rows(spark: SparkSession, path, column: str, since_ms: int | None, limit: int = TOP_ROWS) -> list[dict]:
     """The `limit` rows of the Delta table at `path` with the greatest `column`, newest first: first among those at
     `since_ms` or later (their files found by their statistics), all of them when fewer are there."""
-    counted = rows_in_files(path, column, since_ms)
+    stored = delta_table(files.storage_path(path))
+    if stored is None:
+        return []
+    counted = rows_in_files(stored, column, since_ms)
     if counted is not None and counted[0] <= NEWEST_IN_PROCESS_ROWS:
-        rows = newest_rows_in_process(path, column, since_ms, limit, whole=counted[1] <= NEWEST_IN_PROCESS_ROWS)
-        if rows is not None or counted[1] == 0:
-            return [] if rows is None else rows.to_pylist()
+        rows = newest_rows_in_process(stored, column, since_ms, limit, whole=counted[1] <= NEWEST_IN_PROCESS_ROWS)
+        if rows is not None:
+            return rows.to_pylist()
     table = spark.read.format("delta").load(str(path))
     if since_ms is not None:
         recent = (table.where(F.col(column) >= F.timestamp_millis(F.lit(int(since_ms))))
