@@ -469,6 +469,8 @@ def _rows_of_keys(dataset, table: EventTimeTableSpec, keys: set[tuple], where, c
     if not found:
         return pa.table({c: [] for c in columns}, schema=pa.schema([dataset.schema.field(c) for c in columns]))
     return pa.Table.from_batches(found)
+
+
 def _session_run_check(spark: SparkSession, layout: StorageLayout, spec: StreamSpec, table: EventTimeTableSpec,
                        progress, since_version: int, figures: dict) -> tuple[DataFrame, dict]:
     """The per-run session check: the keys of the sessions the run wrote (at most RUN_CHECK_KEYS of them, a sample
