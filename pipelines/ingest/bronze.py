@@ -132,17 +132,19 @@ def _day_ceil(us: int) -> int:
     return _day_floor(us) + (_DAY_US if us % _DAY_US else 0)
 
 
-def _outcomes(marked: DataFrame, bronze: DataFrame, spec: StreamSpec, lo: Column, hi: Column,
-              horizon_us: int, bronze_empty: bool = False) -> DataFrame:
+def _outcomes(marked: DataFrame, bronze: DataFrame, spec: StreamSpec, bounds: tuple[int, int] | None,
+              horizon_us: int, bronze_empty: bool = False) -> tuple[DataFrame, int]:
     """Every line of the batch with its `outcome`, in one pass: `already_ingested` (column `_done`), `quarantined`
     (a reason), then among the valid lines not yet ingested `accepted` (new), `duplicates` (an id accepted before
     with the same content) or `quarantined` as `conflicting_duplicate` (an id accepted before with other content).
 
     The contract's rule: an event is compared with the accepted events of its id whose event time lies within the
     dedup horizon of its own; none there, it is a new event. So the same lines give the same tables however they
-    are cut into micro-batches. Bronze is searched among events whose event time lies between `lo` and `hi` (the
-    batch's event times widened by the horizon). Content is compared by `content_identity`, computed from bronze's
-    typed columns, so rows of any earlier version compare the same way.
+    are cut into micro-batches. Bronze is searched among events whose event time lies within the horizon of the
+    batch's oldest and newest valid lines (`bounds`, in micros, when the caller knows them; otherwise those of the
+    lines compared, from the count of ids). Content is compared by `content_identity`, computed from bronze's typed
+    columns, so rows of any earlier version compare the same way. Returns the lines with their outcomes, and how
+    many lines there are (counted apart from the outcomes: the batch's line accounting compares the two).
 
     A line whose id the batch holds once is decided by a join with bronze's events of its id within its horizon.
     The lines of ids the batch holds more than once (re-deliveries, a few in a hundred) are decided in arrival
@@ -155,13 +157,23 @@ def _outcomes(marked: DataFrame, bronze: DataFrame, spec: StreamSpec, lo: Column
     candidate = F.col("reason").isNull() & F.col("_done").isNull()
     # Only candidates have a key; every other line has NULL and is never compared.
     keyed = marked.withColumn("_key", F.when(candidate, F.col(id_col)))
-    candidates = keyed.where(candidate).select("_key", "unit", "line_number", "content_hash",
-                                               F.unix_micros(ts_col).alias("_at"))
-    ids = kept(candidates.groupBy("_key").agg(F.count("*").alias("_n")))
-    # Bronze's events of the batch's ids: the event-time range skips files by their statistics, the semi join
-    # skips every other id before the (costly) content hash. Kept: the in-order decision and the others' lookup
-    # both read it, and each read was a scan of bronze's range.
-    prior = (bronze.where(F.lit(False) if bronze_empty else F.col(ts_col).between(lo, hi))
+    at = F.unix_micros(ts_col)
+    candidates = keyed.where(candidate).select("_key", "unit", "line_number", "content_hash", at.alias("_at"))
+    # Every line is counted here, the lines never compared as one group of no id (NULL), with the oldest and newest
+    # event time of each id: one job over the ids answers how many lines, the bounds of bronze's search and whether
+    # an id repeats, where a first pass over the batch's kept lines and a second over the ids did.
+    ids = kept(keyed.groupBy("_key").agg(F.count("*").alias("_n"), F.min(F.when(candidate, at)).alias("_lo"),
+                                         F.max(F.when(candidate, at)).alias("_hi")))
+    repeats = F.col("_key").isNotNull() & (F.col("_n") > 1)
+    summary = ids.agg(F.sum("_n").alias("lines"), F.min("_lo").alias("lo"), F.max("_hi").alias("hi"),
+                      F.max(repeats).alias("repeats")).first()
+    lo, hi = bounds if bounds is not None else (summary["lo"] or 0, summary["hi"] or 0)
+    # Bronze's events of the batch's ids: the event-time range (whole UTC days, `_day_floor`) skips files by their
+    # statistics, the semi join skips every other id before the (costly) content hash. Kept: the in-order decision
+    # and the others' lookup both read it, and each read was a scan of bronze's range.
+    in_range = F.col(ts_col).between(F.timestamp_micros(F.lit(_day_floor(lo - horizon_us))),
+                                     F.timestamp_micros(F.lit(_day_ceil(hi + horizon_us))))
+    prior = (bronze.where(F.lit(False) if bronze_empty else in_range)
              .join(ids.select("_key"), F.col(id_col) == F.col("_key"), "left_semi")
              .select(F.col(id_col).alias("_prior_id"), F.unix_micros(ts_col).alias("_prior_at"),
                      content_identity(spec).alias("_prior_hash")))
@@ -169,8 +181,8 @@ def _outcomes(marked: DataFrame, bronze: DataFrame, spec: StreamSpec, lo: Column
     # 27.7 and 30.6 s instead of 34.2 and 35.4 s (alternated, the same day).
     prior = prior if bronze_empty else kept(prior)
     singles, looked_up = candidates, keyed
-    repeated = ids.where(F.col("_n") > 1).select("_key")
-    if not repeated.isEmpty():
+    repeated = ids.where(repeats).select("_key")
+    if summary["repeats"]:
         singles = candidates.join(repeated, "_key", "left_anti")
         in_order = _decided_in_order(candidates.join(repeated, "_key", "left_semi"),
                                      prior.join(repeated, F.col("_prior_id") == F.col("_key"), "left_semi"), horizon_us)
@@ -190,7 +202,7 @@ def _outcomes(marked: DataFrame, bronze: DataFrame, spec: StreamSpec, lo: Column
                .when(is_new, F.lit("accepted"))
                .when(known_content, F.lit("duplicates"))
                .otherwise(F.lit("quarantined")))
-    return _labelled(looked_up, marked.columns, spec, conflict, outcome)
+    return _labelled(looked_up, marked.columns, spec, conflict, outcome), int(summary["lines"] or 0)
 
 
 def _labelled(looked_up: DataFrame, columns: list[str], spec: StreamSpec, conflict: Column, outcome: Column
@@ -415,28 +427,32 @@ def _classify(lines: DataFrame, batch_id: int, settings: IngestSettings, ingeste
     # Validated once, kept, and its (large) plan cut off: every later step plans on a small one.
     # Planning the validation again for each of the batch's queries cost more than running it.
     stamped = kept(stamped)
-    valid_ts = F.when(F.col("reason").isNull(), F.col(ts_col))
-    facts = stamped.agg(F.unix_micros(F.min(valid_ts)).alias("lo"), F.unix_micros(F.max(valid_ts)).alias("hi"),
-                        F.count("*").alias("lines"), F.collect_set("source_file").alias("files")).first()
-    # Event times are compared as micros, never as Python datetimes: no year-0 or year-10000 surprises.
-    lo, hi = facts["lo"] or 0, facts["hi"] or 0
+    bounds = None
     if may_repeat:
-        done = _already_ingested(bronze, quarantine, spec, facts["files"], F.timestamp_micros(F.lit(_day_floor(lo))),
-                                 F.timestamp_micros(F.lit(_day_ceil(hi))))
+        # The lines an earlier attempt wrote are looked up by their files and event times first.
+        valid_ts = F.when(F.col("reason").isNull(), F.col(ts_col))
+        facts = stamped.agg(F.unix_micros(F.min(valid_ts)).alias("lo"), F.unix_micros(F.max(valid_ts)).alias("hi"),
+                            F.collect_set("source_file").alias("files")).first()
+        # Event times are compared as micros, never as Python datetimes: no year-0 or year-10000 surprises.
+        bounds = facts["lo"] or 0, facts["hi"] or 0
+        done = _already_ingested(bronze, quarantine, spec, facts["files"],
+                                 F.timestamp_micros(F.lit(_day_floor(bounds[0]))),
+                                 F.timestamp_micros(F.lit(_day_ceil(bounds[1]))))
         done = done.withColumn("_done", F.lit(True))
         marked = stamped.join(done, ["source_file", "line_number"], "left")
     else:
         marked = stamped.withColumn("_done", F.lit(None).cast("boolean"))
-    classified = kept(_outcomes(marked, bronze, spec, F.timestamp_micros(F.lit(_day_floor(lo - horizon))),
-                                F.timestamp_micros(F.lit(_day_ceil(hi + horizon))), horizon, bronze_empty))
+    decided, lines = _outcomes(marked, bronze, spec, bounds, horizon, bronze_empty)
+    classified = kept(decided)
     by_outcome = classified.groupBy("outcome").agg(F.count("*").alias("count"),
                                                    F.sum(spec.value_field or F.lit(0)).alias("value"),
                                                    F.unix_millis(F.max(ts_col)).alias("newest_ms"),
-                                                   F.unix_millis(F.min(ts_col)).alias("oldest_ms"))
-    return Classified(classified, facts["lines"], facts["files"],
+                                                   F.unix_millis(F.min(ts_col)).alias("oldest_ms"),
+                                                   F.collect_set("source_file").alias("files")).collect()
+    return Classified(classified, lines, sorted({f for r in by_outcome for f in r["files"]}),
                       {r["outcome"]: {"count": r["count"], "value": r["value"], "newest_ms": r["newest_ms"],
                                       "oldest_ms": r["oldest_ms"]}
-                       for r in by_outcome.collect()})
+                       for r in by_outcome})
 
 
 def _probe(lines: DataFrame, batch_id: int, settings: IngestSettings, ingested_at: datetime) -> str | None:
