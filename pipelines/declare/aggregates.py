@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pyspark.sql import Column
+from pyspark.sql.window import WindowSpec
 from pyspark.sql import functions as F
 from pyspark.sql.types import ArrayType, DataType, DecimalType, DoubleType, LongType, StructField, StructType
 
@@ -24,6 +25,11 @@ Fields = dict[str, FieldRule]
 
 def _summed_type(kind: str) -> DataType:
     return TOTAL_TYPE if kind == "decimal" else LongType()
+
+
+def _over(aggregate: Column, window: WindowSpec | None) -> Column:
+    """`aggregate` as an aggregation's column, or over `window` (a window function, on each of its rows)."""
+    return aggregate if window is None else aggregate.over(window)
 
 
 def _counted(column: str | None) -> Column:
@@ -59,8 +65,9 @@ class AggregateKind:
     def never_null(self, a: Aggregate, field: Fields) -> bool:
         return False
 
-    def partial(self, a: Aggregate, kinds: dict[str, str]) -> list[Column]:
-        """The partial columns over rows of the stream (`groupBy(...).agg`)."""
+    def partial(self, a: Aggregate, kinds: dict[str, str], over: WindowSpec | None = None) -> list[Column]:
+        """The partial columns over rows of the stream (`groupBy(...).agg`; with `over`, each aggregate over that
+        window, on every row of it)."""
         raise NotImplementedError
 
     def of_row(self, a: Aggregate, kinds: dict[str, str]) -> list[Column]:
@@ -68,8 +75,9 @@ class AggregateKind:
         one row, so that `combined` reads rows of the stream and rows of partials alike."""
         raise NotImplementedError
 
-    def combined(self, a: Aggregate, kinds: dict[str, str]) -> list[Column]:
-        """The partial columns over rows of partial columns: several batches' partials of one key as one."""
+    def combined(self, a: Aggregate, kinds: dict[str, str], over: WindowSpec | None = None) -> list[Column]:
+        """The partial columns over rows of partial columns: several batches' partials of one key as one (`over`:
+        as `partial`'s)."""
         raise NotImplementedError
 
     def final(self, a: Aggregate, kinds: dict[str, str]) -> Column:
@@ -91,14 +99,14 @@ class _Count(AggregateKind):
     def never_null(self, a, field):
         return True
 
-    def partial(self, a, kinds):
-        return [F.count(a.column or F.lit(1)).alias(a.name)]
+    def partial(self, a, kinds, over=None):
+        return [_over(F.count(a.column or F.lit(1)), over).alias(a.name)]
 
     def of_row(self, a, kinds):
         return [_counted(a.column).alias(a.name)]
 
-    def combined(self, a, kinds):
-        return [F.sum(a.name).cast(LongType()).alias(a.name)]
+    def combined(self, a, kinds, over=None):
+        return [_over(F.sum(a.name), over).cast(LongType()).alias(a.name)]
 
     def merged(self, a, types, field):
         c = ident(a.name)
@@ -115,14 +123,14 @@ class _Sum(AggregateKind):
     def never_null(self, a, field):
         return field[a.column].required
 
-    def partial(self, a, kinds):
-        return [F.sum(a.column).cast(_summed_type(kinds[a.column])).alias(a.name)]
+    def partial(self, a, kinds, over=None):
+        return [_over(F.sum(a.column), over).cast(_summed_type(kinds[a.column])).alias(a.name)]
 
     def of_row(self, a, kinds):
         return [F.col(a.column).cast(_summed_type(kinds[a.column])).alias(a.name)]
 
-    def combined(self, a, kinds):
-        return [F.sum(a.name).cast(_summed_type(kinds[a.column])).alias(a.name)]
+    def combined(self, a, kinds, over=None):
+        return [_over(F.sum(a.name), over).cast(_summed_type(kinds[a.column])).alias(a.name)]
 
     def merged(self, a, types, field):
         c = ident(a.name)
@@ -141,14 +149,14 @@ class _Extreme(AggregateKind):
     def never_null(self, a, field):
         return field[a.column].required
 
-    def partial(self, a, kinds):
-        return [getattr(F, self.function)(a.column).alias(a.name)]
+    def partial(self, a, kinds, over=None):
+        return [_over(getattr(F, self.function)(a.column), over).alias(a.name)]
 
     def of_row(self, a, kinds):
         return [F.col(a.column).alias(a.name)]
 
-    def combined(self, a, kinds):
-        return [getattr(F, self.function)(a.name).alias(a.name)]
+    def combined(self, a, kinds, over=None):
+        return [_over(getattr(F, self.function)(a.name), over).alias(a.name)]
 
     def merged(self, a, types, field):
         c = ident(a.name)
@@ -175,17 +183,17 @@ class _Avg(AggregateKind):
     def shown_as_kept(self):
         return False
 
-    def partial(self, a, kinds):
-        return [F.sum(a.column).cast(_summed_type(kinds[a.column])).alias(_avg_sum(a)),
-                F.count(a.column).alias(_avg_count(a))]
+    def partial(self, a, kinds, over=None):
+        return [_over(F.sum(a.column), over).cast(_summed_type(kinds[a.column])).alias(_avg_sum(a)),
+                _over(F.count(a.column), over).alias(_avg_count(a))]
 
     def of_row(self, a, kinds):
         return [F.col(a.column).cast(_summed_type(kinds[a.column])).alias(_avg_sum(a)),
                 _counted(a.column).alias(_avg_count(a))]
 
-    def combined(self, a, kinds):
-        return [F.sum(_avg_sum(a)).cast(_summed_type(kinds[a.column])).alias(_avg_sum(a)),
-                F.sum(_avg_count(a)).cast(LongType()).alias(_avg_count(a))]
+    def combined(self, a, kinds, over=None):
+        return [_over(F.sum(_avg_sum(a)), over).cast(_summed_type(kinds[a.column])).alias(_avg_sum(a)),
+                _over(F.sum(_avg_count(a)), over).cast(LongType()).alias(_avg_count(a))]
 
     def final(self, a, kinds):
         total, count = F.col(_avg_sum(a)), F.col(_avg_count(a))
@@ -246,19 +254,20 @@ class _ExtremeBy(AggregateKind):
         # NULL when the ordering is: Spark's MIN_BY/MAX_BY skip such rows, as collect_list and MIN/MAX of NULL do.
         return F.when(F.col(a.by).isNotNull(), F.struct(F.col(a.by).alias("by"), F.col(a.column).alias("value")))
 
-    def partial(self, a, kinds):
+    def partial(self, a, kinds, over=None):
         pair = self._pair(a)
-        return [(self._newest(F.collect_list(pair), a) if a.n else self._pick(pair)).alias(_by(a))]
+        return [(self._newest(_over(F.collect_list(pair), over), a) if a.n else _over(self._pick(pair), over))
+                .alias(_by(a))]
 
     def of_row(self, a, kinds):
         # A list of its one pair, or none (flatten of a NULL list would make the combined list NULL).
         pair = self._pair(a)
         return [(F.filter(F.array(pair), lambda p: p.isNotNull()) if a.n else pair).alias(_by(a))]
 
-    def combined(self, a, kinds):
+    def combined(self, a, kinds, over=None):
         if a.n:
-            return [self._newest(F.flatten(F.collect_list(_by(a))), a).alias(_by(a))]
-        return [self._pick(F.col(_by(a))).alias(_by(a))]
+            return [self._newest(F.flatten(_over(F.collect_list(_by(a)), over)), a).alias(_by(a))]
+        return [_over(self._pick(F.col(_by(a))), over).alias(_by(a))]
 
     def final(self, a, kinds):
         value = F.transform(_by(a), lambda p: p["value"]) if a.n else F.col(_by(a)).getField("value")
@@ -285,9 +294,9 @@ def kind_of(a: Aggregate) -> AggregateKind:
     return KINDS[a.function]
 
 
-def partial_columns(aggregates, kinds: dict[str, str]) -> list[Column]:
-    """Every aggregate's partial columns over rows of the stream."""
-    return [c for a in aggregates for c in kind_of(a).partial(a, kinds)]
+def partial_columns(aggregates, kinds: dict[str, str], over: WindowSpec | None = None) -> list[Column]:
+    """Every aggregate's partial columns over rows of the stream (`over`: over that window, on each of its rows)."""
+    return [c for a in aggregates for c in kind_of(a).partial(a, kinds, over)]
 
 
 def row_columns(aggregates, kinds: dict[str, str]) -> list[Column]:
@@ -295,9 +304,9 @@ def row_columns(aggregates, kinds: dict[str, str]) -> list[Column]:
     return [c for a in aggregates for c in kind_of(a).of_row(a, kinds)]
 
 
-def combined_columns(aggregates, kinds: dict[str, str]) -> list[Column]:
-    """Every aggregate's partial columns over rows of partial columns."""
-    return [c for a in aggregates for c in kind_of(a).combined(a, kinds)]
+def combined_columns(aggregates, kinds: dict[str, str], over: WindowSpec | None = None) -> list[Column]:
+    """Every aggregate's partial columns over rows of partial columns (`over`: as `partial_columns`)."""
+    return [c for a in aggregates for c in kind_of(a).combined(a, kinds, over)]
 
 
 def partial_fields(aggregates, field: Fields) -> list[StructField]:

@@ -125,14 +125,20 @@ def fold_sessions(table: EventTimeTableSpec, spec: StreamSpec, state: DataFrame 
         return pieces.withColumn("_starts", starts).withColumn(
             "_session", F.sum("_starts").over(in_order.rowsBetween(Window.unboundedPreceding, 0)))
 
+    # A session's aggregates over the window of its pieces, kept on its first piece (each session has one piece that
+    # starts it): one sort of the cut pieces by session, then one pass. As a GROUP BY, an aggregation of a list
+    # (MAX_BY with a count is a collect_list, an object aggregate) ran twice, partial then final on the same
+    # partitions, and each fell back to sorting all the pieces.
+    session = Window.partitionBy(*keys, "_session")
+    first_piece = F.col("_starts") == 1
     if state is None:
-        # Every session is made of events alone: their partial aggregates are its state, in one aggregation over
-        # the cut events as the window left them (partitioned by key), with nothing to keep in between. A first
-        # load of 1M payments aggregated them twice, the second time after a shuffle.
+        # Every session is made of events alone: their partial aggregates are its state, over the cut events as the
+        # window left them (partitioned by key), with nothing to keep in between.
         state = frame_of_rows(events.sparkSession, [], schema)
-        aggregated = (cut(arrived).groupBy(*keys, "_session")
-                      .agg(*partial_columns(table.aggregates, kinds), F.min(FIRST).alias(FIRST),
-                           F.max(LAST).alias(LAST)).drop("_session"))
+        aggregated = (cut(arrived).select(*keys, "_starts", *partial_columns(table.aggregates, kinds, session),
+                                          F.min(FIRST).over(session).alias(FIRST),
+                                          F.max(LAST).over(session).alias(LAST))
+                      .where(first_piece).drop("_starts"))
     else:
         # Sessions are cut on (key, first, last) alone: the state's partial columns travel renamed, beside the
         # events' own fields. Once every piece knows its session, an event becomes the partial columns of itself
@@ -141,11 +147,12 @@ def fold_sessions(table: EventTimeTableSpec, spec: StreamSpec, state: DataFrame 
                                                 F.lit(True).alias("_held"))
         pieces = cut(held.unionByName(arrived, allowMissingColumns=True))
         own = row_columns(table.aggregates, kinds)
-        as_partials = pieces.select(*keys, "_session", FIRST, LAST, *(
+        as_partials = pieces.select(*keys, "_session", "_starts", FIRST, LAST, *(
             F.when(F.col("_held"), F.col(f"_s{p}")).otherwise(row).alias(p) for p, row in zip(partials, own)))
-        aggregated = (as_partials.groupBy(*keys, "_session")
-                      .agg(*combined_columns(table.aggregates, kinds),
-                           F.min(FIRST).alias(FIRST), F.max(LAST).alias(LAST)).drop("_session"))
+        aggregated = (as_partials.select(*keys, "_starts", *combined_columns(table.aggregates, kinds, session),
+                                         F.min(FIRST).over(session).alias(FIRST),
+                                         F.max(LAST).over(session).alias(LAST))
+                      .where(first_piece).drop("_starts"))
     if newest_ms is None:
         aggregated = kept(aggregated)  # the watermark's job reads it too
     newest = newest_of_stream(table, stream_events, watermark_ms,
