@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pyspark.sql import Column
-from pyspark.sql.window import WindowSpec
 from pyspark.sql import functions as F
 from pyspark.sql.types import ArrayType, DataType, DecimalType, DoubleType, LongType, StructField, StructType
+from pyspark.sql.window import WindowSpec
 
 from pipelines.declare.specs import FIELD_TYPES, Aggregate, FieldRule
 from pipelines.storage.delta_sql import ident
