@@ -351,9 +351,8 @@ class BronzeRows:
         if self.appended is None or self.appended.version != self.through:
             return False
         # A step that has folded nothing yet (-1) lacks version 0 too: the table's creation, which adds no row, so
-        # after a first load's append it lacks only that. Read back, a first load of 1M payments was folded from
-        # bronze's change data, and the session step, not knowing the rows' newest event time, kept its
-        # aggregation to ask for it.
+        # after a first load's append it lacks only that (otherwise a first load would be read back from bronze's
+        # change data, and the session step would keep its aggregation to learn the rows' newest event time).
         return folded + 1 == self.through or (folded == -1 and self.through == 1 and self._creation_holds_no_row)
 
     @cached_property
