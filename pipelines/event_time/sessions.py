@@ -41,7 +41,7 @@ from pipelines.declare.specs import FIELD_TYPES, EventTimeTableSpec, OutputColum
 from pipelines.event_time.watermark import (
     NO_PROGRESS, EventTimeStage, FoldedBatch, append_late, behind_watermark, declared_columns,
     ensure_tables, kept_events, late_rows, newest_of_stream, next_watermark, output_schema, partial_schema,
-    read_state, resume, undo_late_rows, write_state,
+    resume, undo_late_rows, write_state,
 )
 from pipelines.faults import (
     SESSIONS_AFTER_LATE_COMMIT, SESSIONS_AFTER_STATE_COMMIT, SESSIONS_BEFORE_CLOSING_COMMIT, fault_point,
@@ -271,12 +271,14 @@ class SessionsStage(EventTimeStage):
 
     before_closing_fault = SESSIONS_BEFORE_CLOSING_COMMIT
 
+    def operator_state_schema(self) -> StructType:
+        return state_schema(self.table)
+
     def fold_and_write(self, rows: DataFrame, newest_ms: int | None, app_id: str, batch_id: int, marker: dict,
                        late_possible: bool = True) -> FoldedBatch:
         spark, layout, table = rows.sparkSession, self.layout, self.table
         state_path = layout.table(table.state_table)
-        before = (read_state(spark, state_path, self.last.state_version, state_schema(table))
-                  if self.last.state_version is not None else None)
+        before = self.state_before(spark) if self.last.state_version is not None else None
         fold = fold_sessions(table, self.spec, before, rows, self.last.watermark_ms, newest_ms)
         # Nothing is counted first: the late events are appended whenever the batch can hold one (its commit counts
         # them), and the sessions closed are the closing commit's rows. Counted by a query of their own, they were

@@ -21,6 +21,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -304,6 +305,33 @@ class EventTimeStage:
         self.layout, self.spec, self.table, self.last = layout, spec, table, last
         # Set when the stream starts: what it undid of a batch that died before this step closed.
         self.recovered: dict | None = None
+        # Set during a large batch: the operator state read and kept while the batch ingests (`read_state_ahead`).
+        self.state_ahead: Future | None = None
+
+    def operator_state_schema(self) -> StructType:
+        """The schema of the step's operator state."""
+        raise NotImplementedError
+
+    def read_state_ahead(self, spark: SparkSession) -> tuple[int | None, DataFrame | None]:
+        """The operator state the next fold starts from, kept, with its version (None: no batch yet, nothing to
+        read): read beside the batch's ingest, whose driver leaves the cores idle between its jobs, so that the
+        fold does not read and plan it after."""
+        version = self.last.state_version
+        if version is None:
+            return None, None
+        return version, kept(read_state(spark, self.layout.table(self.table.state_table), version,
+                                        self.operator_state_schema()))
+
+    def state_before(self, spark: SparkSession) -> DataFrame:
+        """The operator state as the last closing commit left it (`read_state`): the frame read ahead when it holds
+        that version (another copy of the step may have closed since: `advance`)."""
+        ahead, self.state_ahead = self.state_ahead, None
+        if ahead is not None:
+            version, frame = ahead.result()
+            if frame is not None and version == self.last.state_version:
+                return frame
+        return read_state(spark, self.layout.table(self.table.state_table), self.last.state_version,
+                          self.operator_state_schema())
 
     @property
     def marker(self) -> str:

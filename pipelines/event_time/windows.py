@@ -31,7 +31,7 @@ from pipelines.declare.specs import FIELD_TYPES, EventTimeTableSpec, StreamSpec,
 from pipelines.event_time.watermark import (
     NO_PROGRESS, EventTimeStage, FoldedBatch, append_batch, append_late, behind_watermark, closed_and_late,
     declared_columns, ensure_tables, kept_events, late_rows, newest_of_stream, next_watermark, partial_schema,
-    read_state, resume, undo_late_rows, write_state,
+    resume, undo_late_rows, write_state,
 )
 from pipelines.faults import (
     WINDOWS_AFTER_LATE_COMMIT, WINDOWS_AFTER_STATE_COMMIT, WINDOWS_AFTER_TOP_COMMIT, WINDOWS_BEFORE_CLOSING_COMMIT,
@@ -141,11 +141,14 @@ class WindowsStage(EventTimeStage):
 
     before_closing_fault = WINDOWS_BEFORE_CLOSING_COMMIT
 
+    def operator_state_schema(self) -> StructType:
+        return state_schema(self.table)
+
     def fold_and_write(self, rows: DataFrame, newest_ms: int | None, app_id: str, batch_id: int, marker: dict,
                        late_possible: bool = True) -> FoldedBatch:
         spark, layout, table = rows.sparkSession, self.layout, self.table
         state_path = layout.table(table.state_table)
-        before = read_state(spark, state_path, self.last.state_version, state_schema(table))
+        before = self.state_before(spark)
         fold = fold_windows(table, self.spec, before, rows, self.last.watermark_ms, newest_ms)
         closed = kept(fold.closed)  # ranked, written and counted
         windows_closed, late_count = closed_and_late(closed, fold.late) if late_possible else (closed.count(), 0)

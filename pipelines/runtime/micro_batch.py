@@ -206,11 +206,21 @@ class StreamBatch:
             small = records is not None and records < SMALL_BATCH_RECORDS
             in_memory = records is not None and records < SMALL_BATCH_RECORDS * KEPT_IN_MEMORY_FACTOR
         steps_s: dict[str, float] = {}
-        with session_confs_during(spark, SMALL_BATCH_CONFS if small else {}), small_batch(small, in_memory):
-            with timed(steps_s, "ingest"):
-                ingested = (ingest_batch(listed, batch_id, settings=self.ingest) if listed is not None
-                            else ingest_records(units, batch_id, recorded, settings=self.ingest))
-            self.fold(spark, self.ingest.app_id, batch_id, ingested.appended, steps_s)
+        with session_confs_during(spark, SMALL_BATCH_CONFS if small else {}), small_batch(small, in_memory), \
+                ThreadPoolExecutor(1, thread_name_prefix=f"{self.spec.name}-state-ahead") as ahead:
+            try:
+                if not small:
+                    # A large batch's ingest leaves the cores idle between its jobs: the event-time steps' operator
+                    # state is read and kept meanwhile, in the batch's context (where kept frames go).
+                    for step in self.event_time:
+                        step.state_ahead = ahead.submit(copy_context().run, step.read_state_ahead, spark)
+                with timed(steps_s, "ingest"):
+                    ingested = (ingest_batch(listed, batch_id, settings=self.ingest) if listed is not None
+                                else ingest_records(units, batch_id, recorded, settings=self.ingest))
+                self.fold(spark, self.ingest.app_id, batch_id, ingested.appended, steps_s)
+            finally:
+                for step in self.event_time:
+                    step.state_ahead = None
         log_batch(self.spec.name, batch_id, ingested.counts, time.monotonic() - started, steps_s, small)
         fault_point(STREAM_BATCH_END)
 

@@ -254,6 +254,49 @@ def test_sessions_late_payments_ttls_and_their_edges_equal_the_recomputation_and
     assert mismatched.count() == 0 and totals["sum_of_counts"] == totals["distinct_accepted_events"] == 27
 
 
+def test_large_batches_fold_from_the_state_read_ahead_as_small_ones_do(spark, layout, landing, monkeypatch):
+    """A large batch reads its operator state beside its ingest (`EventTimeStage.read_state_ahead`); the second
+    batch folds from the state the first left, read that way: a payment joining an open session, a previous
+    session carried, a late one."""
+    rules = Rules(watermark_delay=timedelta(hours=2))
+    landing.write(SPEC.name, "1.jsonl", [
+        _payment("a1", "ann", "10:00"), _payment("a3", "ann", "10:55"), _payment("c1", "cy", "09:00"),
+        _payment("c2", "cy", "09:25"), _payment("d1", "dee", "12:00")])
+    landing.write(SPEC.name, "2.jsonl", [
+        _payment("a2", "ann", "10:30", "5.50"), _payment("b5", "bob", "09:40"), _payment("c3", "cy", "10:03"),
+        _payment("z2", "zed", "18:40")])
+    from pipelines.event_time.watermark import EventTimeStage
+    read_ahead, folded_from = [], []
+    real_read, real_before = EventTimeStage.read_state_ahead, EventTimeStage.state_before
+
+    def spied_read(stage, spark):
+        version, frame = real_read(stage, spark)
+        read_ahead.append(version)
+        return version, frame
+
+    def spied_before(stage, spark):
+        ahead = stage.state_ahead
+        frame = real_before(stage, spark)
+        folded_from.append(ahead is not None and frame is ahead.result()[1])
+        return frame
+
+    monkeypatch.setattr(EventTimeStage, "read_state_ahead", spied_read)
+    monkeypatch.setattr(EventTimeStage, "state_before", spied_before)
+    result = advance(spark, layout, SPEC, watermark_delay=rules.watermark_delay, max_files_per_trigger=1,
+                     large_from_bytes=0)
+    assert result.micro_batches == 2, result
+    # The first batch has no state to read; the second folds from the one the first left.
+    assert read_ahead[0] is None and read_ahead[1] is not None and folded_from == [True], (read_ahead, folded_from)
+    sessions, late = _outputs(layout)
+    expected = expected_sessions(accepted_per_file(SPEC.name, layout.landing(SPEC.name)), rules.watermark_delay,
+                                 rules.gap, rules.state_ttl)
+    assert sessions == expected.sessions and late == expected.late
+    at = lambda hh_mm: datetime.fromisoformat(f"2026-11-01T{hh_mm}+00:00")  # noqa: E731
+    assert sessions[("ann", at("10:30"))][1] == 2  # a2 joined the session a3 left open
+    assert sessions[("cy", at("10:03"))][4] == at("09:25")  # cy's previous session, carried by the state
+    assert set(late) == {"b5"} and len(sessions) == 5
+
+
 @pytest.mark.long
 def test_a_batch_replayed_after_a_crash_between_any_two_commits_writes_what_it_would_have(spark, layout, monkeypatch):
     """A sessions batch commits late_events, its state, then customer_activity. Each
