@@ -90,11 +90,15 @@ class SessionsFold:
     watermark_ms: int  # the watermark after the batch
 
 
-def _same_keys(left: DataFrame, right: DataFrame, keys: tuple[str, ...]) -> Column:
-    """Key equality, NULL-safe (GROUP BY keeps NULL as a key of its own); `right`'s keys renamed `_k_<key>`."""
+def _same_keys(left: DataFrame, right: DataFrame, table: EventTimeTableSpec) -> Column:
+    """Key equality, NULL-safe where a key may be NULL (GROUP BY keeps NULL as a key of its own); `right`'s keys
+    renamed `_k_<key>`. A key that is never NULL is compared plainly: `left`, partitioned by the keys already, then
+    joins without a shuffle of its own (a NULL-safe key is joined on other expressions than the key itself)."""
+    required = {f.name for f in table.fields if f.required}
     condition = F.lit(True)
-    for k in keys:
-        condition = condition & left[k].eqNullSafe(right[f"_k_{k}"])
+    for k in table.keys:
+        same = left[k] == right[f"_k_{k}"] if k in required else left[k].eqNullSafe(right[f"_k_{k}"])
+        condition = condition & same
     return condition
 
 
@@ -174,7 +178,8 @@ def fold_sessions(table: EventTimeTableSpec, spec: StreamSpec, state: DataFrame 
         carried_after = sessions.where(F.col(CARRIES)).select(
             *keys, F.lit(False).alias(OPEN), F.lit(None).cast(TimestampType()).alias(FIRST),
             F.col(_carried(LAST)).alias(LAST), *(F.col(_carried(c.name)) for c in _keyed(table)))
-        next_state = open_rows.unionByName(carried_after, allowMissingColumns=True)
+        next_state = (open_rows.unionByName(carried_after, allowMissingColumns=True)
+                      .unionByName(_idle_keys(table, carried, sessions, after), allowMissingColumns=True))
     return SessionsFold(state=next_state.select(*(F.col(f.name).cast(f.dataType) for f in schema)),
                         closed=closed.select(*output_schema(table).fieldNames()),
                         late=late_rows(table, spec, events.where(behind), watermark_ms), watermark_ms=after)
@@ -187,6 +192,20 @@ def _forgotten(table: EventTimeTableSpec, started: Column, previous_last: Column
     return previous_last.isNotNull() & (F.unix_micros(started) - F.unix_micros(previous_last) >= table.ttl // _US)
 
 
+def _within_ttl(table: EventTimeTableSpec, last: Column, watermark_ms: int) -> Column:
+    """Whether a key whose newest closed session ended at `last` is remembered at the watermark (`table.ttl` set)."""
+    return F.unix_micros(last) + F.lit(table.ttl // _US) > F.lit(watermark_ms * 1000)
+
+
+def _idle_keys(table: EventTimeTableSpec, carried: DataFrame, batch_keys: DataFrame, watermark_ms: int) -> DataFrame:
+    """The stored per-key rows (`carried`) of the keys of no session this batch (open sessions are sessions of the
+    batch: `batch_keys`), as they are, but those idle for the TTL at the new watermark."""
+    keys = list(table.keys)
+    others = batch_keys.select(*(F.col(k).alias(f"_k_{k}") for k in keys))
+    idle = carried.join(others, _same_keys(carried, others, table), "left_anti")
+    return idle.where(_within_ttl(table, F.col(LAST), watermark_ms)) if table.ttl is not None else idle
+
+
 def _session_rows(table: EventTimeTableSpec, sessions: DataFrame, carried: DataFrame, closes: Column,
                   watermark_ms: int) -> DataFrame:
     """Every session of the batch (`sessions`: keys, partial columns, first and last event) with whether the new
@@ -195,31 +214,27 @@ def _session_rows(table: EventTimeTableSpec, sessions: DataFrame, carried: DataF
     values (the carried ones for the first), unless it is forgotten (null, and the day totals start again); the day
     totals so far, the carried ones included while nothing has been forgotten in between.
 
-    When the table declares per-key values, the keys' rows after the batch come out of the same pass: one row per
-    key flagged `_carries`, with `_carried__last` and the `_carried_<column>` values. A key's newest closed session
-    replaces its row (what the next session's LAG sees is this one's aggregate; its day totals go on from this one's);
-    a key without one keeps its row, from the stored per-key rows joined in full (a key of no session this batch
-    is a row of its own, with no session columns); a key idle for the TTL with nothing open is forgotten (the rule
-    would forget it anyway: this only keeps the table small). Read this way, the state is read and joined once per
-    batch: its write was a second read of it, an anti join and a join with the open keys.
+    When the table declares per-key values, the rows after the batch of the batch's keys come out of the same pass:
+    one row per key flagged `_carries`, with `_carried__last` and the `_carried_<column>` values. A key's newest
+    closed session replaces its row (what the next session's LAG sees is this one's aggregate; its day totals go on
+    from this one's); a key without one keeps its stored row; a key idle for the TTL with nothing open is forgotten
+    (the rule would forget it anyway: this only keeps the table small). The keys of no session this batch keep
+    their rows apart (`_idle_keys`), outside these windows.
 
     A key's closed sessions are its oldest (its sessions never overlap, and they close by their end), so the windows
-    over all its sessions give them what they would give over the closed ones alone, and they run on the partitions
-    the aggregation left (by key), with no shuffle of their own."""
+    over all its sessions give them what they would give over the closed ones alone. The stored rows are joined to
+    the sessions (a left join), so the windows run on the partitions the aggregation left (by key), with no
+    shuffle of their own; a full join of both had its output shuffled by key again."""
     keys, kinds = list(table.keys), {f.name: f.kind for f in table.fields}
     gap_us = table.size // _US
     partials = [f.name for f in partial_schema(table)]
     keyed = _keyed(table)
     stored = carried.select(*(F.col(k).alias(f"_k_{k}") for k in keys), F.col(LAST).alias("_stored_last"),
                             *(F.col(_carried(c.name)).alias(f"_stored_{c.name}") for c in keyed))
-    finals = sessions.select(*keys, FIRST, LAST, closes.alias(CLOSES), F.lit(True).alias("_in_batch"),
+    finals = sessions.select(*keys, FIRST, LAST, closes.alias(CLOSES),
                              *(F.when(~closes, F.col(p)).alias(f"_s{p}") for p in partials),
                              *(final_column(a, kinds).alias(a.name) for a in table.aggregates))
-    joined = finals.join(stored, _same_keys(finals, stored, tuple(keys)), "full" if keyed else "left")
-    # A stored key with no session this batch: its key from the stored side (NULL-safe, as the join).
-    joined = joined.select(*(F.when(F.col("_in_batch").isNull(), F.col(f"_k_{k}")).otherwise(F.col(k)).alias(k)
-                             for k in keys),
-                           *(c for c in joined.columns if c not in keys and not c.startswith("_k_")))
+    joined = finals.join(stored, _same_keys(finals, stored, table), "left").drop(*(f"_k_{k}" for k in keys))
     by_key = Window.partitionBy(*keys).orderBy(FIRST)
     first_closed = F.row_number().over(by_key) == 1
     previous_last = F.when(first_closed, F.col("_stored_last")).otherwise(F.lag(LAST).over(by_key))
@@ -244,22 +259,21 @@ def _session_rows(table: EventTimeTableSpec, sessions: DataFrame, carried: DataF
     newest = (F.col(CLOSES) & F.coalesce(~F.lead(CLOSES).over(by_key), F.lit(True))).alias(NEWEST)
     rows = numbered.select(*declared_columns(table, *bounds, value_of), FIRST, LAST, newest, CLOSES,
                            *(f"_s{p}" for p in partials),
-                           *((first_closed.alias("_first_of_key"), "_in_batch", "_stored_last",
+                           *((first_closed.alias("_first_of_key"), "_stored_last",
                               *(f"_stored_{c.name}" for c in keyed)) if keyed else ()))
     if not keyed:
         return rows
     # Per key: whether a session stays open, and whether one closed (the newest of those carries).
     whole_key = Window.partitionBy(*keys)
-    open_in_key = F.max(F.col("_in_batch").isNotNull() & ~F.col(CLOSES)).over(whole_key)
-    closed_in_key = F.max(F.coalesce(F.col(CLOSES), F.lit(False))).over(whole_key)
+    open_in_key = F.max(~F.col(CLOSES)).over(whole_key)
+    closed_in_key = F.max(F.col(CLOSES)).over(whole_key)
     from_stored = F.col("_first_of_key") & ~closed_in_key & F.col("_stored_last").isNotNull()
     carried_last = F.when(F.col(NEWEST), F.col(LAST)).otherwise(F.col("_stored_last"))
-    carries = F.coalesce(F.col(NEWEST), F.lit(False)) | from_stored
+    carries = F.col(NEWEST) | from_stored
     if table.ttl is not None:
-        carries = carries & (F.coalesce(open_in_key, F.lit(False))
-                             | (F.unix_micros(carried_last) + F.lit(table.ttl // _US) > F.lit(watermark_ms * 1000)))
+        carries = carries & (open_in_key | _within_ttl(table, carried_last, watermark_ms))
     return rows.select(
-        *(c for c in rows.columns if c not in ("_first_of_key", "_in_batch") and not c.startswith("_stored_")),
+        *(c for c in rows.columns if c != "_first_of_key" and not c.startswith("_stored_")),
         carries.alias(CARRIES), carried_last.alias(_carried(LAST)),
         *(F.when(F.col(NEWEST), F.col(c.of if c.role == "previous" else c.name))
           .otherwise(F.col(f"_stored_{c.name}")).alias(_carried(c.name)) for c in keyed))
