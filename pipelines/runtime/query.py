@@ -35,6 +35,8 @@ _WORKER_START_FAILED = "Python worker failed to connect back"
 # plans none (KafkaMicroBatchStream.metrics, NullPointerException; apache/spark issue 55236, fixed after 4.1.1). The
 # replayed batch is in the commit log by then, so a new start of the query goes on from the next batch.
 _KAFKA_REPLAY_REPORT_FAILED = 'because the return value of "scala.Option.get()" is null'
+# How often a stop that waits for a running micro-batch says so.
+STOP_NOTE_S = 10.0
 
 
 @dataclass
@@ -116,14 +118,42 @@ def _new_reports(reports: list, after: str, query_name: str, continuous: Continu
     return after
 
 
+def _newest_batch_committed(report) -> int:
+    """The id of the newest batch a progress report says committed: its own if it ran one, else (an idle trigger
+    reports the id of the batch to come) the one before; -1 for none."""
+    if report is None:
+        return -1
+    return report.batchId if "addBatch" in (report.durationMs or {}) else report.batchId - 1
+
+
 def _stop_between_batches(query, timeout_s: float) -> None:
-    """Stop the query once no micro-batch is running, so that the current batch commits first. A batch
-    that a stop interrupts anyway (one starting in between, or one past the timeout) is replayed by the
-    next run from the checkpoint, and what it had committed is skipped (its commits name their batch)."""
-    deadline = time.monotonic() + timeout_s
-    while query.isActive and query.status["isTriggerActive"] and time.monotonic() < deadline:
+    """Stop the query once the micro-batch running now has committed (at most `timeout_s`). Idle, a query is
+    stopped at once; with a backlog the next batch starts at once and is stopped as it starts, and
+    like any batch a stop interrupts it is replayed by the next run from the checkpoint, what it had committed
+    skipped (its commits name their batch). A stop that waits says so every STOP_NOTE_S on the progress log, with
+    what the query is doing; a query thread that does not end within `spark.sql.streaming.stopTimeout`
+    (SESSION_CONFS) fails the stop with that thread's stack on the engine's log, instead of holding the run
+    forever."""
+    started = time.monotonic()
+    deadline, next_note = started + timeout_s, started + STOP_NOTE_S
+    committed = _newest_batch_committed(query.lastProgress)
+    # A trigger that found no new data (an idle one, which may follow the previous at once on a busy engine) runs no
+    # batch: it is stopped as it is.
+    while (query.isActive and (status := query.status)["isTriggerActive"] and status["isDataAvailable"]
+           and time.monotonic() < deadline):
+        if _newest_batch_committed(query.lastProgress) > committed:
+            break  # the batch that was running has committed
+        if time.monotonic() >= next_note:
+            next_note += STOP_NOTE_S
+            logging.getLogger("statetables.progress").info(
+                f"query {query.name}: stopping once its micro-batch commits ({status['message']}; waited "
+                f"{time.monotonic() - started:.0f} s of {timeout_s:.0f} s)")
         time.sleep(0.05)
-    query.stop()
+    try:
+        query.stop()
+    except Exception as exc:  # noqa: BLE001 - said where the run's log shows it, then raised
+        logging.getLogger("statetables.progress").warning(f"query {query.name}: did not stop: {exc}")
+        raise
 
 
 def run_query(
@@ -148,6 +178,8 @@ def run_query(
     failing_since: float | None = None
     replay_report_failed = False
     for attempt in itertools.count(1):
+        if continuous is not None and continuous.stop.is_set():
+            break  # told to stop before this query (re)started: nothing of it runs, nothing to stop
         writer = (stream.writeStream.queryName(query_name)
                   .option("checkpointLocation", str(checkpoint_dir))
                   .foreachBatch(on_batch))

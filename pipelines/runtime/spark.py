@@ -80,7 +80,8 @@ LOCAL_FILE_SYSTEMS = {
 }
 LOG4J_CONFIG = Path(__file__).with_name("log4j2.properties")  # Spark's logging: errors only
 
-# What every engine's session needs for the tables to mean the same thing (local, cluster, Connect).
+# What every engine's session needs for the tables to mean the same thing (local, cluster, Connect), and for a run to
+# end.
 # Parquet INT96 timestamps (Spark's default) cannot be read by other Delta readers (`deltalake`) for
 # instants outside 1677-2262; INT64 micros can. Files written before keep INT96: Spark reads both.
 # A commit that adds no file is still made: a batch's bronze commit carries its counts and ids even when every line
@@ -89,6 +90,11 @@ SESSION_CONFS = {
     "spark.sql.session.timeZone": "UTC",
     "spark.sql.parquet.outputTimestampType": "TIMESTAMP_MICROS",
     "spark.databricks.delta.skipRecordingEmptyCommits": "false",
+    # A streaming query's stop waits this long for the query's thread to end (Spark's default: forever), then fails
+    # with that thread's stack. A stop that lands as a micro-batch starts can leave the thread waiting on its
+    # foreachBatch worker for good (apache/spark SPARK-57963): a cancelled run must still end. Runs stop a query
+    # between micro-batches (pipelines/runtime/query.py), when its thread ends within a second.
+    "spark.sql.streaming.stopTimeout": "60s",
 }
 # Sized for a 2-core, 24 GiB machine; any key can be overridden through `SparkSettings.conf`.
 LOCAL_DEFAULTS = {

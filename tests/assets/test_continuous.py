@@ -100,6 +100,17 @@ def _failures(layout, run_id: str) -> list[str]:
     return found
 
 
+def _said(layout, run_id: str) -> dict[str, list[str]]:
+    """The ends of what the run and the engine logged (the run's captured stderr, the Connect server's log): what a
+    run that does not end was doing."""
+    said = {}
+    for log in [*(Path(layout.dagster_home) / "storage" / run_id).glob("compute_logs/*.err"),
+                Path(layout.home) / "logs" / "spark-connect.log"]:
+        said[log.name] = [line[:300] for line in log.read_text(errors="replace").splitlines()
+                          if not line.startswith(("\t", " "))][-40:]
+    return said
+
+
 def _run_worker_pid(instance: dg.DagsterInstance, run_id: str) -> int:
     for record in instance.all_logs(run_id, of_type=dg.DagsterEventType.ENGINE_EVENT):
         data = record.dagster_event.engine_event_data
@@ -178,7 +189,7 @@ def test_continuous_job_follows_landing_survives_kill_9_and_cancels(layout, monk
             deadline = time.monotonic() + 180
             while (status := run_status(url, live)) != "CANCELED":
                 assert status in ("STARTED", "CANCELING"), status
-                assert time.monotonic() < deadline, status
+                assert time.monotonic() < deadline, (status, _said(layout, live))
                 time.sleep(2)
             # Cancelled is not failed: the run-failure sensor, evaluated twice since, started no recovery of it (it
             # did start one of the killed run above).
