@@ -118,18 +118,20 @@ def _already_ingested(bronze: DataFrame, quarantine: DataFrame, spec: StreamSpec
 
 
 # Bronze is searched between bounds that skip its files by their statistics, so they are literals, and Spark writes
-# literals into the code it generates for the search: bounds widened to whole UTC days are the same for every batch of
-# a day, and so is that code (not compiled again each batch). Wider bounds decide nothing: each line is compared with
-# the events within its own horizon.
-_DAY_US = 86_400_000_000
+# literals into the code it generates for the search (the dedup lookup's stage with the content hash: ~1,600 lines of
+# Java, compiled by Janino then C2 each time it differs). Bounds widened to a grain of SEARCH_GRAIN_US, aligned on the
+# epoch, are the same for the batches of those days, and so is that code: a daily batch compiled it again every day
+# with whole days as the grain. Wider bounds decide nothing: each line is compared with the events within its own
+# horizon; they read at most a grain more of bronze on each side.
+SEARCH_GRAIN_US = 8 * 86_400_000_000
 
 
-def _day_floor(us: int) -> int:
-    return us - us % _DAY_US
+def _grain_floor(us: int) -> int:
+    return us - us % SEARCH_GRAIN_US
 
 
-def _day_ceil(us: int) -> int:
-    return _day_floor(us) + (_DAY_US if us % _DAY_US else 0)
+def _grain_ceil(us: int) -> int:
+    return _grain_floor(us) + (SEARCH_GRAIN_US if us % SEARCH_GRAIN_US else 0)
 
 
 def _outcomes(marked: DataFrame, bronze: DataFrame, spec: StreamSpec, bounds: tuple[int, int] | None,
@@ -168,11 +170,11 @@ def _outcomes(marked: DataFrame, bronze: DataFrame, spec: StreamSpec, bounds: tu
     summary = ids.agg(F.sum("_n").alias("lines"), F.min("_lo").alias("lo"), F.max("_hi").alias("hi"),
                       F.max(repeats).alias("repeats")).first()
     lo, hi = bounds if bounds is not None else (summary["lo"] or 0, summary["hi"] or 0)
-    # Bronze's events of the batch's ids: the event-time range (whole UTC days, `_day_floor`) skips files by their
+    # Bronze's events of the batch's ids: the event-time range (widened to the grain) skips files by their
     # statistics, the semi join skips every other id before the (costly) content hash. Kept: the in-order decision
     # and the others' lookup both read it, and each read was a scan of bronze's range.
-    in_range = F.col(ts_col).between(F.timestamp_micros(F.lit(_day_floor(lo - horizon_us))),
-                                     F.timestamp_micros(F.lit(_day_ceil(hi + horizon_us))))
+    in_range = F.col(ts_col).between(F.timestamp_micros(F.lit(_grain_floor(lo - horizon_us))),
+                                     F.timestamp_micros(F.lit(_grain_ceil(hi + horizon_us))))
     prior = (bronze.where(F.lit(False) if bronze_empty else in_range)
              .join(ids.select("_key"), F.col(id_col) == F.col("_key"), "left_semi")
              .select(F.col(id_col).alias("_prior_id"), F.unix_micros(ts_col).alias("_prior_at"),
@@ -436,8 +438,8 @@ def _classify(lines: DataFrame, batch_id: int, settings: IngestSettings, ingeste
         # Event times are compared as micros, never as Python datetimes: no year-0 or year-10000 surprises.
         bounds = facts["lo"] or 0, facts["hi"] or 0
         done = _already_ingested(bronze, quarantine, spec, facts["files"],
-                                 F.timestamp_micros(F.lit(_day_floor(bounds[0]))),
-                                 F.timestamp_micros(F.lit(_day_ceil(bounds[1]))))
+                                 F.timestamp_micros(F.lit(_grain_floor(bounds[0]))),
+                                 F.timestamp_micros(F.lit(_grain_ceil(bounds[1]))))
         done = done.withColumn("_done", F.lit(True))
         marked = stamped.join(done, ["source_file", "line_number"], "left")
     else:
