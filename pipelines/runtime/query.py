@@ -126,7 +126,7 @@ def _newest_batch_committed(report) -> int:
     return report.batchId if "addBatch" in (report.durationMs or {}) else report.batchId - 1
 
 
-def _stop_between_batches(query, timeout_s: float) -> None:
+def _stop_after_the_running_batch(query, timeout_s: float) -> None:
     """Stop the query once the micro-batch running now has committed (at most `timeout_s`). Idle, a query is
     stopped at once; with a backlog the next batch starts at once and is stopped as it starts, and
     like any batch a stop interrupts it is replayed by the next run from the checkpoint, what it had committed
@@ -202,7 +202,7 @@ def run_query(
             while not query.awaitTermination(1.0):
                 seen = _new_reports([query.lastProgress], seen, query_name, continuous, reports)
                 if continuous.stop.is_set():
-                    _stop_between_batches(query, continuous.stop_timeout_s)
+                    _stop_after_the_running_batch(query, continuous.stop_timeout_s)
             _new_reports(query.recentProgress, seen, query_name, continuous, reports)
             break
         except StreamingQueryException as exc:
@@ -216,7 +216,7 @@ def run_query(
         except BaseException:
             # Interrupted (a Dagster cancel arrives as an exception in this thread): the batch finishes first.
             if query.isActive:
-                _stop_between_batches(query, continuous.stop_timeout_s if continuous else 0)
+                _stop_after_the_running_batch(query, continuous.stop_timeout_s if continuous else 0)
             raise
     # A replayed batch reports 0 input rows from a Delta source, so batches are counted, not rows.
     if progress is not None:

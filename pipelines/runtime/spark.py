@@ -92,8 +92,8 @@ SESSION_CONFS = {
     "spark.databricks.delta.skipRecordingEmptyCommits": "false",
     # A streaming query's stop waits this long for the query's thread to end (Spark's default: forever), then fails
     # with that thread's stack. A stop that lands as a micro-batch starts can leave the thread waiting on its
-    # foreachBatch worker for good (apache/spark SPARK-57963): a cancelled run must still end. Runs stop a query
-    # between micro-batches (pipelines/runtime/query.py), when its thread ends within a second.
+    # foreachBatch worker for good (apache/spark SPARK-57963): a cancelled run must still end. Runs stop a query once
+    # its running micro-batch has committed (pipelines/runtime/query.py).
     "spark.sql.streaming.stopTimeout": "60s",
 }
 # Sized for a 2-core, 24 GiB machine; any key can be overridden through `SparkSettings.conf`.
