@@ -52,6 +52,14 @@ ONE_COMMAND_JIT = "-XX:TieredStopAtLevel=1 -XX:ReservedCodeCacheSize=240m"
 # 72.2 s with both against 61.1 and 64.6 s. The threshold lies between the two. `statetables run` decides from the
 # landing bytes its streams have waiting, before the JVM starts (statetables/cli.py).
 LARGE_RUN_BYTES = 64 * 2**20
+# ...and C2 compiles only what stays hot: after four times the calls and loop turns HotSpot's defaults ask. Such a run's
+# JIT threads took over a third of its CPU (28-29 of 79-84 CPU-s for a first load of 1M payments, the 2 cores busy
+# throughout), much of it C2 compiling code the run calls a few thousand times and leaves (the planner, Janino, ANTLR,
+# Java serialization). That first load: 42.3, 41.4, 41.9, 44.2 s against 45.8, 43.4, 44.0, 46.7 s (alternated, the
+# same hour), its JIT threads 23-24 CPU-s against 28-29. Ten times the thresholds gained no more; 25 times lost it
+# again (C1's slower code ran longer).
+LARGE_RUN_JIT = ("-XX:Tier4InvocationThreshold=20000 -XX:Tier4MinInvocationThreshold=2400 "
+                 "-XX:Tier4CompileThreshold=60000 -XX:Tier4BackEdgeThreshold=160000")
 # Where C2 compiles (a JVM that serves many runs, a large run), it may compile Spark's generated methods of more than
 # 8,000 bytes of bytecode too, which HotSpot otherwise leaves interpreted: whole-stage code generation writes
 # methods up to 64 KB (`spark.sql.codegen.hugeMethodLimit`), and a large batch's validation and session windows are
@@ -356,6 +364,7 @@ def session_confs(settings: SparkSettings | None = None) -> dict[str, str]:
     # for the 2 cores (8% less wall time on small runs, measured).
     c1_only = settings.one_command and not settings.large_run
     options = [archive, PARALLEL_GC, ONE_COMMAND_JIT if c1_only else None, None if c1_only else COMPILE_HUGE_METHODS,
+               LARGE_RUN_JIT if settings.one_command and settings.large_run else None,
                ONE_COMMAND_YOUNG if settings.one_command else None,
                f"-Dlog4j2.configurationFile=file:{LOG4J_CONFIG}"]
     conf["spark.driver.extraJavaOptions"] = " ".join(o for o in options if o)
