@@ -119,24 +119,37 @@ def polars_merge(args) -> dict:
     return {"work_s": time.monotonic() - started, "keys": batch.height}
 
 
+def jvm_thread_cpu(jvm) -> dict:
+    """CPU seconds of a JVM process (`psutil.Process`): all of it, and its JIT compiler threads', its garbage
+    collector's and its Spark task threads'. Threads are told apart by their names, which psutil does not give: read
+    from /proc."""
+    times = jvm.cpu_times()
+    used = {"jvm": times.user + times.system, "jit": 0.0, "gc": 0.0, "tasks": 0.0}
+    for thread in jvm.threads():
+        try:
+            name = Path(f"/proc/{jvm.pid}/task/{thread.id}/comm").read_text()
+        except OSError:  # a thread that ended while read
+            continue
+        kind = ("jit" if "CompilerThre" in name else "gc" if name.startswith("GC Thread")
+                else "tasks" if name.startswith("Executor task") else None)
+        if kind:
+            used[kind] += thread.user_time + thread.system_time
+    return used
+
+
 def cpu_s() -> dict:
-    """CPU seconds used so far by this process and by its JVM (the embedded engine is a child process), and of the
-    JVM's, its JIT compiler threads' and its garbage collector's: a warm run is CPU-bound on this machine's 2 cores,
-    and its CPU time varies less than its wall time between processes. Threads are told apart by their names, which
-    psutil does not give: read from /proc."""
+    """CPU seconds used so far by this process and by its JVM (the embedded engine is a child process), split as
+    `jvm_thread_cpu` does: a warm run is CPU-bound on this machine's 2 cores, and its CPU time varies less than its
+    wall time between processes."""
     import psutil
     used = {"jvm": 0.0, "jit": 0.0, "gc": 0.0}
     for jvm in (p for p in psutil.Process().children() if p.name() == "java"):
         try:
-            times = jvm.cpu_times()
-            used["jvm"] += times.user + times.system
-            for thread in jvm.threads():
-                name = Path(f"/proc/{jvm.pid}/task/{thread.id}/comm").read_text()
-                kind = "jit" if "CompilerThre" in name else "gc" if name.startswith("GC Thread") else None
-                if kind:
-                    used[kind] += thread.user_time + thread.system_time
-        except (psutil.Error, OSError):  # a JVM or thread that ended while read
+            threads = jvm_thread_cpu(jvm)
+        except psutil.Error:  # a JVM that ended while read
             continue
+        for kind in used:
+            used[kind] += threads[kind]
     own = os.times()
     return {**used, "python": own.user + own.system}
 

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import psutil
 
+from benchmarks.cases import jvm_thread_cpu
 from pipelines.runtime.spark import JARS_ENV, delta_jars
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,7 +36,12 @@ FLINK_PYTHON = ROOT / ".venv-flink" / "bin" / "python"  # `make flink`: the peer
 INCREMENT_FILE_LINES = 100_000
 
 
-def _peak_memory(pid: int, stop: threading.Event, peak: dict) -> None:
+def _sample_tree(pid: int, stop: threading.Event, peak: dict, cpu: dict) -> None:
+    """Samples the process tree every 0.1 s until `stop`: its peak RSS into `peak`, and once a second the CPU seconds
+    of its JVMs' threads by kind (`jvm_thread_cpu`) and of its Python processes into `cpu`, as last seen (a process's
+    figures vanish with it)."""
+    seen: dict[int, dict] = {}
+    samples = 0
     while not stop.is_set():
         try:
             procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
@@ -47,14 +53,24 @@ def _peak_memory(pid: int, stop: threading.Event, peak: dict) -> None:
                     # counted the JVM twice.
                     if name == "java":
                         jvm += rss
+                        if samples % 10 == 0:
+                            seen[p.pid] = jvm_thread_cpu(p)
                     elif name.startswith("python") or name in ("statetables", "dagster"):
                         py += rss
+                        if samples % 10 == 0:
+                            times = p.cpu_times()
+                            seen[p.pid] = {"python": times.user + times.system}
                 except psutil.Error:
                     pass
             peak["jvm"], peak["python"] = max(peak["jvm"], jvm), max(peak["python"], py)
             peak["total"] = max(peak["total"], jvm + py)
         except psutil.Error:
             pass
+        samples += 1
+        cpu.clear()
+        for figures in seen.values():
+            for kind, value in figures.items():
+                cpu[kind] = round(cpu.get(kind, 0.0) + value, 1)
         stop.wait(0.1)
 
 
@@ -98,11 +114,11 @@ def measure(args: list[str], home: Path | None = None, env: dict | None = None) 
     its Spark jobs and Delta commits (`counts`)."""
     before = delta_commits(home) if home else {}
     env = {**os.environ, **({"STATETABLES_HOME": str(home), **counted(home)} if home else {}), **(env or {})}
-    peak = {"jvm": 0, "python": 0, "total": 0}
+    peak, cpu = {"jvm": 0, "python": 0, "total": 0}, {}
     stop = threading.Event()
     started = time.monotonic()
     proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-    sampler = threading.Thread(target=_peak_memory, args=(proc.pid, stop, peak), daemon=True)
+    sampler = threading.Thread(target=_sample_tree, args=(proc.pid, stop, peak, cpu), daemon=True)
     sampler.start()
     stdout, stderr = proc.communicate()
     wall = time.monotonic() - started
@@ -113,7 +129,8 @@ def measure(args: list[str], home: Path | None = None, env: dict | None = None) 
     result = next((json.loads(line[7:]) for line in reversed(stdout.splitlines()) if line.startswith("RESULT ")), {})
     if home and "runs" not in result:  # a case of several runs counts each itself
         result.update(counts(home, before))
-    return {"wall_s": wall, "peak_rss_mb": {k: round(v / 2**20) for k, v in peak.items()}, **result}
+    return {"wall_s": wall, "peak_rss_mb": {k: round(v / 2**20) for k, v in peak.items()}, "process_cpu_s": cpu,
+            **result}
 
 
 def case(name: str, **options) -> list[str]:
@@ -222,6 +239,11 @@ def record_case(results: dict, key: str, runs: list[dict]) -> None:
                                             "commits_per_batch")})
     per_batch = f"  jobs/batch {c['jobs_per_batch']}  commits/batch {c['commits_per_batch']}" if "micro_batches" in c \
         else ""
+    # Where a whole process's CPU went (the median run's): on 2 busy cores, the JIT's share is time the work lost.
+    middle = sorted(runs, key=lambda r: r["wall_s"])[len(runs) // 2].get("process_cpu_s") or {}
+    if middle.get("jvm"):
+        c["process_cpu_s"] = middle
+        per_batch += "  cpu-s " + " ".join(f"{k} {v}" for k, v in middle.items())
     print(f"{key:45s} wall {c['wall_s']:8.2f}s  work {c['work_s']:8.2f}s  peak {c['peak_rss_mb']:6d} MB{per_batch}",
           flush=True)
 
