@@ -155,7 +155,7 @@ def results(session: SparkSession, layout: StorageLayout, spec: StreamSpec, resu
         order = table.column("start") or newest or table.aggregates[0].name
         since = recent_since_ms(progress and progress.watermark_ms, table.size) \
             if order in (table.column("start"), newest) else None
-        rows = table_checks.newest_rows(session, layout.table(table.name), order, since)
+        rows = table_checks.newest_rows(layout.table(table.name), order, since)
         yield dg.MaterializeResult(asset_key=dg.AssetKey(table.name), metadata={
             # A closing commit's rows are the windows or sessions its batch closed.
             **common, f"{closed_key}_this_run": sum(int(c["metrics"].get("numOutputRows", 0)) for c in closing),

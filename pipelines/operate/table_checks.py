@@ -16,6 +16,7 @@ import threading
 from collections import Counter, OrderedDict
 from decimal import Decimal
 from functools import reduce
+from urllib.parse import unquote
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -31,12 +32,12 @@ from pipelines.declare.sql import query_over
 from pipelines.event_time import watermark
 from pipelines.event_time.watermark import output_schema
 from pipelines.ingest.bronze import accepted_totals, bronze_schema
-from pipelines.operate.inspect import newest_rows as newest_rows_in_process, rows_in_files
+from pipelines.operate.inspect import newest_rows as newest_rows_in_process, newest_rows_streamed, rows_in_files
 from pipelines.state.expiry import EXPIRED_VALUE, expired_rows, expired_totals, since_last_expiry
 from pipelines.state.tables import aggregate, folded_through, state_schema
 from pipelines.storage import files
-from pipelines.storage.delta_log import commits_since, table_version
-from pipelines.storage.delta_rs import delta_table
+from pipelines.storage.delta_log import commit_actions, table_version
+from pipelines.storage.delta_rs import delta_table, file_batches
 from pipelines.storage.frames import frame_of_arrow, frame_of_rows, kept
 from pipelines.storage.layout import StorageLayout
 
@@ -117,12 +118,12 @@ SCANNED_IN_PROCESS_ROWS = 2_000_000
 
 
 # The newest rows of an event-time table are read in this process by delta-rs (DataFusion) when the files that may
-# hold them have at most this many rows; from more, by Spark. DataFusion decodes a file's row groups whole: the 1M
-# sessions of a first load (two files) raised the run's Python process by 60-70 MB, at the JVM's peak.
+# hold them have at most this many rows; from more, page by page (`newest_rows_streamed`). DataFusion decodes a file's
+# row groups whole: the 1M sessions of a first load (two files) raised the run's Python process by 60-70 MB.
 NEWEST_IN_PROCESS_ROWS = 250_000
 
 
-def newest_rows(spark: SparkSession, path, column: str, since_ms: int | None, limit: int = TOP_ROWS) -> list[dict]:
+def newest_rows(path, column: str, since_ms: int | None, limit: int = TOP_ROWS) -> list[dict]:
     """The `limit` rows of the Delta table at `path` with the greatest `column`, newest first: first among those at
     `since_ms` or later (their files found by their statistics), all of them when fewer are there."""
     stored = delta_table(files.storage_path(path))
@@ -133,13 +134,7 @@ def newest_rows(spark: SparkSession, path, column: str, since_ms: int | None, li
         rows = newest_rows_in_process(stored, column, since_ms, limit, whole=counted[1] <= NEWEST_IN_PROCESS_ROWS)
         if rows is not None:
             return rows.to_pylist()
-    table = spark.read.format("delta").load(str(path))
-    if since_ms is not None:
-        recent = (table.where(F.col(column) >= F.timestamp_millis(F.lit(int(since_ms))))
-                  .orderBy(F.desc(column)).limit(limit).collect())
-        if len(recent) == limit:
-            return [r.asDict() for r in recent]
-    return [r.asDict() for r in table.orderBy(F.desc(column)).limit(limit).collect()]
+    return newest_rows_streamed(stored, column, since_ms, limit).to_pylist()
 
 
 def _top_order(table: StateTableSpec) -> list[tuple[str, str]]:
@@ -379,67 +374,69 @@ def recomputed_sessions(table: EventTimeTableSpec, events: DataFrame) -> DataFra
 # changes from run to run; the deep check compares every key. Unbounded, a first load of 1M payments spent 18 s of
 # its 94 s recomputing all of its ~100k keys' sessions, twice (measured).
 RUN_CHECK_KEYS = 1_000
-# A run that wrote at most this many sessions is checked in its own process by delta-rs (`_session_run_check`); a
-# larger one (a first load) by Spark (`_near`): its sample reaches back to the load's first event, and reading that
-# history into the run's Python process took the 1M first load's peak RSS (JVM + Python) from 2,015 to 2,271 MB.
-CHECKED_IN_PROCESS_SESSIONS = 250_000
 
 
-def _near(table: EventTimeTableSpec, actual: DataFrame, inserted: DataFrame, events: DataFrame, seed: int):
-    """What a per-run session check compares: the keys of the sessions the run wrote (at most RUN_CHECK_KEYS of them,
-    by a hash seeded with `seed`), from a gap before the first of them on. A session cut from those events alone is
-    whole unless it starts less than a gap after that bound (an earlier event could join it), so both sides keep only
-    the sessions starting at the first written one or later: every session the run wrote for those keys is among
-    them, with every stored or recomputed session of its key since. Also returns (keys written, keys checked)."""
-    first = table.column("start") or next(a.name for a in table.aggregates
-                                          if a.function == "min" and a.column == table.event_time_field)
-    # One job: the written keys with their first session and how many they are, in hash order; the sample is its head.
-    rows = (inserted.groupBy(*table.keys).agg(F.min(first).alias("_since"))
-            .withColumn("_written", F.count("*").over(Window.partitionBy()))
-            .orderBy(F.xxhash64(F.lit(seed), *table.keys)).limit(RUN_CHECK_KEYS).collect())
-    written = rows[0]["_written"] if rows else 0
-    if not rows:
-        return actual.limit(0), events.limit(0), F.lit(False), (0, 0)
-    since = min(r["_since"] for r in rows)
-    keys = F.broadcast(frame_of_rows(actual.sparkSession, [tuple(r[k] for k in table.keys) for r in rows],
-                                     StructType([actual.schema[k] for k in table.keys])))
-    on_key = [actual[k].eqNullSafe(keys[k]) for k in table.keys]
-    actual = actual.join(keys, on_key, "left_semi").where(F.col(first) >= F.lit(since))
-    at = F.col(table.event_time_field)
-    events = events.where(at >= F.lit(since - table.size))
-    events = events.join(keys, [events[k].eqNullSafe(keys[k]) for k in table.keys], "left_semi")
-    return actual, events, F.col("_first") >= F.lit(since), (written, len(rows))
-
-
-def _written_sample(sessions, table: EventTimeTableSpec, first: str, since_version: int
+def _written_sample(sessions, path, table: EventTimeTableSpec, first: str, since_version: int
                     ) -> tuple[pa.Table | None, int]:
-    """The keys of the sessions the table gained after `since_version` (its change feed's inserts, read by
-    delta-rs), each with the start of its first such session (`_since`): at most RUN_CHECK_KEYS of them, a sample
-    drawn with `since_version` as its seed, so each run checks others (None when there were none); and how many keys
-    there were."""
+    """The keys of the sessions the table gained after `since_version` (read by delta-rs), each with the start of
+    its first such session (`_since`): at most RUN_CHECK_KEYS of them, a sample drawn with `since_version` as its
+    seed, so each run checks others (None when there were none); and how many keys there were. When every commit
+    since only added files (a session table's closing commits), the rows are those files', read page by page
+    (`file_batches`); otherwise its change feed's inserts: delta-rs reads a feed whole, ~95 MB more for a first
+    load's 983k sessions, the sample's keys and starts alone ~15 MB (measured)."""
     keys = list(table.keys)
-    if sessions is None or since_version >= sessions.version():
+    newest = sessions.version() if sessions is not None else -1
+    if since_version >= newest:
         return None, 0
-    # Batch by batch, each key's first session kept: a first load's change feed is every session it closed.
-    per_batch = []
-    for batch in pa.RecordBatchReader.from_stream(sessions.load_cdf(
-            starting_version=since_version + 1, ending_version=sessions.version(),
-            columns=[*keys, first, "_change_type"])):
-        changes = pa.Table.from_batches([batch])
+    added = _files_added(path, since_version, newest)
+    if added is not None:
+        batches = file_batches(sessions.to_pyarrow_dataset(schema=to_arrow_schema(output_schema(table))),
+                               [*keys, first], paths=added)
+    else:
+        batches = pa.RecordBatchReader.from_stream(sessions.load_cdf(
+            starting_version=since_version + 1, ending_version=newest, columns=[*keys, first, "_change_type"]))
+    def firsts(pieces: list[pa.Table]) -> pa.Table:
+        return (pa.concat_tables(pieces).group_by(keys).aggregate([(first, "min")]).select([*keys, f"{first}_min"])
+                .rename_columns([*keys, first]))
+
+    # Batch by batch, each key's first session kept, folded into one table every few batches: a first load's are
+    # every session it closed.
+    written, pending = None, []
+    for batch in batches:
+        changes = pa.table(batch)
         changes = changes.cast(pa.schema([pa.field(f.name, _plain(f.type)) for f in changes.schema]))
-        inserted = changes.filter(pc.equal(changes["_change_type"], "insert")).select([*keys, first])
-        per_batch.append(inserted.group_by(keys).aggregate([(first, "min")]).select([*keys, f"{first}_min"])
-                         .rename_columns([*keys, first]))
-    if not per_batch:
+        if "_change_type" in changes.column_names:
+            changes = changes.filter(pc.equal(changes["_change_type"], "insert")).select([*keys, first])
+        pending.append(changes)
+        if len(pending) == 16:
+            written, pending = firsts([written, *pending] if written is not None else pending), []
+    if pending:
+        written = firsts([written, *pending] if written is not None else pending)
+    if written is None:
         return None, 0
-    written = (pa.concat_tables(per_batch).group_by(keys).aggregate([(first, "min")]).select([*keys, f"{first}_min"])
-               .rename_columns([*keys, "_since"]))
+    written = written.rename_columns([*keys, "_since"])
     count = written.num_rows
+    if count == 0:
+        return None, 0
     # Sorted first, so the same keys and seed draw the same sample whatever order the files were read in.
     written = written.sort_by([(k, "ascending") for k in keys])
     if count > RUN_CHECK_KEYS:
         written = written.take(sorted(random.Random(since_version).sample(range(count), RUN_CHECK_KEYS)))
     return written, count
+
+
+def _files_added(path, since_version: int, newest: int) -> set[str] | None:
+    """The data files the table's commits after `since_version` through `newest` added, when those commits only
+    added files (no file removed, no change-data file); otherwise None."""
+    added, commits = set(), 0
+    for _, actions in commit_actions(path, newest, newest - since_version):
+        commits += 1
+        for action in actions:
+            if "remove" in action or "cdc" in action:
+                return None
+            if "add" in action:
+                added.add(unquote(action["add"]["path"]))
+    return added if commits == newest - since_version else None  # a commit file cleaned up: the feed decides
 
 
 def _plain(kind: pa.DataType) -> pa.DataType:
@@ -449,15 +446,13 @@ def _plain(kind: pa.DataType) -> pa.DataType:
 
 def _rows_of_keys(dataset, table: EventTimeTableSpec, keys: set[tuple], where, columns: list[str]) -> pa.Table:
     """The rows of a delta-rs `dataset` matching `where` whose key is one of `keys`, NULL equal to NULL as the table
-    groups it. Files are skipped by their statistics of `where`'s (time) column; the keys are matched here, batch by
-    batch, so only the matching rows are held (a sample of a first load's keys reaches back to its first event), and
-    not by the scan: pyarrow cannot compare the string statistics of files delta-rs itself wrote (views)."""
+    groups it. Files and row groups are skipped by their statistics of `where`'s (time) column and read page by page
+    (`file_batches`); the keys are matched here, batch by batch, so only the matching rows are held (a sample of a
+    first load's keys reaches back to its first event)."""
     first_key = table.keys[0]
     firsts = None
     found = []
-    for batch in dataset.to_batches(columns=columns, filter=where, batch_size=16_384, batch_readahead=0,
-                                    fragment_readahead=0, use_threads=False,
-                                    fragment_scan_options=ds.ParquetFragmentScanOptions(pre_buffer=False)):
+    for batch in file_batches(dataset, columns, where):
         if firsts is None:
             firsts = pa.array(sorted({k[0] for k in keys}, key=lambda v: (v is None, v)),
                               batch.schema.field(first_key).type)
@@ -490,7 +485,7 @@ def _session_run_check(spark: SparkSession, layout: StorageLayout, spec: StreamS
     typed = {f.name: f.dataType for f in output_schema(table)}
     stored_schema = StructType([StructField(c, typed[c]) for c in compared])
     sessions = delta_table(files.storage_path(layout.table(table.name)))
-    written, keys_written = _written_sample(sessions, table, first, since_version)
+    written, keys_written = _written_sample(sessions, layout.table(table.name), table, first, since_version)
     figures.update({"keys_written": keys_written, "keys_checked": written.num_rows if written else 0})
     if not written:
         schema = StructType([*stored_schema.fields, StructField("side", StringType())])
@@ -554,9 +549,7 @@ def event_time_mismatches(spark: SparkSession, layout: StorageLayout, spec: Stre
                "late_not_behind_watermark": 0, "bronze_version": progress.bronze_version if progress else -1}
     if progress is None or progress.bronze_version < 0:
         return actual.limit(0).withColumn("side", F.lit("")), figures
-    if table.kind == "session" and since_version is not None and sum(
-            int(c["metrics"].get("numOutputRows", 0)) for c in commits_since(spark, path, since_version)
-            if c["operation"] == "WRITE") <= CHECKED_IN_PROCESS_SESSIONS:
+    if table.kind == "session" and since_version is not None:
         return _session_run_check(spark, layout, spec, table, progress, since_version, figures)
     late = (spark.read.format("delta").load(str(layout.table(watermark.LATE)))
             .where(F.col("table_name") == table.name))
@@ -581,19 +574,9 @@ def event_time_mismatches(spark: SparkSession, layout: StorageLayout, spec: Stre
         compared = [c.name for c in table.columns if c.name not in dropped]
     else:
         events = watermark.kept_events(table, bronze)
-        inserted = _inserted_since(spark, path, since_version)
-        if inserted is not None:
-            actual, events, written, (keys_written, keys_checked) = _near(table, actual, inserted, events,
-                                                                          since_version)
-            figures.update({"keys_written": keys_written, "keys_checked": keys_checked})
-            # The sampled keys' events are read by the comparison and its figures: kept, bronze is read once.
-            events = kept(events)
-            bronze = events  # the figures below count what the check read
         on_time = events.join(late.select(F.col("event_id").alias(spec.id_field)), spec.id_field, "left_anti")
         expected = recomputed_sessions(table, on_time).where(
             F.unix_micros("_last") + F.lit(size_us) <= F.lit(watermark_us))
-        if inserted is not None:
-            expected = expected.where(written)
         compared = [c.name for c in table.columns if c.role in ("key", "start", "end", "aggregate")]
     typed = {f.name: f.dataType for f in output_schema(table)}
     expected = expected.select(*(F.col(c).cast(typed[c]) for c in compared))
@@ -602,8 +585,6 @@ def event_time_mismatches(spark: SparkSession, layout: StorageLayout, spec: Stre
     figures.update({"events": events_read, "late_events": late_in_bronze,
                     "late_not_in_bronze": late_count - late_in_bronze if since_version is None else 0,
                     "late_not_behind_watermark": not_behind})
-    if table.kind == "session" and since_version is not None:
-        return _compared_in_driver(stored, expected, table.name, figures)
     # Read by both sides of the comparison: recomputed once.
     expected = kept(expected)
     mismatched = (stored.exceptAll(expected).withColumn("side", F.lit(f"only in {table.name}"))

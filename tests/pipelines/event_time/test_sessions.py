@@ -34,7 +34,7 @@ from pipelines.event_time.watermark import LATE, output_schema
 from pipelines.ingest.generate import generate
 from pipelines.operate import table_checks
 from pipelines.operate.refresh import refresh_event_time_table
-from pipelines.storage.delta_log import commits_since
+from pipelines.storage.delta_log import commits_since, table_version
 from tests.contract_oracle import (
     Oracle, accepted_per_file, expected_sessions, expected_with_ttl, file_lines, landing_files,
 )
@@ -207,6 +207,12 @@ def test_sessions_late_payments_ttls_and_their_edges_equal_the_recomputation_and
     assert state_files.column_names == ["path", "size_bytes", "modification_time", "num_records"]
     assert sum(state_files.column("num_records").to_pylist()) == len(state)
 
+    # The per-run check of the second batch's sessions, before any corruption: nothing found.
+    activity = layout.table(ACTIVITY)
+    assert table_checks._files_added(activity, first_version, table_version(spark, activity))
+    mismatched, by_files = table_checks.event_time_mismatches(spark, layout, spec, TABLE, first_version)
+    assert mismatched.count() == 0 and by_files["keys_written"] > 1
+
     # The Dagster check's query, on the tables with two sessions corrupted (cy's 09:00, closed by the first batch,
     # and zed's, closed by the second), finds those two and nothing else: every other session agrees with bronze,
     # the gap's edges included.
@@ -226,13 +232,11 @@ def test_sessions_late_payments_ttls_and_their_edges_equal_the_recomputation_and
     assert (figures["rows_checked"], figures["events"]) == (15, 23)  # all but cy's 09:00 and the day before's
     written = figures["keys_written"]
     assert written == figures["keys_checked"] > 1
-    # A run that wrote more sessions (a first load) is checked by Spark instead of delta-rs: the same findings.
-    with monkeypatch.context() as large:
-        large.setattr(table_checks, "CHECKED_IN_PROCESS_SESSIONS", 0)
-        mismatched, by_spark = table_checks.event_time_mismatches(spark, layout, spec, TABLE, first_version)
-        assert sorted(r["customer_id"] for r in mismatched.collect()) == ["zed", "zed"]
-        assert {k: by_spark[k] for k in ("rows_checked", "events", "keys_written", "keys_checked", "late_events")} \
-            == {k: figures[k] for k in ("rows_checked", "events", "keys_written", "keys_checked", "late_events")}
+    # Before the update, the run's commits had only added files, and the keys written were read from those files;
+    # the update removed files, and they come from the table's change feed: the same keys, sessions and events.
+    assert table_checks._files_added(activity, first_version, table_version(spark, activity)) is None
+    compared = ("rows_checked", "events", "keys_written", "keys_checked", "late_events")
+    assert {k: figures[k] for k in compared} == {k: by_files[k] for k in compared}
     # Past RUN_CHECK_KEYS keys, a sample of them is checked: here one key, with its sessions and events only.
     monkeypatch.setattr(table_checks, "RUN_CHECK_KEYS", 1)
     mismatched, figures = table_checks.event_time_mismatches(spark, layout, spec, TABLE, first_version)

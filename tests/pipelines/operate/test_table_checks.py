@@ -52,9 +52,10 @@ def test_per_run_checks_find_duplicated_and_negative_rows(spark, layout, monkeyp
     assert [shown(r) for r in in_process["top_rows"]] == sorted(map(shown, rows))[:table_checks.TOP_ROWS]
 
 
-def test_newest_rows_of_a_session_table_read_in_process_or_by_spark(spark, layout, monkeypatch):
-    """The newest rows shown after a run: delta-rs in the run's process for a table whose candidate files hold few
-    rows, Spark for more (NEWEST_IN_PROCESS_ROWS): the same rows, newest first, with or without a recent bound."""
+def test_newest_rows_of_a_session_table_read_by_datafusion_or_page_by_page(spark, layout, monkeypatch):
+    """The newest rows shown after a run, read in the run's process: by DataFusion for a table whose candidate files
+    hold few rows, page by page for more (NEWEST_IN_PROCESS_ROWS): the same rows, newest first, with or without a
+    recent bound."""
     generate(PAYMENTS, layout.landing(PAYMENTS.name), events=600, seed=11, customers=40, events_per_file=200)
     advance(spark, layout, PAYMENTS, max_files_per_trigger=1)
     sessions = PAYMENTS.event_time_tables[0]
@@ -67,7 +68,7 @@ def test_newest_rows_of_a_session_table_read_in_process_or_by_spark(spark, layou
 
     def read(since):
         rows = [{k: table_checks._naive_utc(v) for k, v in r.items()}
-                for r in table_checks.newest_rows(spark, path, order, since)]
+                for r in table_checks.newest_rows(path, order, since)]
         assert [r[order] for r in rows] == sorted((r[order] for r in rows), reverse=True)
         return rows
 
