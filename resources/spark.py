@@ -9,9 +9,10 @@ from dagster_pyspark import LazyPySparkResource
 from dagster_pyspark.resources import spark_session_from_config
 from pydantic import Field
 
+from pipelines.errors import ConfigurationError
 from pipelines.runtime.spark import (
-    REMOTE_ENV, SparkSettings, engine_address, jvm_start_noise_filtered, new_connect_session, session_confs,
-    wait_for_engine,
+    REMOTE_ENV, SparkSettings, engine_address, jvm_start_noise_filtered,
+    new_connect_session, session_confs, take_early_session, wait_for_engine,
 )
 
 # The run tag that shows, on every run in the UI, which engine the run used.
@@ -80,6 +81,13 @@ class SparkSessionResource(LazyPySparkResource):
             settings = SparkSettings(master=self.master, remote=self.remote, jars_dir=self.jars_dir,
                                      conf={k: str(v) for k, v in self.spark_config.items()},
                                      one_command=self.one_command, large_run=self.large_run)
+            early = take_early_session()
+            if early is not None and early != settings:
+                # A JVM's options and jars are fixed once it runs: the session started early would be used as is.
+                raise ConfigurationError(
+                    f"The Spark session started before the run ({early}) differs from the run's ({settings}): a "
+                    f"statetables bug. Fix: report it; meanwhile set the spark resource's config only through "
+                    f"`statetables run`'s options.")
             # getOrCreate inside: every asset and check of a run shares the one session.
             with jvm_start_noise_filtered():
                 self._spark_session = spark_session_from_config(session_confs(settings))

@@ -107,6 +107,12 @@ def _run(args: argparse.Namespace) -> int:
         if not (args.remote or os.environ.get(REMOTE_ENV)):
             object_store_jars()
     prepare_instance(layout)
+    engine = spark_config(args.remote, args.master, args.job, layout)
+    if engine["remote"] is None:
+        from pipelines.runtime.spark import SparkSettings, start_session_early
+
+        # The JVM starts on one core while Dagster loads on the other: the resource's settings, as the run gives them.
+        start_session_early(SparkSettings(**{k: v for k, v in engine.items() if v is not None}))
     import dagster as dg
 
     from statetables.definitions import defs
@@ -118,10 +124,14 @@ def _run(args: argparse.Namespace) -> int:
 
         CheckPolicyResource(warn_only=args.warn_only_check).severity("", "")  # an unknown name fails here, not mid-run
         run_config["resources"]["check_policy"] = {"config": {"warn_only": args.warn_only_check}}
-    engine = spark_config(args.remote, args.master, args.job, layout)
     run_config["resources"]["spark"] = {"config": engine}
-    with dg.DagsterInstance.get() as instance:
-        result = job.execute_in_process(instance=instance, raise_on_error=False, run_config=run_config)
+    try:
+        with dg.DagsterInstance.get() as instance:
+            result = job.execute_in_process(instance=instance, raise_on_error=False, run_config=run_config)
+    finally:
+        from pipelines.runtime.spark import take_early_session
+
+        take_early_session()  # a run that never reached Spark leaves it to no later run of this process
     print(f"\nrun {result.run_id}: {'SUCCESS' if result.success else 'FAILURE'} (job {args.job}, "
           f"STATETABLES_HOME={layout.home})")
     for event in result.all_events:

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta, timezone
 
+import pytest
 from deltalake import DeltaTable as IndependentDeltaTable
 
+from pipelines.errors import ConfigurationError
 from pipelines.ingest.generate import generate
 from tests.streams import PAYMENTS
 from statetables import cli
@@ -42,6 +44,21 @@ def test_run_passes_every_check_on_second_resolution_payments(spark, layout, lan
                       for r in IndependentDeltaTable(str(layout.table(PAYMENTS.event_time_tables[0].name))).to_pyarrow_table().to_pylist()
                       if r["customer_id"].startswith("edge-"))
     assert sessions == [("edge-exact", 1), ("edge-exact", 1), ("edge-less", 2)]
+
+
+def test_the_session_a_run_starts_before_dagster_loads_is_the_one_its_resource_takes(spark):
+    """`statetables run` starts its embedded JVM while Dagster loads; the `spark` resource takes that session, once,
+    and refuses one started with other settings (its JVM's options could no longer change)."""
+    from pipelines.runtime.spark import SparkSettings, start_session_early, take_early_session
+    from resources.spark import SparkSessionResource
+
+    settings = SparkSettings(one_command=True)
+    start_session_early(settings)
+    assert take_early_session() == settings and take_early_session() is None
+    start_session_early(settings)
+    with pytest.raises(ConfigurationError, match="differs from the run's"):
+        SparkSessionResource(one_command=False)._init_session()
+    assert take_early_session() is None
 
 
 def test_a_run_keeps_the_code_locations_engine_and_only_an_embedded_jvm_that_ends_with_it_compiles_quickly(monkeypatch):

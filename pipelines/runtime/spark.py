@@ -425,3 +425,31 @@ def build_spark_session(settings: SparkSettings | None = None) -> SparkSession:
         builder = builder.config(key, value)
     with jvm_start_noise_filtered():
         return builder.getOrCreate()
+
+
+_EARLY: dict = {}  # the settings of the session `start_session_early` builds, and its thread
+
+
+def start_session_early(settings: SparkSettings) -> None:
+    """Start building the process's embedded session for `settings` in a thread of its own, and return: the caller
+    (`statetables run`) loads Dagster and its definitions meanwhile, single-threaded Python, while the JVM starts
+    on the other core. The Dagster resource takes that session (`take_early_session`). An error here is not
+    raised: the resource's own start meets it again and names the fix."""
+    def start() -> None:
+        try:
+            build_spark_session(settings)
+        except Exception:  # noqa: BLE001 - raised again, with its fix, by the run's own start
+            pass
+
+    thread = threading.Thread(target=start, name="spark-early-start", daemon=True)
+    _EARLY.update(settings=settings, thread=thread)
+    thread.start()
+
+
+def take_early_session() -> SparkSettings | None:
+    """Wait for the session `start_session_early` is building, and take it: the settings it was built for (None: none
+    was, or another caller took it)."""
+    if not _EARLY:
+        return None
+    _EARLY["thread"].join()
+    return _EARLY.pop("settings", None)
