@@ -139,7 +139,8 @@ def fold_sessions(table: EventTimeTableSpec, spec: StreamSpec, state: DataFrame 
         # Every session is made of events alone: their partial aggregates are its state, over the cut events as the
         # window left them (partitioned by key), with nothing to keep in between.
         state = frame_of_rows(events.sparkSession, [], schema)
-        aggregated = (cut(arrived).select(*keys, "_starts", *partial_columns(table.aggregates, kinds, session),
+        aggregated = (cut(arrived).select(*keys, "_session", "_starts",
+                                          *partial_columns(table.aggregates, kinds, session),
                                           F.min(FIRST).over(session).alias(FIRST),
                                           F.max(LAST).over(session).alias(LAST))
                       .where(first_piece).drop("_starts"))
@@ -153,7 +154,8 @@ def fold_sessions(table: EventTimeTableSpec, spec: StreamSpec, state: DataFrame 
         own = row_columns(table.aggregates, kinds)
         as_partials = pieces.select(*keys, "_session", "_starts", FIRST, LAST, *(
             F.when(F.col("_held"), F.col(f"_s{p}")).otherwise(row).alias(p) for p, row in zip(partials, own)))
-        aggregated = (as_partials.select(*keys, "_starts", *combined_columns(table.aggregates, kinds, session),
+        aggregated = (as_partials.select(*keys, "_session", "_starts",
+                                         *combined_columns(table.aggregates, kinds, session),
                                          F.min(FIRST).over(session).alias(FIRST),
                                          F.max(LAST).over(session).alias(LAST))
                       .where(first_piece).drop("_starts"))
@@ -231,11 +233,13 @@ def _session_rows(table: EventTimeTableSpec, sessions: DataFrame, carried: DataF
     keyed = _keyed(table)
     stored = carried.select(*(F.col(k).alias(f"_k_{k}") for k in keys), F.col(LAST).alias("_stored_last"),
                             *(F.col(_carried(c.name)).alias(f"_stored_{c.name}") for c in keyed))
-    finals = sessions.select(*keys, FIRST, LAST, closes.alias(CLOSES),
+    finals = sessions.select(*keys, "_session", FIRST, LAST, closes.alias(CLOSES),
                              *(F.when(~closes, F.col(p)).alias(f"_s{p}") for p in partials),
                              *(final_column(a, kinds).alias(a.name) for a in table.aggregates))
     joined = finals.join(stored, _same_keys(finals, stored, table), "left").drop(*(f"_k_{k}" for k in keys))
-    by_key = Window.partitionBy(*keys).orderBy(FIRST)
+    # A key's sessions in order of their numbers, which follow their first events: the rows come sorted by them from
+    # the aggregation, where ordered by the first event they were sorted again (1M sessions of a first load).
+    by_key = Window.partitionBy(*keys).orderBy("_session")
     first_closed = F.row_number().over(by_key) == 1
     previous_last = F.when(first_closed, F.col("_stored_last")).otherwise(F.lag(LAST).over(by_key))
     numbered = (joined.withColumn("_forgets", _forgotten(table, F.col(FIRST), previous_last).cast(LongType()))
@@ -256,24 +260,25 @@ def _session_rows(table: EventTimeTableSpec, sessions: DataFrame, carried: DataF
     bounds = (F.col(FIRST), F.timestamp_micros(F.unix_micros(LAST) + F.lit(gap_us)))
     # The last closed by start is the key's newest, the one its per-key row carries on from, flagged here in the
     # same window rather than ranked again.
-    newest = (F.col(CLOSES) & F.coalesce(~F.lead(CLOSES).over(by_key), F.lit(True))).alias(NEWEST)
+    later = F.lead(CLOSES).over(by_key)
+    newest = (F.col(CLOSES) & F.coalesce(~later, F.lit(True))).alias(NEWEST)
     rows = numbered.select(*declared_columns(table, *bounds, value_of), FIRST, LAST, newest, CLOSES,
                            *(f"_s{p}" for p in partials),
-                           *((first_closed.alias("_first_of_key"), "_stored_last",
+                           *((first_closed.alias("_first_of_key"), later.isNotNull().alias("_later"), "_stored_last",
                               *(f"_stored_{c.name}" for c in keyed)) if keyed else ()))
     if not keyed:
         return rows
-    # Per key: whether a session stays open, and whether one closed (the newest of those carries).
-    whole_key = Window.partitionBy(*keys)
-    open_in_key = F.max(~F.col(CLOSES)).over(whole_key)
-    closed_in_key = F.max(F.col(CLOSES)).over(whole_key)
-    from_stored = F.col("_first_of_key") & ~closed_in_key & F.col("_stored_last").isNotNull()
+    # Per key, from the rows' own flags, as the closed sessions are its oldest: one closed when its first did (a key
+    # with none closed carries its stored row on), and a session stays open after its newest closed one when a later
+    # session exists (a key with none closed has one open: its first). So no window over the whole key.
+    from_stored = F.col("_first_of_key") & ~F.col(CLOSES) & F.col("_stored_last").isNotNull()
+    open_in_key = F.when(F.col(NEWEST), F.col("_later")).otherwise(F.lit(True))
     carried_last = F.when(F.col(NEWEST), F.col(LAST)).otherwise(F.col("_stored_last"))
     carries = F.col(NEWEST) | from_stored
     if table.ttl is not None:
         carries = carries & (open_in_key | _within_ttl(table, carried_last, watermark_ms))
     return rows.select(
-        *(c for c in rows.columns if c != "_first_of_key" and not c.startswith("_stored_")),
+        *(c for c in rows.columns if c not in ("_first_of_key", "_later") and not c.startswith("_stored_")),
         carries.alias(CARRIES), carried_last.alias(_carried(LAST)),
         *(F.when(F.col(NEWEST), F.col(c.of if c.role == "previous" else c.name))
           .otherwise(F.col(f"_stored_{c.name}")).alias(_carried(c.name)) for c in keyed))
