@@ -93,6 +93,24 @@ def spark_config(remote: str | None, master: str | None, job: str, layout: Stora
     return {**engine, "one_command": one_command, "large_run": large}
 
 
+def _execute(args: argparse.Namespace, engine: dict):
+    """The run's job through Dagster, in this process, with the `spark` resource's config `engine`."""
+    import dagster as dg
+
+    from statetables.definitions import defs
+
+    job = defs.resolve_job_def(args.job)
+    run_config: dict = {"loggers": {"console": {"config": {"log_level": args.log_level}}}, "resources": {}}
+    if args.warn_only_check:
+        from resources import CheckPolicyResource
+
+        CheckPolicyResource(warn_only=args.warn_only_check).severity("", "")  # an unknown name fails here, not mid-run
+        run_config["resources"]["check_policy"] = {"config": {"warn_only": args.warn_only_check}}
+    run_config["resources"]["spark"] = {"config": engine}
+    with dg.DagsterInstance.get() as instance:
+        return job.execute_in_process(instance=instance, raise_on_error=False, run_config=run_config)
+
+
 def _run(args: argparse.Namespace) -> int:
     from assets.keys import job_names
 
@@ -113,21 +131,8 @@ def _run(args: argparse.Namespace) -> int:
 
         # The JVM starts on one core while Dagster loads on the other: the resource's settings, as the run gives them.
         start_session_early(SparkSettings(**{k: v for k, v in engine.items() if v is not None}))
-    import dagster as dg
-
-    from statetables.definitions import defs
-
-    job = defs.resolve_job_def(args.job)
-    run_config: dict = {"loggers": {"console": {"config": {"log_level": args.log_level}}}, "resources": {}}
-    if args.warn_only_check:
-        from resources import CheckPolicyResource
-
-        CheckPolicyResource(warn_only=args.warn_only_check).severity("", "")  # an unknown name fails here, not mid-run
-        run_config["resources"]["check_policy"] = {"config": {"warn_only": args.warn_only_check}}
-    run_config["resources"]["spark"] = {"config": engine}
     try:
-        with dg.DagsterInstance.get() as instance:
-            result = job.execute_in_process(instance=instance, raise_on_error=False, run_config=run_config)
+        result = _execute(args, engine)
     finally:
         from pipelines.runtime.spark import take_early_session
 

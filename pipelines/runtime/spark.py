@@ -449,7 +449,8 @@ def start_session_early(settings: SparkSettings) -> None:
 def take_early_session() -> SparkSettings | None:
     """Wait for the session `start_session_early` is building, and take it: the settings it was built for (None: none
     was, or another caller took it)."""
-    if not _EARLY:
+    thread = _EARLY.pop("thread", None)
+    if thread is None:
         return None
-    _EARLY["thread"].join()
-    return _EARLY.pop("settings", None)
+    thread.join()
+    return _EARLY.pop("settings")
