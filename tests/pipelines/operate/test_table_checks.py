@@ -2,7 +2,8 @@
 Their figures come from one scan per table version, shared by the run's materialization and its checks; a new
 version is scanned again, so a table changed behind the pipeline's back is seen by the next check. A table of up to
 SCANNED_IN_PROCESS_ROWS rows is scanned by delta-rs in the driver's process, a larger one by Spark: both give the same
-figures. So do the newest rows of an event-time table shown after a run, read by delta-rs or by Spark."""
+figures. So do the newest rows of an event-time table shown after a run, read in the run's process by DataFusion
+or page by page."""
 
 from __future__ import annotations
 
