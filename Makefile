@@ -195,8 +195,9 @@ bench-quick: install jars class-archive
 bench-batch: install jars class-archive
 	$(BIN)/python -m benchmarks.run --only batch
 
-# the incremental and bulk targets alone: Spark's floor, the bulk run, +100k as a process, as its process and warm
-# floors and warm, a full recompute; Flink's streaming job over the same 1M too after `make flink`
+# the incremental and bulk targets alone: Spark's floor, the bulk run and its floor (every table it writes), +100k as a
+# process, as its process and warm floors and warm, a full recompute; Flink's streaming job over the same 1M too after
+# `make flink`
 bench-core: install jars class-archive
 	$(BIN)/python -m benchmarks.run --only core
 
