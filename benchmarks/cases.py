@@ -14,6 +14,7 @@ Cases (docs/performance.md):
   paths      (g) the event-time steps (windows, sessions) against the all-time MERGE step on the same bronze
   floor_bulk the stack's floor of a bulk run: every table it writes, by plain delta-spark with the least work each
   floor_increment_warm  the floor of a warm increment: its append and MERGE, repeated in one warm engine process
+  floor_increment_warm_every_table  the same for every table a warm increment writes, with the least work for each
   warm       (f) this project inside a warm process: one catch-up run, then `--repeat` runs that each add an
                  increment's files, timed one by one (the step cost without the process start)
   batch      a micro-batch of `--events` new payments in a warm process, without event time and with sessions, each
@@ -357,6 +358,148 @@ def floor_increment_warm(args) -> dict:
 WARM_UP_ROUNDS = 2
 
 
+def _every_table_increment(spark, landing: Path, out: Path, watermark_us: int) -> dict:
+    """What a warm increment of payments writes to every table, by plain delta-spark with the least work for each,
+    into `out` (which holds copies of the state table, `state`, and of the session table's operator state,
+    `session_state`): the ledger of its files; quarantine (lines Spark's JSON reader cannot read, or without a
+    required value or a positive amount); bronze (the rest, one row per payment id in the batch); the state table's
+    MERGE by customer (change feed on) and its changelog (that commit's change feed); the session table: events at
+    or behind the watermark (`watermark_us`) to late_events, the others cut into sessions with the open ones by window
+    functions (an event 30 minutes or more after its customer's latest one starts one), the sessions the new watermark
+    closes, with their LAG and day total carried on from the key's stored row, to the table, and the open ones and the
+    keys' carried rows to its state (overwritten). The lines are parsed once and kept. No contract-exact validation,
+    no dedup against earlier batches, no idempotent bookkeeping, TTL, checks or Dagster. Each step's seconds."""
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+    from pipelines.storage import delta_sql
+    files = _landing_files(landing)
+    timings, started = {}, time.monotonic()
+
+    def step(name: str) -> None:
+        timings[f"{name}_s"] = round(time.monotonic() - started - sum(timings.values()), 3)
+
+    spark.createDataFrame([(f, os.path.getsize(f)) for f in files], "path string, size bigint") \
+        .write.format("delta").mode("append").save(str(out / "ledger"))
+    step("ledger")
+    lines = spark.read.schema(PAYMENT_SCHEMA + ", _corrupt_record string").json(files).localCheckpoint()
+    bad = (F.col("_corrupt_record").isNotNull() | F.col("payment_id").isNull() | F.col("customer_id").isNull()
+           | F.col("paid_at").isNull() | F.col("amount").isNull() | (F.col("amount") <= 0))
+    step("parse")
+    lines.where(bad).select(F.coalesce("_corrupt_record", F.to_json(F.struct("payment_id", "customer_id", "amount",
+                                                                            "paid_at"))).alias("raw_line"),
+                            F.lit("invalid").alias("reason")) \
+        .write.format("delta").mode("append").save(str(out / "quarantine"))
+    step("quarantine")
+    events = lines.where(~bad).drop("_corrupt_record").dropDuplicates(["payment_id"]).localCheckpoint()
+    events.write.format("delta").mode("append").save(str(out / "bronze"))
+    step("bronze")
+    by_key = events.groupBy("customer_id").agg(
+        F.count("*").alias("payment_count"), F.sum("amount").cast("decimal(28,2)").alias("total_amount"),
+        F.min("paid_at").alias("first_paid_at"), F.max("paid_at").alias("last_paid_at"))
+    delta_sql.merge(spark, out / "state", by_key, on="t.`customer_id` = s.`customer_id`", clauses=(
+        "WHEN MATCHED THEN UPDATE SET t.payment_count = t.payment_count + s.payment_count, "
+        "t.total_amount = t.total_amount + s.total_amount, t.first_paid_at = least(t.first_paid_at, s.first_paid_at), "
+        "t.last_paid_at = greatest(t.last_paid_at, s.last_paid_at), t.updated_at = current_timestamp() "
+        "WHEN NOT MATCHED THEN INSERT (customer_id, payment_count, total_amount, first_paid_at, last_paid_at, "
+        "updated_at) VALUES (s.customer_id, s.payment_count, s.total_amount, s.first_paid_at, s.last_paid_at, "
+        "current_timestamp())"))
+    step("state_merge")
+    version = spark.sql(f"DESCRIBE HISTORY delta.`{out / 'state'}` LIMIT 1").first()["version"]
+    spark.read.format("delta").option("readChangeFeed", "true").option("startingVersion", version) \
+        .load(str(out / "state")).write.format("delta").mode("append").save(str(out / "changelog"))
+    step("changelog")
+    at, gap_us, delay_us = F.unix_micros("paid_at"), 30 * 60 * 1_000_000, 10 * 60 * 1_000_000
+    late = at <= watermark_us
+    events.where(late).select("payment_id", "paid_at", F.lit("behind the watermark").alias("reason")) \
+        .write.format("delta").mode("append").save(str(out / "late_events"))
+    step("late_events")
+    # The operator state's rows: open sessions (their partial aggregates) and, per key, its newest closed session's
+    # end and day total (what the next session's LAG and day total start from), as the run keeps them.
+    state = spark.read.format("delta").load(str(out / "session_state"))
+    by = F.struct(F.col("paid_at").alias("by"), F.col("payment_id").alias("value"))
+    pieces = events.where(~late).select(
+        "customer_id", F.col("paid_at").alias("_first"), F.col("paid_at").alias("_last"),
+        F.lit(1).cast("bigint").alias("payment_count"), F.col("amount").cast("decimal(28,2)").alias("total_amount"),
+        F.array(by).alias("_by_last_payment_ids")).unionByName(
+        state.where("_open").select("customer_id", "_first", "_last", "payment_count", "total_amount",
+                                    "_by_last_payment_ids"))
+    in_order = Window.partitionBy("customer_id").orderBy("_first", "_last")
+    latest_end = F.max(F.unix_micros("_last")).over(in_order.rowsBetween(Window.unboundedPreceding, -1))
+    starts = F.when(latest_end.isNull() | (F.unix_micros("_first") - latest_end >= gap_us), 1).otherwise(0)
+    sessions = (pieces.withColumn("_session", F.sum(starts).over(in_order.rowsBetween(Window.unboundedPreceding, 0)))
+                .groupBy("customer_id", "_session").agg(
+                    F.min("_first").alias("_first"), F.max("_last").alias("_last"),
+                    F.sum("payment_count").alias("payment_count"), F.sum("total_amount").alias("total_amount"),
+                    F.slice(F.sort_array(F.flatten(F.collect_list("_by_last_payment_ids")), asc=False), 1, 5)
+                    .alias("_by_last_payment_ids")))
+    newest_us = events.agg(F.max(at)).first()[0]
+    watermark_after = max(watermark_us, (newest_us or 0) - delay_us)
+    closes = F.unix_micros("_last") + gap_us <= watermark_after
+    stored = state.where(~F.col("_open")).select(
+        "customer_id", F.lit(None).cast("timestamp").alias("_first"), "_last", F.lit(True).alias("_stored"),
+        "_carried_previous_session_end", "_carried_day_amount")
+    # The key's stored row first (its _first is NULL), then its sessions by start: the closed ones are the oldest.
+    rows = sessions.select("*", closes.alias("_closes"), F.lit(False).alias("_stored")).unionByName(
+        stored, allowMissingColumns=True)
+    by_start = Window.partitionBy("customer_id").orderBy(F.col("_first").asc_nulls_first())
+    same_day = Window.partitionBy("customer_id", F.to_date("_last")).orderBy(F.col("_first").asc_nulls_first()) \
+        .rowsBetween(Window.unboundedPreceding, 0)
+    carrier = F.col("_stored") | F.col("_closes")
+    valued = rows.select(
+        "*", F.when(F.lag("_stored").over(by_start), F.lag("_carried_previous_session_end").over(by_start))
+        .otherwise(F.lag("_last").over(by_start)).alias("previous_session_end"),
+        F.sum(F.when(F.col("_stored"), F.col("_carried_day_amount")).otherwise(F.col("total_amount")))
+        .over(same_day).alias("day_amount"),
+        (carrier & ~F.coalesce(F.lead(carrier).over(by_start), F.lit(False))).alias("_carries")).localCheckpoint()
+    valued.where(~F.col("_stored") & F.col("_closes")).select(
+        "customer_id", F.col("_first").alias("session_start"), F.col("_last").alias("session_end"), "payment_count",
+        "total_amount", F.col("_by_last_payment_ids.value").alias("last_payment_ids"), "previous_session_end",
+        "day_amount").write.format("delta").mode("append").save(str(out / "customer_activity"))
+    step("sessions_closed")
+    open_rows = valued.where(~F.col("_stored") & ~F.col("_closes")).select(
+        "customer_id", F.lit(True).alias("_open"), "_first", "_last", F.col("_first").alias("session_start"),
+        F.col("_last").alias("session_end"), "payment_count", "total_amount",
+        "_by_last_payment_ids", F.lit(None).cast("timestamp").alias("_carried_previous_session_end"),
+        F.lit(None).cast("decimal(28,2)").alias("_carried_day_amount"))
+    carried = valued.where("_carries").select(
+        "customer_id", F.lit(False).alias("_open"), F.lit(None).cast("timestamp").alias("_first"), "_last",
+        F.lit(None).cast("timestamp").alias("session_start"), F.lit(None).cast("timestamp").alias("session_end"),
+        F.lit(None).cast("bigint").alias("payment_count"), F.lit(None).cast("decimal(28,2)").alias("total_amount"),
+        F.lit(None).cast(state.schema["_by_last_payment_ids"].dataType).alias("_by_last_payment_ids"),
+        F.when(F.col("_stored"), F.col("_carried_previous_session_end")).otherwise(F.col("_last"))
+        .alias("_carried_previous_session_end"),
+        F.when(F.col("_stored"), F.col("_carried_day_amount")).otherwise(F.col("day_amount"))
+        .alias("_carried_day_amount"))
+    open_rows.unionByName(carried).select(*(F.col(f.name).cast(f.dataType) for f in state.schema)).write.format("delta").mode("overwrite") \
+        .save(str(out / "session_state"))
+    step("session_state")
+    return {"work_s": time.monotonic() - started, **timings}
+
+
+def floor_increment_warm_every_table(args) -> dict:
+    """The floor of a warm increment run's every table: one engine process (the engine's JVM settings, as `warm` runs
+    in) writes what an increment writes to every table (`_every_table_increment`) WARM_UP_ROUNDS times, then
+    `--repeat` times timed, each round on new copies of the history's state table and session state (`--home`'s,
+    copied untimed into `--out`), the increments of `--increment` in turn."""
+    import shutil
+    from pyspark.sql import functions as F
+    from pipelines.runtime.spark import build_spark_session
+    spark = build_spark_session()
+    tables, out = Path(args.home) / "tables", Path(args.out)
+    # The watermark the runs start from: the history's newest payment less the stream's delay.
+    newest_us = spark.read.format("delta").load(str(tables / "payments_bronze")).agg(
+        F.max(F.unix_micros("paid_at"))).first()[0]
+    rounds = []
+    for round_ in range(WARM_UP_ROUNDS + args.repeat):
+        copy = out / f"round-{round_}"
+        shutil.copytree(tables / "payments_per_customer", copy / "state")
+        shutil.copytree(tables / "customer_activity_state", copy / "session_state")
+        rounds.append(_every_table_increment(spark, Path(args.increment[round_ % len(args.increment)]), copy,
+                                             newest_us - 10 * 60 * 1_000_000))
+    return {"work_s": sum(r["work_s"] for r in rounds[WARM_UP_ROUNDS:]), "runs": rounds[WARM_UP_ROUNDS:],
+            "warm_up": rounds[:WARM_UP_ROUNDS]}
+
+
 def batch(args) -> dict:
     """`--repeat` rounds, after two of warm-up: the floor, then one micro-batch of each kind on its own storage root
     (a new landing file of `--events` payments each, so every batch adds to a stream that already has tables); the
@@ -499,7 +642,8 @@ def validation(args) -> dict:
 CASES = {"validation": validation, "paths": paths, "minimal": minimal, "floor": floor, "recompute": recompute, "stateful": stateful, "polars": polars_merge,
          "warm": warm, "batch": batch, "floor_batch": floor_batch,
          "floor_increment": floor_increment, "floor_bulk": floor_bulk,
-         "floor_increment_warm": floor_increment_warm}
+         "floor_increment_warm": floor_increment_warm,
+         "floor_increment_warm_every_table": floor_increment_warm_every_table}
 
 
 def main() -> None:
