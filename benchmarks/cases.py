@@ -494,8 +494,11 @@ def floor_increment_warm_every_table(args) -> dict:
         copy = out / f"round-{round_}"
         shutil.copytree(tables / "payments_per_customer", copy / "state")
         shutil.copytree(tables / "customer_activity_state", copy / "session_state")
-        rounds.append(_every_table_increment(spark, Path(args.increment[round_ % len(args.increment)]), copy,
-                                             newest_us - 10 * 60 * 1_000_000))
+        cpu_before = cpu_s()
+        timed = _every_table_increment(spark, Path(args.increment[round_ % len(args.increment)]), copy,
+                                       newest_us - 10 * 60 * 1_000_000)
+        cpu_after = cpu_s()
+        rounds.append({**timed, "cpu_s": {k: round(cpu_after[k] - cpu_before[k], 2) for k in cpu_after}})
     return {"work_s": sum(r["work_s"] for r in rounds[WARM_UP_ROUNDS:]), "runs": rounds[WARM_UP_ROUNDS:],
             "warm_up": rounds[:WARM_UP_ROUNDS]}
 

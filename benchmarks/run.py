@@ -485,8 +485,10 @@ def only_core(repeat: int, work: Path, *, keep: bool, quick: bool) -> None:
            [{"wall_s": r["work_s"], "peak_rss_mb": floor_warm["peak_rss_mb"], **r} for r in floor_warm["runs"]])
     floor_every = measure(case("floor_increment_warm_every_table", home=warm_home,
                                out=work / "floor-increment-warm-every-table", increment=folders, repeat=repeat))
+    # The contract names every table but the changelog copy (the state tables' change feed is their change log).
     record(f"floor_increment_{inc}_warm_every_table@history_{size}",
-           [{"wall_s": r["work_s"], "peak_rss_mb": floor_every["peak_rss_mb"], **r} for r in floor_every["runs"]])
+           [{"wall_s": r["work_s"], "peak_rss_mb": floor_every["peak_rss_mb"],
+             "without_changelog_s": r["work_s"] - r["changelog_s"], **r} for r in floor_every["runs"]])
     warm = measure(case("warm", home=warm_home, increment=folders), warm_home)
     record(f"f_increment_{inc}_warm_run@history_{size}",
            [{"wall_s": r["run_s"], "work_s": r["run_s"], "peak_rss_mb": warm["peak_rss_mb"], **r} for r in warm["runs"]])
@@ -513,9 +515,12 @@ def only_core(repeat: int, work: Path, *, keep: bool, quick: bool) -> None:
             c[f"floor_increment_{inc}_warm@history_{size}"] / c[f"b_full_recompute@{size + inc}"],
         f"warm +{inc} run / the floor of its two commits":
             c[f"f_increment_{inc}_warm_run@history_{size}"] / c[f"floor_increment_{inc}_warm@history_{size}"],
-        f"warm +{inc} floor of every table (plain delta-spark, warm) / full recompute (b)@{size + inc} "
-        f"[above 0.5: target 0.5 is below the stack's floor]":
+        f"warm +{inc} floor of every table it writes (plain delta-spark, warm) / full recompute (b)@{size + inc}":
             c[f"floor_increment_{inc}_warm_every_table@history_{size}"] / c[f"b_full_recompute@{size + inc}"],
+        f"warm +{inc} floor of the tables the contract names (every table but the changelog copy, plain "
+        f"delta-spark, warm) / full recompute (b)@{size + inc} [above 0.5: target 0.5 is below the stack's floor]":
+            median(results["cases"][f"floor_increment_{inc}_warm_every_table@history_{size}"]["runs"],
+                   "without_changelog_s") / c[f"b_full_recompute@{size + inc}"],
         f"warm +{inc} run / its floor of every table":
             c[f"f_increment_{inc}_warm_run@history_{size}"]
             / c[f"floor_increment_{inc}_warm_every_table@history_{size}"],
