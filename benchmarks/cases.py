@@ -225,31 +225,54 @@ def floor_batch(args) -> dict:
     return {"work_s": _plain_delta_spark(spark, Path(args.out), Path(args.landing))["floor_s"]}
 
 
-def _append_and_merge(spark, landing: Path, out: Path) -> dict:
-    """The two commits exactly-once cannot do without for an increment, and nothing else: the increment's rows
-    (`landing`) appended to a Delta table, as bronze, and MERGEd by customer into `out`/state (a copy of the history's
-    payments_per_customer, change feed on). No validation, dedup, event time, changelog or checks. Each step's
-    seconds."""
+def _merge_by_customer(spark, rows, state: Path) -> None:
+    """MERGE payment rows, aggregated by customer, into `state` (a copy of payments_per_customer), as the run's fold
+    does: counts and sums added, first and last payment widened, `updated_at` set."""
     from pyspark.sql import functions as F
     from pipelines.storage import delta_sql
-    started = time.monotonic()
-    rows = spark.read.schema(PAYMENT_SCHEMA).json(_landing_files(landing))
-    rows.write.format("delta").mode("append").save(str(out / "bronze"))
-    appended_s = time.monotonic() - started
-    # The state table's NOT NULL columns: a malformed line would break the MERGE (the run quarantines it).
-    complete = F.col("customer_id").isNotNull() & F.col("amount").isNotNull() & F.col("paid_at").isNotNull()
-    by_key = rows.where(complete).groupBy("customer_id").agg(
+    by_key = rows.groupBy("customer_id").agg(
         F.count("*").alias("payment_count"), F.sum("amount").cast("decimal(28,2)").alias("total_amount"),
         F.min("paid_at").alias("first_paid_at"), F.max("paid_at").alias("last_paid_at"))
-    delta_sql.merge(spark, out / "state", by_key, on="t.`customer_id` = s.`customer_id`", clauses=(
+    delta_sql.merge(spark, state, by_key, on="t.`customer_id` = s.`customer_id`", clauses=(
         "WHEN MATCHED THEN UPDATE SET t.payment_count = t.payment_count + s.payment_count, "
         "t.total_amount = t.total_amount + s.total_amount, t.first_paid_at = least(t.first_paid_at, s.first_paid_at), "
         "t.last_paid_at = greatest(t.last_paid_at, s.last_paid_at), t.updated_at = current_timestamp() "
         "WHEN NOT MATCHED THEN INSERT (customer_id, payment_count, total_amount, first_paid_at, last_paid_at, "
         "updated_at) VALUES (s.customer_id, s.payment_count, s.total_amount, s.first_paid_at, s.last_paid_at, "
         "current_timestamp())"))
+
+
+def _append_and_merge(spark, landing: Path, out: Path) -> dict:
+    """The two commits exactly-once cannot do without for an increment, and nothing else: the increment's rows
+    (`landing`) appended to a Delta table, as bronze, and MERGEd by customer into `out`/state (a copy of the history's
+    payments_per_customer, change feed on). No validation, dedup, event time, changelog or checks. Each step's
+    seconds."""
+    from pyspark.sql import functions as F
+    started = time.monotonic()
+    rows = spark.read.schema(PAYMENT_SCHEMA).json(_landing_files(landing))
+    rows.write.format("delta").mode("append").save(str(out / "bronze"))
+    appended_s = time.monotonic() - started
+    # The state table's NOT NULL columns: a malformed line would break the MERGE (the run quarantines it).
+    complete = F.col("customer_id").isNotNull() & F.col("amount").isNotNull() & F.col("paid_at").isNotNull()
+    _merge_by_customer(spark, rows.where(complete), out / "state")
     work_s = time.monotonic() - started
     return {"work_s": work_s, "append_s": appended_s, "merge_s": work_s - appended_s}
+
+
+def _bad_payment_line():
+    """The floors' quarantine rule: a line Spark's JSON reader cannot read, or without a required value or a positive
+    amount (no contract-exact validation)."""
+    from pyspark.sql import functions as F
+    return (F.col("_corrupt_record").isNotNull() | F.col("payment_id").isNull() | F.col("customer_id").isNull()
+            | F.col("paid_at").isNull() | F.col("amount").isNull() | (F.col("amount") <= 0))
+
+
+def _quarantine_rows(bad_lines):
+    """Quarantine rows of the bad lines: the raw line (as read, or as its parsed fields) and a reason."""
+    from pyspark.sql import functions as F
+    return bad_lines.select(F.coalesce("_corrupt_record", F.to_json(F.struct("payment_id", "customer_id", "amount",
+                                                                             "paid_at"))).alias("raw_line"),
+                            F.lit("invalid").alias("reason"))
 
 
 def floor_bulk(args) -> dict:
@@ -280,12 +303,8 @@ def floor_bulk(args) -> dict:
     # Parsed twice, for quarantine then bronze: parsed once and kept (a local checkpoint), the case took the same
     # (36.4 s either way, single runs).
     lines = spark.read.schema(PAYMENT_SCHEMA + ", _corrupt_record string").json(files)
-    bad = (F.col("_corrupt_record").isNotNull() | F.col("payment_id").isNull() | F.col("customer_id").isNull()
-           | F.col("paid_at").isNull() | F.col("amount").isNull() | (F.col("amount") <= 0))
-    lines.where(bad).select(F.coalesce("_corrupt_record", F.to_json(F.struct("payment_id", "customer_id", "amount",
-                                                                            "paid_at"))).alias("raw_line"),
-                            F.lit("invalid").alias("reason")) \
-        .write.format("delta").save(str(out / "quarantine"))
+    bad = _bad_payment_line()
+    _quarantine_rows(lines.where(bad)).write.format("delta").save(str(out / "quarantine"))
     step("quarantine")
     lines.where(~bad).drop("_corrupt_record").dropDuplicates(["payment_id"]) \
         .write.format("delta").save(str(out / "bronze"))
@@ -371,7 +390,6 @@ def _every_table_increment(spark, landing: Path, out: Path, watermark_us: int) -
     no dedup against earlier batches, no idempotent bookkeeping, TTL, checks or Dagster. Each step's seconds."""
     from pyspark.sql import Window
     from pyspark.sql import functions as F
-    from pipelines.storage import delta_sql
     files = _landing_files(landing)
     timings, started = {}, time.monotonic()
 
@@ -382,27 +400,14 @@ def _every_table_increment(spark, landing: Path, out: Path, watermark_us: int) -
         .write.format("delta").mode("append").save(str(out / "ledger"))
     step("ledger")
     lines = spark.read.schema(PAYMENT_SCHEMA + ", _corrupt_record string").json(files).localCheckpoint()
-    bad = (F.col("_corrupt_record").isNotNull() | F.col("payment_id").isNull() | F.col("customer_id").isNull()
-           | F.col("paid_at").isNull() | F.col("amount").isNull() | (F.col("amount") <= 0))
+    bad = _bad_payment_line()
     step("parse")
-    lines.where(bad).select(F.coalesce("_corrupt_record", F.to_json(F.struct("payment_id", "customer_id", "amount",
-                                                                            "paid_at"))).alias("raw_line"),
-                            F.lit("invalid").alias("reason")) \
-        .write.format("delta").mode("append").save(str(out / "quarantine"))
+    _quarantine_rows(lines.where(bad)).write.format("delta").mode("append").save(str(out / "quarantine"))
     step("quarantine")
     events = lines.where(~bad).drop("_corrupt_record").dropDuplicates(["payment_id"]).localCheckpoint()
     events.write.format("delta").mode("append").save(str(out / "bronze"))
     step("bronze")
-    by_key = events.groupBy("customer_id").agg(
-        F.count("*").alias("payment_count"), F.sum("amount").cast("decimal(28,2)").alias("total_amount"),
-        F.min("paid_at").alias("first_paid_at"), F.max("paid_at").alias("last_paid_at"))
-    delta_sql.merge(spark, out / "state", by_key, on="t.`customer_id` = s.`customer_id`", clauses=(
-        "WHEN MATCHED THEN UPDATE SET t.payment_count = t.payment_count + s.payment_count, "
-        "t.total_amount = t.total_amount + s.total_amount, t.first_paid_at = least(t.first_paid_at, s.first_paid_at), "
-        "t.last_paid_at = greatest(t.last_paid_at, s.last_paid_at), t.updated_at = current_timestamp() "
-        "WHEN NOT MATCHED THEN INSERT (customer_id, payment_count, total_amount, first_paid_at, last_paid_at, "
-        "updated_at) VALUES (s.customer_id, s.payment_count, s.total_amount, s.first_paid_at, s.last_paid_at, "
-        "current_timestamp())"))
+    _merge_by_customer(spark, events, out / "state")
     step("state_merge")
     version = spark.sql(f"DESCRIBE HISTORY delta.`{out / 'state'}` LIMIT 1").first()["version"]
     spark.read.format("delta").option("readChangeFeed", "true").option("startingVersion", version) \
