@@ -32,6 +32,9 @@ from functools import partial
 from pathlib import Path
 
 PAYMENT_SCHEMA = "payment_id string, customer_id string, amount decimal(18,2), paid_at timestamp"
+# The shipped customer_activity's session gap and the payments stream's watermark delay (statetables.yaml), which the
+# floors' session steps apply.
+SESSION_GAP_US, WATERMARK_DELAY_US = 30 * 60 * 1_000_000, 10 * 60 * 1_000_000
 
 
 def _session():
@@ -324,7 +327,7 @@ def floor_bulk(args) -> dict:
     # Sessions as gaps and islands, as the run cuts them: an event 30 minutes or more after its customer's previous
     # one starts a session. Spark's session_window also merges events exactly the gap apart (against the contract),
     # and was no cheaper: 12.4 s for this step against 11.5 s.
-    at, gap_us = F.unix_micros("paid_at"), 30 * 60 * 1_000_000
+    at, gap_us = F.unix_micros("paid_at"), SESSION_GAP_US
     in_order = Window.partitionBy("customer_id").orderBy("paid_at")
     starts = F.coalesce((at - F.lag(at).over(in_order) >= gap_us).cast("int"), F.lit(1))
     sessions = (bronze.withColumn("_session", F.sum(starts).over(in_order))
@@ -336,7 +339,7 @@ def floor_bulk(args) -> dict:
     by_key = Window.partitionBy("customer_id").orderBy("session_start")
     same_day = Window.partitionBy("customer_id", F.to_date("session_end")).orderBy("session_start")
     watermark = bronze.agg(F.max("paid_at")).first()[0]
-    closes = F.unix_micros("session_end") + gap_us <= F.unix_micros(F.lit(watermark)) - 10 * 60 * 1_000_000
+    closes = F.unix_micros("session_end") + gap_us <= F.unix_micros(F.lit(watermark)) - WATERMARK_DELAY_US
     rows = sessions.select("*", F.lag("session_end").over(by_key).alias("previous_session_end"),
                            F.sum("total_amount").over(same_day).alias("day_amount"), closes.alias("closed")) \
         .localCheckpoint()
@@ -413,7 +416,7 @@ def _every_table_increment(spark, landing: Path, out: Path, watermark_us: int) -
     spark.read.format("delta").option("readChangeFeed", "true").option("startingVersion", version) \
         .load(str(out / "state")).write.format("delta").mode("append").save(str(out / "changelog"))
     step("changelog")
-    at, gap_us, delay_us = F.unix_micros("paid_at"), 30 * 60 * 1_000_000, 10 * 60 * 1_000_000
+    at, gap_us, delay_us = F.unix_micros("paid_at"), SESSION_GAP_US, WATERMARK_DELAY_US
     late = at <= watermark_us
     events.where(late).select("payment_id", "paid_at", F.lit("behind the watermark").alias("reason")) \
         .write.format("delta").mode("append").save(str(out / "late_events"))
@@ -475,8 +478,8 @@ def _every_table_increment(spark, landing: Path, out: Path, watermark_us: int) -
         .alias("_carried_previous_session_end"),
         F.when(F.col("_stored"), F.col("_carried_day_amount")).otherwise(F.col("day_amount"))
         .alias("_carried_day_amount"))
-    open_rows.unionByName(carried).select(*(F.col(f.name).cast(f.dataType) for f in state.schema)).write.format("delta").mode("overwrite") \
-        .save(str(out / "session_state"))
+    open_rows.unionByName(carried).select(*(F.col(f.name).cast(f.dataType) for f in state.schema)) \
+        .write.format("delta").mode("overwrite").save(str(out / "session_state"))
     step("session_state")
     return {"work_s": time.monotonic() - started, **timings}
 
@@ -501,7 +504,7 @@ def floor_increment_warm_every_table(args) -> dict:
         shutil.copytree(tables / "customer_activity_state", copy / "session_state")
         cpu_before = cpu_s()
         timed = _every_table_increment(spark, Path(args.increment[round_ % len(args.increment)]), copy,
-                                       newest_us - 10 * 60 * 1_000_000)
+                                       newest_us - WATERMARK_DELAY_US)
         cpu_after = cpu_s()
         rounds.append({**timed, "cpu_s": {k: round(cpu_after[k] - cpu_before[k], 2) for k in cpu_after}})
     return {"work_s": sum(r["work_s"] for r in rounds[WARM_UP_ROUNDS:]), "runs": rounds[WARM_UP_ROUNDS:],

@@ -431,7 +431,8 @@ def only_core(repeat: int, work: Path, *, keep: bool, quick: bool) -> None:
     """The incremental and bulk targets on payments, medians of `repeat`: Spark's floor (a), the bulk `statetables
     run` and the bulk's floor (`floor_bulk`: every table the run writes, plain delta-spark) over the history; then on
     that history, +increment as a whole `statetables run`, as its process floor (`floor_increment`), as its warm
-    floors (`floor_increment_warm`: its two commits; `floor_increment_warm_every_table`: every table) and as warm runs; then (a) and the full recompute (b) over history + increment.
+    floors (`floor_increment_warm`: its two commits; `floor_increment_warm_every_table`: every table) and as warm
+    runs; then (a) and the full recompute (b) over history + increment.
     Prints each case with its jobs and commits per micro-batch and the ratios; writes docs/bench/core.json."""
     size, inc = (20_000, 5_000) if quick else (1_000_000, 100_000)
     data = Data(work / "data", min(INCREMENT_FILE_LINES, size // 10))
