@@ -21,7 +21,8 @@ import dagster as dg
 
 from assets.continuous import run_continuously
 from assets.keys import (
-    CONTINUOUS_JOB, ADVANCE_ALL_JOB, DEEP_CHECK_JOB, MAX_RECOVERY_ATTEMPTS, RECOVERY_ATTEMPT_TAG, RECOVERY_CHAIN_TAG,
+    CHANGELOG_GROUP, CONTINUOUS_JOB, ADVANCE_ALL_JOB, DEEP_CHECK_JOB, MAX_RECOVERY_ATTEMPTS, RECOVERY_ATTEMPT_TAG,
+    RECOVERY_CHAIN_TAG,
     RECOVERY_OF_TAG, RECOVERY_REASON_TAG, STREAM_TAG,
     deep_check_keys, stream_job_name, stream_of_step,
 )
@@ -37,7 +38,7 @@ from resources import SparkSessionResource, StorageResource
 DEEP_CHECKS = dg.AssetSelection.checks(*deep_check_keys())
 
 advance_all = dg.define_asset_job(
-    ADVANCE_ALL_JOB, selection=dg.AssetSelection.all() - DEEP_CHECKS,
+    ADVANCE_ALL_JOB, selection=dg.AssetSelection.all() - DEEP_CHECKS - dg.AssetSelection.groups(CHANGELOG_GROUP),
     description="Advance every stream once: ingest landing files, update state tables, run the per-run checks.")
 
 stream_jobs = {

@@ -27,7 +27,7 @@ import dagster as dg
 from pydantic import Field
 
 from assets.keys import (
-    CONTINUOUS_JOB, CONTINUOUS_TAG, bronze_key, changelog_key, quarantine_key, state_key,
+    CONTINUOUS_JOB, CONTINUOUS_TAG, bronze_key, quarantine_key, state_key,
 )
 from assets.metadata import event_time_metadata
 from assets.streams import StreamConfig, current_declaration
@@ -37,7 +37,6 @@ from pipelines.operate import table_checks
 from pipelines.runtime.continuous import ContinuousStep, create_tables, run_steps_continuously
 from pipelines.runtime.micro_batch import advance_stream, event_time_streams, event_time_tables
 from pipelines.runtime.query import Continuous
-from pipelines.state.changelog import changelog_name
 from pipelines.storage.delta_log import commits_since, table_version
 from pipelines.storage.layout import StorageLayout
 from resources import CheckPolicyResource, SparkSessionResource, StorageResource
@@ -120,7 +119,6 @@ class ContinuousReport:
             self.tables[quarantine_key(spec)] = (spec.quarantine_table, spec.name)
             for table in spec.state_tables:
                 self.tables[state_key(table)] = (table.name, spec.name)
-                self.tables[changelog_key(table)] = (changelog_name(table), spec.name)
                 self.state_tables[state_key(table)] = (spec, table)
             if spec.name in event_time_kept:
                 for name in event_time_tables(spec):
@@ -194,7 +192,7 @@ class ContinuousReport:
 
 @dg.op(tags={CONTINUOUS_TAG: "true"}, description=(
     "Keeps every stream's streaming query running (each micro-batch through ingest, state table, windows or "
-    "sessions, changelog) and reports each table to Dagster every `report_every_seconds`. Cancel the run to "
+    "sessions, changelog topic) and reports each table to Dagster every `report_every_seconds`. Cancel the run to "
     "stop: each query finishes its current micro-batch first."))
 def keep_streams_running(context: dg.OpExecutionContext, config: ContinuousConfig, spark: SparkSessionResource,
                          storage: StorageResource, check_policy: CheckPolicyResource):

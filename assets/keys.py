@@ -24,6 +24,8 @@ MAX_RECOVERY_ATTEMPTS = 3
 DEEP_CHECK_JOB = "reconcile_state_tables"
 CONTINUOUS_JOB = "run_continuously"
 MAINTENANCE_JOB = "maintain_tables"
+CHANGELOG_JOB = "publish_changelogs"
+CHANGELOG_GROUP = "changelogs"  # apart from the streams' groups: a stream's run does not publish its changelogs
 REFRESH_JOB = "refresh_state_table"
 CONTINUOUS_TAG = "statetables/continuous"
 # A state table not materialized for this long shows as stale in the UI. The continuous job reports every
@@ -65,7 +67,8 @@ def stream_job_name(spec: StreamSpec) -> str:
 
 
 def job_names() -> list[str]:
-    return [ADVANCE_ALL_JOB, DEEP_CHECK_JOB, CONTINUOUS_JOB, MAINTENANCE_JOB, REFRESH_JOB, *(stream_job_name(spec) for spec in streams().values())]
+    return [ADVANCE_ALL_JOB, DEEP_CHECK_JOB, CONTINUOUS_JOB, MAINTENANCE_JOB, CHANGELOG_JOB, REFRESH_JOB,
+            *(stream_job_name(spec) for spec in streams().values())]
 
 
 def streams_of_job(job: str) -> list[StreamSpec]:

@@ -1,4 +1,5 @@
-"""Jobs that change tables on request: table maintenance (OPTIMIZE, VACUUM) and the full refresh of a state table."""
+"""Jobs that change tables off the streams' runs: the changelogs published, table maintenance (OPTIMIZE, VACUUM) and
+the full refresh of a state table."""
 
 
 from datetime import timedelta
@@ -6,13 +7,64 @@ from datetime import timedelta
 import dagster as dg
 from pydantic import Field
 
-from assets.keys import MAINTENANCE_JOB, REFRESH_JOB
-from assets.metadata import records_table
+from assets.keys import (
+    CHANGELOG_GROUP, CHANGELOG_JOB, KINDS, MAINTENANCE_JOB, REFRESH_JOB, changelog_key, state_key,
+)
+from assets.metadata import RUNBOOK_LINE, RUNBOOK_METADATA, records_table
 from pipelines.declare.project import project, streams
 from pipelines.declare.specs import StateTableSpec
-from pipelines.operate.maintenance import MIN_RETAIN, maintain_stream
+from pipelines.operate.maintenance import MIN_RETAIN, maintain_stream, publish_changelogs
+from pipelines.state.changelog import changelog_name
 from pipelines.operate.refresh import refresh_event_time_table, refresh_state_table
 from resources import SparkSessionResource, StorageResource
+
+
+class ChangelogConfig(dg.Config):
+    lock_timeout_s: float = Field(default=600.0, description="How long to wait for each stream's writer lock.")
+
+
+def _changelog_spec(table: StateTableSpec) -> dg.AssetSpec:
+    return dg.AssetSpec(
+        changelog_key(table), deps=[state_key(table)], group_name=CHANGELOG_GROUP, kinds=KINDS, skippable=True,
+        metadata=RUNBOOK_METADATA, description=(
+            f"The change log of {table.name} kept as a table: every row its Change Data Feed reports (`_change_type` "
+            f"insert, update_preimage, update_postimage, delete; `_commit_version`, `_commit_timestamp`), each once, "
+            f"which VACUUM never shortens. Published off the streams' runs: daily by this job's schedule, before "
+            f"every VACUUM (`maintain_tables`), and by `statetables restore-changelog`, which rebuilds {table.name} "
+            f"as of any version from this table alone. The live change log is {table.name}'s Change Data Feed."
+            + RUNBOOK_LINE))
+
+
+@dg.multi_asset(name="changelogs", specs=[_changelog_spec(table) for spec in streams().values()
+                                          for table in spec.state_tables] or None,
+                description="Every state table's changelog brought up to the table's newest version, each stream "
+                            "under its writer lock.")
+def changelogs(context: dg.AssetExecutionContext, config: ChangelogConfig, spark: SparkSessionResource,
+               storage: StorageResource):
+    session, layout = spark.spark_session, storage.layout()
+    for spec in streams().values():
+        published = {f["state_table"]: f for f in publish_changelogs(session, layout, spec,
+                                                                     lock_timeout_s=config.lock_timeout_s)}
+        for table in spec.state_tables:
+            figures = published.get(table.name)
+            if figures is None:  # the state table does not exist yet
+                continue
+            context.log.info(f"{figures['changelog']}: versions {figures['covered_before'] + 1} to "
+                             f"{figures['covers']}, {figures['change_rows_appended']} change rows")
+            yield dg.MaterializeResult(asset_key=changelog_key(table), metadata={
+                "change_rows_appended": figures["change_rows_appended"],
+                "change_rows_total": figures["change_rows_total"],
+                "state_table_version_covered": figures["covers"],
+                "path": dg.MetadataValue.path(str(layout.table(changelog_name(table))))})
+
+
+publish_all_changelogs = dg.define_asset_job(
+    CHANGELOG_JOB, selection=dg.AssetSelection.groups(CHANGELOG_GROUP),
+    description="Every state table's change feed appended to its changelog table, up to the table's newest version.")
+
+daily_changelogs = dg.ScheduleDefinition(
+    name="publish_changelogs_daily", job=publish_all_changelogs, cron_schedule="15 1 * * *",
+    default_status=dg.DefaultScheduleStatus.RUNNING)
 
 
 class MaintenanceConfig(dg.Config):
@@ -23,7 +75,8 @@ class MaintenanceConfig(dg.Config):
     lock_timeout_s: float = Field(default=600.0, description="How long to wait for each stream's writer lock.")
 
 
-@dg.op(description="OPTIMIZE and VACUUM every table of every stream, each stream under its writer lock.")
+@dg.op(description="Publish the changelogs, then OPTIMIZE and VACUUM every table of every stream, each stream under "
+                   "its writer lock.")
 def optimize_and_vacuum(context: dg.OpExecutionContext, config: MaintenanceConfig, spark: SparkSessionResource,
                     storage: StorageResource):
     session, layout = spark.spark_session, storage.layout()
@@ -41,8 +94,9 @@ def optimize_and_vacuum(context: dg.OpExecutionContext, config: MaintenanceConfi
         "files_deleted": sum(f["files_deleted"] for f in figures)})
 
 
-@dg.job(name=MAINTENANCE_JOB, description="Table maintenance: OPTIMIZE and VACUUM every table, never deleting a "
-                                          "file a savepoint, time travel within the retention or a run needs.")
+@dg.job(name=MAINTENANCE_JOB, description="Table maintenance: the changelogs published, then OPTIMIZE and VACUUM "
+                                          "every table, never deleting a file a savepoint, time travel within the "
+                                          "retention, a run or a changelog needs.")
 def maintain_all_tables():
     optimize_and_vacuum()
 

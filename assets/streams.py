@@ -1,5 +1,6 @@
 """Assets and checks of one event stream: one step, a multi-asset of every table its streaming query writes
-(bronze, quarantine, the state table, the windows or the sessions, the changelog), and the state table's checks.
+(bronze, quarantine, the state table, the windows or the sessions), and the state table's checks. The changelog
+tables are published by a job of their own (assets/maintenance.py).
 
 The step is thin: it asks the resources for a Spark session and the storage layout, calls one pipeline function
 (`advance_stream`), and describes what happened in metadata.
@@ -20,7 +21,7 @@ from assets.metadata import (
 )
 from assets import event_time as event_time_assets
 from assets.keys import (
-    DEEP_CHECK, KINDS, STATE_FRESHNESS, bronze_key, changelog_key, pool, quarantine_key, state_key, stream_op_name,
+    DEEP_CHECK, KINDS, STATE_FRESHNESS, bronze_key, pool, quarantine_key, state_key, stream_op_name,
 )
 from pipelines.declare.project import stream_spec, streams
 from pipelines.declare.specs import StateTableSpec, StreamSpec
@@ -31,10 +32,8 @@ from pipelines.operate import table_checks
 from pipelines.operate.table_checks import quarantine_reasons, state_totals
 from pipelines.runtime.micro_batch import StreamSettings, advance_stream, event_time_streams
 from pipelines.runtime.query import StreamRunResult
-from pipelines.state.changelog import changelog_figures, changelog_name
 from pipelines.state.expiry import EXPIRY
 from pipelines.state.tables import changed_definitions, folded_through, state_schema
-from pipelines.storage.delta_log import commits_since
 from resources import CheckPolicyResource, SparkSessionResource, StorageResource
 
 class StreamConfig(dg.Config):
@@ -153,7 +152,6 @@ def build_stream_assets(spec: StreamSpec, keeps_event_time: bool = True) -> list
                   for table in current.state_tables]
         windowed = pool.submit(lambda: list(event_time_assets.results(session, layout, current, result,
                                                                       owns_late))) if event_time else None
-        changelogs = [pool.submit(_changelog_result, session, layout, table, result) for table in spec.state_tables]
         pool.shutdown(wait=False)
         yield dg.MaterializeResult(asset_key=bronze, metadata={
             **common, **ingest, "rows_accepted": counts["accepted"], "duplicates_recognised": counts["duplicates"],
@@ -178,8 +176,6 @@ def build_stream_assets(spec: StreamSpec, keeps_event_time: bool = True) -> list
         if windowed is not None:
             yield from windowed.result()
             yield from checked.result()
-        for changelog in changelogs:
-            yield changelog.result()
 
     return [stream, *(check for table in spec.state_tables for check in build_state_checks(spec, table)),
             *(event_time_assets.deep_checks(spec) if event_time else [])]
@@ -188,23 +184,10 @@ def build_stream_assets(spec: StreamSpec, keeps_event_time: bool = True) -> list
 METADATA_QUERIES_AT_ONCE = 5
 
 
-def _changelog_result(session: SparkSession, layout, table: StateTableSpec,
-                      result: StreamRunResult) -> dg.MaterializeResult:
-    name = changelog_name(table)
-    path = layout.table(name)
-    appended = sum(int(c["metrics"].get("numOutputRows", 0))
-                   for c in commits_since(session, path, result.versions[name].before))
-    rows, covered = changelog_figures(session, path)
-    return dg.MaterializeResult(asset_key=changelog_key(table), metadata={
-        "change_rows_appended": appended, "change_rows_total": rows,
-        "state_table_version_covered": covered if covered is not None else -1,
-        "path": dg.MetadataValue.path(str(path)), **_versions(result, name)})
-
-
 def _state_table_specs(spec: StreamSpec, table: StateTableSpec) -> list[dg.AssetSpec]:
     state = state_key(table)
     ttl = (f" TTL {table.ttl / timedelta(days=1):g} days (project file): keys with no event for that long in event "
-           f"time are deleted, and show in the changelog as deletes." if table.ttl else "")
+           f"time are deleted, and show in its change feed as deletes." if table.ttl else "")
     return [
         dg.AssetSpec(state, deps=[bronze_key(spec)], kinds=KINDS, freshness_policy=STATE_FRESHNESS,
                      metadata={**RUNBOOK_METADATA, "sql": dg.MetadataValue.md(f"```sql\n{table.sql}\n```")},
@@ -213,12 +196,6 @@ def _state_table_specs(spec: StreamSpec, table: StateTableSpec) -> list[dg.Asset
             f"{', '.join(f'`{k}`' for k in table.keys)}, equal to `{table.sql}` over the accepted events it has "
             f"folded, and `updated_at`. Kept by a MERGE of each micro-batch's bronze rows aggregated by key, whose "
             f"commit records the bronze version folded; Change Data Feed on.{ttl}" + RUNBOOK_LINE)),
-        dg.AssetSpec(changelog_key(table), deps=[state], kinds=KINDS, metadata=RUNBOOK_METADATA, description=(
-            f"The change stream of {table.name}: every row its Change Data Feed reports (`_change_type` insert, "
-            f"update_preimage, update_postimage, delete; `_commit_version`, `_commit_timestamp`), appended in "
-            f"the micro-batch that changed the table, as a Delta table other jobs read as a table or a stream. "
-            f"`statetables restore-changelog` rebuilds {table.name} as of any version from this table alone." +
-            RUNBOOK_LINE)),
     ]
 
 

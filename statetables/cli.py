@@ -178,15 +178,21 @@ def _savepoint(args: argparse.Namespace) -> int:
 
 
 def _restore_changelog(args: argparse.Namespace) -> int:
-    from pipelines.state.changelog import restore_from_changelog
-    from pipelines.runtime.spark import SparkSettings, build_spark_session
-
     from pipelines.declare.project import project
+    from pipelines.operate.maintenance import publish_changelogs
+    from pipelines.runtime.spark import SparkSettings, build_spark_session
+    from pipelines.state.changelog import restore_from_changelog
 
     name = _table_name(args)
-    _, table = project().state_table(name)
+    spec, table = project().state_table(name)
     into = args.into or f"{name}_restored_v{args.version}"
-    target = restore_from_changelog(build_spark_session(SparkSettings(one_command=True)), StorageLayout.under(), table, args.version, into)
+    spark, layout = build_spark_session(SparkSettings(one_command=True)), StorageLayout.under()
+    # The changelog first takes in the state table's versions since it was last published.
+    covers = next((f["covers"] for f in publish_changelogs(spark, layout, spec) if f["state_table"] == name), -1)
+    if args.version > covers:
+        raise ConfigurationError(f"{name} has no version {args.version} yet: its newest is {covers}. Fix: choose a "
+                                 f"version from 0 to {covers}.")
+    target = restore_from_changelog(spark, layout, table, args.version, into)
     print(f"{name} as of version {args.version}, rebuilt from its changelog only: {target}")
     return 0
 

@@ -12,7 +12,10 @@ def build_definitions() -> dg.Definitions:
         recover_failed_stream, spark_engine_health, stream_jobs,
     )
     from assets.continuous import run_continuously
-    from assets.maintenance import maintain_all_tables, refresh_state_table_job, weekly_maintenance
+    from assets.maintenance import (
+        changelogs, daily_changelogs, maintain_all_tables, publish_all_changelogs, refresh_state_table_job,
+        weekly_maintenance,
+    )
     from assets.streams import build_stream_assets, require_current_definitions
     from pipelines.declare.project import streams
     from pipelines.runtime.micro_batch import event_time_streams
@@ -22,10 +25,11 @@ def build_definitions() -> dg.Definitions:
 
     require_current_definitions(StorageLayout.under())  # a changed declaration fails the load, naming the fix
     return dg.Definitions(
-        assets=[a for spec in streams().values() for a in build_stream_assets(spec, spec.name in event_time_streams())],
+        assets=[*(a for spec in streams().values()
+                  for a in build_stream_assets(spec, spec.name in event_time_streams())), changelogs],
         jobs=[advance_all, reconcile_state_tables, *stream_jobs.values(), run_continuously, maintain_all_tables,
-              refresh_state_table_job],
-        schedules=[every_five_minutes, nightly_reconciliation, weekly_maintenance],
+              publish_all_changelogs, refresh_state_table_job],
+        schedules=[every_five_minutes, nightly_reconciliation, weekly_maintenance, daily_changelogs],
         sensors=[landing_files_sensor, recover_failed_stream, spark_engine_health],
         # A warm Spark Connect server when $STATETABLES_SPARK_REMOTE names one (`make dev`, `make serve`), else a JVM
         # per run.

@@ -2,7 +2,8 @@
 
 Covers, on real Spark + Delta: a sales stream run once, then one more landing file; the status names that file as
 pending, gives the last batch's counts as written, the quarantine by reason, positive table versions, the state
-table and its changelog folded through bronze's version, and the writer lock's last holder; it creates no table.
+table folded through bronze's version and its changelog not yet published, and the writer lock's last holder; it
+creates no table.
 The progress line of the batch carries its counts. The command's `--json` on an untouched storage root (a
 subprocess: exit 0, valid JSON, nothing created, no JVM needed), and a held lock named by pid and host. Marked
 long (two more cold micro-batches through the windows step): the last of two batches, the watermark, late events.
@@ -75,7 +76,7 @@ def test_each_micro_batch_logs_one_line_with_its_counts(ran):
     assert line.startswith("stream=movie_ticket_sales batch=0 lines=9 accepted=5 quarantined=3 duplicates=1 "), line
     assert "rows_per_s=" in line and "elapsed_s=" in line
     # each step's seconds, which together are most of the batch
-    steps = [figures[f"{step}_s"] for step in ("ingest", "state", "changelog")]
+    steps = [figures[f"{step}_s"] for step in ("ingest", "state")]
     assert all(s > 0 for s in steps) and sum(steps) <= figures["elapsed_s"] + 0.01, figures
     assert "ingest_s=" in line and "state_s=" in line
     assert figures["small"] is True and " small=True " in line  # 9 lines: decided in the driver
@@ -99,7 +100,7 @@ def test_status_names_what_is_pending_and_what_each_step_folded(spark, ran):
     assert stream["quarantine_by_reason"] == {"not_json": 2, "missing_field": 1}
     tables = stream["tables"]
     written = ["movie_ticket_sales_files", "movie_ticket_sales_quarantine", "movie_ticket_sales_bronze",
-               "movie_tickets_sold", "movie_tickets_sold_changelog"]
+               "movie_tickets_sold"]
     assert all(tables[name] > 0 for name in written), tables
     assert {tables[name] for name in set(tables) - set(written)} == {None}  # no windows step in this run
     bronze = tables[MOVIE_TICKET_SALES.bronze_table]
@@ -107,7 +108,7 @@ def test_status_names_what_is_pending_and_what_each_step_folded(spark, ran):
     folded = stream["folded"]
     assert folded["state_tables"] == {"movie_tickets_sold": {"bronze_version": bronze, "restored_to": None}}
     assert folded["changelogs"] == {"movie_tickets_sold_changelog": {
-        "state_table": "movie_tickets_sold", "state_version": tables["movie_tickets_sold"]}}
+        "state_table": "movie_tickets_sold", "state_version": None}}  # published off the runs
     assert folded["event_time"]["tickets_per_title_hourly"]["bronze_version"] is None
     assert stream["late_events"] is None
     lock = stream["writer_lock"]
@@ -137,6 +138,7 @@ def test_status_gives_the_event_time_step_its_watermark_and_late_events(spark, l
     assert (batch["batch_id"], batch["lines"], batch["accepted"], batch["quarantined"]) == (1, 4, 2, 1)
     assert stream["late_events"] == 1
     tables = stream["tables"]
+    assert tables.pop("movie_tickets_sold_changelog") is None  # published off the runs
     assert all(version > 0 for version in tables.values()), tables
     assert stream["folded"]["event_time"] == {"tickets_per_title_hourly": {
         "problem": None, "bronze_version": batch["bronze_version"], "watermark": "2026-11-01T13:20:00Z"}}

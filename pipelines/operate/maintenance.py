@@ -1,4 +1,5 @@
-"""Table maintenance: OPTIMIZE (compact small files) and VACUUM (delete files no version in the retention needs).
+"""Table maintenance: the changelogs published, then OPTIMIZE (compact small files) and VACUUM (delete files no
+version in the retention needs).
 
 Run per stream under the stream's writer lock, so no run of it is between two commits of a batch meanwhile. What it
 never removes:
@@ -6,8 +7,9 @@ never removes:
   oldest version any savepoint keeps of it (a savepoint restore reads that version by time travel);
 - a file of the last `retain` (at least 7 days, Delta's own safety floor, which stays on): what time travel and a
   step catching up on bronze's change feed read;
-- a changelog row: `restore-changelog` reads the changelog table's current rows, which VACUUM never deletes
-  (it deletes only files no current or retained version references).
+- a change row of a state table: its changelog is published first (`publish_changelogs`), so the change data
+  VACUUM deletes is already in the changelog table, whose current rows VACUUM never deletes (it deletes only files
+  no current or retained version references).
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ from pipelines.errors import ConfigurationError
 from pipelines.operate.savepoints import list_savepoints
 from pipelines.runtime.locks import writer_lock
 from pipelines.runtime.micro_batch import StreamSettings, stream_tables as all_tables
+from pipelines.state.changelog import changelog_name, publish_changelog
 from pipelines.storage import delta_sql
-from pipelines.storage.delta_log import history_rows, table_version
+from pipelines.storage.delta_log import history_rows, new_app_id, table_version
 from pipelines.storage.layout import StorageLayout
 
 MIN_RETAIN = timedelta(days=7)  # Delta's retentionDurationCheck refuses less; it is not turned off here
@@ -30,8 +33,22 @@ SAVEPOINT_MARGIN = timedelta(hours=1)
 
 
 def stream_tables(spec: StreamSpec) -> list[str]:
-    """Every table of the stream: its ledger (a landing folder's) and every table its runs write."""
-    return [*((spec.files_table,) if spec.topic is None else ()), *all_tables(spec, StreamSettings())]
+    """Every table of the stream: its ledger (a landing folder's), every table its runs write, its changelogs."""
+    return [*((spec.files_table,) if spec.topic is None else ()), *all_tables(spec, StreamSettings()),
+            *(changelog_name(table) for table in spec.state_tables)]
+
+
+def _publish(spark, layout: StorageLayout, spec: StreamSpec) -> list[dict]:
+    app_id = new_app_id(f"{spec.name}/changelog")
+    return [publish_changelog(spark, layout, table, app_id) for table in spec.state_tables
+            if table_version(spark, layout.table(table.name)) is not None]
+
+
+def publish_changelogs(spark, layout: StorageLayout, spec: StreamSpec, *, lock_timeout_s: float = 60.0) -> list[dict]:
+    """Bring every changelog of the stream up to its state table's newest version, under the stream's writer lock;
+    one dict of figures per changelog (`publish_changelog`)."""
+    with writer_lock(layout.locks, spec.name, lock_timeout_s):
+        return _publish(spark, layout, spec)
 
 
 def _retention(spark, path: Path, name: str, saved: dict[str, int], retain: timedelta) -> timedelta:
@@ -48,7 +65,8 @@ def _retention(spark, path: Path, name: str, saved: dict[str, int], retain: time
 
 def maintain_stream(spark, layout: StorageLayout, spec: StreamSpec, *, retain: timedelta = MIN_RETAIN,
                     lock_timeout_s: float = 60.0) -> list[dict]:
-    """OPTIMIZE then VACUUM every table of the stream; one dict of figures per table."""
+    """Publish the stream's changelogs, then OPTIMIZE and VACUUM every table of the stream; one dict of figures per
+    table."""
     if retain < MIN_RETAIN:
         raise ConfigurationError(f"A retention of {retain} is shorter than Delta's safety floor of {MIN_RETAIN.days} "
                                  f"days, below which a running reader or time travel could lose files. Fix: retain "
@@ -59,6 +77,7 @@ def maintain_stream(spark, layout: StorageLayout, spec: StreamSpec, *, retain: t
             saved[name] = min(saved.get(name, entry["version"]), entry["version"])
     figures = []
     with writer_lock(layout.locks, spec.name, lock_timeout_s):
+        _publish(spark, layout, spec)  # before VACUUM deletes the change data it copies
         for name in stream_tables(spec):
             path = layout.table(name)
             if table_version(spark, path) is None:

@@ -6,8 +6,8 @@ aggregates) takes effect: runs refuse to fold into a table that an earlier defin
 `require_definition`). Under the stream's writer lock the table's new content is computed from bronze at one
 pinned version and replaces the old in one commit (CREATE OR REPLACE), which records the bronze version it
 reflects: a reader sees the old table or the new one, and the next run folds bronze after that version. The
-changelog starts again from that commit, holding the new content as inserts; its earlier versions keep the old
-table's history (Delta time travel).
+changelog first takes in the old table's last changes, then starts again from that commit, holding the new content
+as inserts; its earlier versions keep the old table's history (Delta time travel).
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from pipelines.declare.specs import EventTimeTableSpec, StateTableSpec, StreamSpec
-from pipelines.errors import ConfigurationError
+from pipelines.errors import ChangelogError, ConfigurationError
 from pipelines.runtime.locks import writer_lock
-from pipelines.state.changelog import COVERS, STATE_TABLE_ID, changelog_name
+from pipelines.state.changelog import COVERS, STATE_TABLE_ID, changelog_name, publish_changelog
 from pipelines.state.expiry import EXPIRED, TTL_PROPERTY, ExpiredTotals, expire_keys, newest_ingested_us
 from pipelines.state.tables import DEFINITION_PROPERTY, FOLDED_THROUGH, aggregate, definition_of
 from pipelines.storage import delta_sql
@@ -48,6 +48,11 @@ def refresh_state_table(spark: SparkSession, layout: StorageLayout, spec: Stream
         bronze_version, events = _bronze(spark, layout, spec, table.name)
         content = aggregate(events, table)
         app_id = new_app_id(f"{spec.name}/refresh")
+        if table_version(spark, path) is not None:
+            try:
+                publish_changelog(spark, layout, table, app_id)
+            except ChangelogError:
+                pass  # it holds an earlier table's changes: the restart below replaces them (time travel keeps them)
         # An expiry before the refresh is not in the new content: marking the commit as a restore to version -1
         # tells pipelines/state/expiry.py that every earlier expiry is undone.
         metadata = {"app_id": app_id, "batch_id": -1, "refreshed": table.name, FOLDED_THROUGH: bronze_version,

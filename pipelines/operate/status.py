@@ -32,8 +32,8 @@ from pipelines.event_time.watermark import LATE
 from pipelines.ingest.kafka_source import end_offsets, recorded_offsets
 from pipelines.ingest.landing import LedgerView, unrecorded_files
 from pipelines.runtime.checkpoints import read_through
+from pipelines.operate.maintenance import stream_tables
 from pipelines.runtime.locks import lock_state
-from pipelines.runtime.micro_batch import StreamSettings, stream_tables
 from pipelines.runtime.spark import REMOTE_ENV, build_spark_session, engine_answers
 from pipelines.state.changelog import COVERS, changelog_name, coverage_record
 from pipelines.state.tables import folded_through
@@ -138,12 +138,6 @@ def _folded(spark: SparkSession | None, layout: StorageLayout, spec: StreamSpec)
     return {"state_tables": state_tables, "event_time": _event_time(spark, layout, spec), "changelogs": changelogs}
 
 
-def stream_tables_of(spec: StreamSpec) -> list[str]:
-    """The stream's tables: its ledger, then every table its runs write, in data-flow order (late_events is shared
-    by the streams with an event-time step)."""
-    return [*((spec.files_table,) if spec.topic is None else ()), *stream_tables(spec, StreamSettings())]
-
-
 def stream_status(spark: SparkSession | None, layout: StorageLayout, spec: StreamSpec,
                   late_by_stream: dict[str, int] | None) -> dict:
     """One stream's status; `spark` None when no table of the storage root exists (nothing is read then)."""
@@ -154,7 +148,7 @@ def stream_status(spark: SparkSession | None, layout: StorageLayout, spec: Strea
         **({"landing": _landing(spark, layout, spec)} if spec.topic is None else
            {"topic": _topic(spark, layout, spec, ran)}),
         "last_batch": None,
-        "tables": {name: table_version(spark, layout.table(name)) for name in stream_tables_of(spec)},
+        "tables": {name: table_version(spark, layout.table(name)) for name in stream_tables(spec)},
         "folded": _folded(spark if ran else None, layout, spec),
         "quarantine_by_reason": {},
         "late_events": None if late_by_stream is None else late_by_stream.get(spec.name, 0),
@@ -176,7 +170,7 @@ def storage_status(layout: StorageLayout, specs: dict[str, StreamSpec] | None = 
     """Every declared stream's status, the engine's, as one JSON-ready document with stable keys. `spark_session`
     is called only if some table exists (an untouched storage root starts no JVM)."""
     specs = streams() if specs is None else specs
-    names = {LATE, *(name for spec in specs.values() for name in stream_tables_of(spec))}
+    names = {LATE, *(name for spec in specs.values() for name in stream_tables(spec))}
     spark = spark_session() if any(table_version(None, layout.table(n)) is not None for n in names) else None
     late_by_stream = None
     if spark is not None and table_version(spark, layout.table(LATE)) is not None:
@@ -274,9 +268,11 @@ def _table_lines(report: dict, bronze_table: str) -> list[str]:
     for changelog, found in folded["changelogs"].items():
         state = tables.get(found["state_table"])
         covers = found["state_version"]
-        notes[changelog] = ("covers: nothing recorded" if covers is None else
+        publish = "statetables run --job publish_changelogs"
+        notes[changelog] = (f"not published yet ({publish})" if covers is None else
                             f"covers {found['state_table']} {_version(covers)}"
-                            + ("" if state is None or covers >= state else "  BEHIND"))
+                            + ("" if state is None or covers >= state else
+                               f", {state - covers} newer versions to publish ({publish})"))
     width = max(len(name) for name in tables)
     lines = [f"  {'tables':<13}{'':<{width}}  version"]
     for name, version in tables.items():

@@ -6,11 +6,15 @@ query). Its foreachBatch, `StreamBatch`, reads top to bottom in data-flow order:
 1. validate, dedup, quarantine and bronze appends (pipelines/ingest/bronze.py, `ingest_batch`);
 2. the all-time state MERGE (pipelines/state/tables.py);
 3. the windowed and session tables (pipelines/event_time/windows.py, pipelines/event_time/sessions.py), with late events;
-4. the changelog, from the state-table versions this batch wrote (pipelines/state/changelog.py).
+4. a state table's changelog topic, when it declares one, from the state-table versions this batch wrote
+   (pipelines/state/changelog_topic.py).
+
+No changelog table is written here: a state table's Change Data Feed, written by its MERGE's own commit, is its
+change log; its durable copy is published off the micro-batch (pipelines/state/changelog.py).
 
 Exactly once. Every commit names the stream's app id and batch id in its metadata; quarantine's and bronze's
-appends of a replayed batch find their own and are skipped (pipelines/storage/delta_log.py, `made_by_batch`); the
-changelog's commit records the state-table version it covers, and a replay appends only what comes after it. Each
+appends of a replayed batch find their own and are skipped (pipelines/storage/delta_log.py, `made_by_batch`); a
+topic's records carry the state-table version they cover, and a replay publishes only what comes after it. Each
 step after bronze folds the bronze rows added after the version its own last commit
 recorded (this batch's own append as the batch holds it, when that is all the step lacks), and records the version
 it reached in the same commit as its rows. So a batch replayed after a crash
@@ -68,7 +72,6 @@ from pipelines.runtime.query import (
     TableVersions, require_writable, run_query, session_confs_during, storage_errors,
 )
 from pipelines.runtime.spark import require_kafka_jars
-from pipelines.state.changelog import ChangelogStage, changelog_name, changelog_new_table, changelog_stage
 from pipelines.state.changelog_topic import ChangelogTopicStage, changelog_topic_stage, close_producers
 from pipelines.state.tables import StateTableStage, state_new_table, state_table_stage
 from pipelines.storage.delta_log import (
@@ -122,8 +125,7 @@ def event_time_tables(spec: StreamSpec) -> tuple[str, ...]:
 def stream_tables(spec: StreamSpec, settings: StreamSettings) -> tuple[str, ...]:
     """Every table a run of the stream writes, in data-flow order."""
     return (spec.quarantine_table, spec.bronze_table, *(t.name for t in spec.state_tables),
-            *(event_time_tables(spec) if settings.event_time else ()),
-            *(changelog_name(t) for t in spec.state_tables))
+            *(event_time_tables(spec) if settings.event_time else ()))
 
 
 class _CurrentStderr(logging.StreamHandler):
@@ -155,7 +157,7 @@ def log_batch(stream: str, batch_id: int, counts: dict, elapsed_s: float, steps_
               ) -> None:
     """The micro-batch's line: its counts (what ingest_batch computed and bronze's commit records), its rate and
     duration, whether it ran as a small batch (`small`: decided in the driver, expressions interpreted), and each
-    step's seconds (`<step>_s`: ingest, state, event_time, changelog, those it has). The figures are also on the
+    step's seconds (`<step>_s`: ingest, state, event_time, topic, those it has). The figures are also on the
     record (`figures`), for a handler that wants them as data."""
     lines = int(counts.get("lines", 0))
     figures = {"stream": stream, "batch": batch_id, "lines": lines, "accepted": int(counts.get("accepted", 0)),
@@ -182,12 +184,12 @@ class StreamBatch:
     """The foreachBatch body of a stream's query: one micro-batch of landing units through every table."""
 
     def __init__(self, layout: StorageLayout, spec: StreamSpec, ingest: IngestSettings,
-                 states: list[StateTableStage], event_time: list[EventTimeStage], changelogs: list[ChangelogStage],
+                 states: list[StateTableStage], event_time: list[EventTimeStage],
                  fence: Fence | LocalFence | None = None, topics: dict[str, ChangelogTopicStage] | None = None,
                  large_from_bytes: int = SMALL_BATCH_BYTES):
         self.layout, self.spec, self.ingest = layout, spec, ingest
         self.large_from_bytes = large_from_bytes
-        self.states, self.event_time, self.changelogs = states, event_time, changelogs
+        self.states, self.event_time = states, event_time
         self.fence = fence
         self.topics = topics or {}  # state table → its changelog topic's stage
 
@@ -238,11 +240,11 @@ class StreamBatch:
         added to `steps_s`.
 
         A large batch's event-time steps run in a thread of their own, beside the state tables and their
-        changelogs: each step folds the same bronze rows into tables no other step writes, and records what it folded
-        in its own commits, so no order between them matters to recovery, and a warm +100k batch's queries left the
-        cores idle half the time (measured). A changelog follows its state table, in the same thread. When one side
-        fails, the other still finishes (its commits are whole), then the error is raised (the state side's when
-        both fail)."""
+        changelog topics: each step folds the same bronze rows into tables no other step writes, and records what it
+        folded in its own commits, so no order between them matters to recovery, and a warm +100k batch's queries
+        left the cores idle half the time (measured). A topic follows its state table, in the same thread. When one
+        side fails, the other still finishes (its commits are whole), then the error is raised (the state side's
+        when both fail)."""
         steps_s = {} if steps_s is None else steps_s
         bronze_path = self.layout.table(self.spec.bronze_table)
         through = table_version(spark, bronze_path)
@@ -262,19 +264,19 @@ class StreamBatch:
                     self.fenced()
                     state.advance(spark, rows, app_id, batch_id)
 
-        def changelogs() -> None:
-            with timed(steps_s, "changelog"):
-                for changelog in self.changelogs:
+        def topics() -> None:
+            if not self.topics:
+                return
+            with timed(steps_s, "topic"):
+                for topic in self.topics.values():
                     self.fenced()
-                    changelog.advance(spark, app_id, batch_id)
-                    if (topic := self.topics.get(changelog.table.name)) is not None:
-                        topic.advance(spark, changelog)
+                    topic.advance(spark)
 
         if not self.event_time or is_small_batch():
             # A small batch's steps, one after the other: only large batches were measured faster side by side.
             state_tables()
             event_time()
-            changelogs()
+            topics()
             return
         # A thread per batch, not one kept: over Spark Connect this object is pickled for foreachBatch. The thread
         # runs in a copy of this one's context: whether the batch is small (`frames.small_batch`) is a context
@@ -282,7 +284,7 @@ class StreamBatch:
         with ThreadPoolExecutor(1, thread_name_prefix=f"{self.spec.name}-event-time") as pool:
             beside = pool.submit(copy_context().run, event_time)
             state_tables()
-            changelogs()
+            topics()
         if beside.exception() is not None:
             raise beside.exception()
 
@@ -293,10 +295,8 @@ class StreamBatch:
         # Bronze's version 0 is its creation: no rows.
         behind = through > 0 and (any(state.through < through for state in self.states)
                   or any(step.last.bronze_version < through for step in self.event_time)
-                  or any(c.covers < (table_version(spark, self.layout.table(c.table.name)) or 0)
-                         for c in self.changelogs)
-                  or any(t.published < c.covers for c in self.changelogs
-                         if (t := self.topics.get(c.table.name)) is not None))
+                  or any(t.published < (table_version(spark, self.layout.table(name)) or 0)
+                         for name, t in self.topics.items()))
         if behind:
             self.fenced()
             self.fold(spark, new_app_id(f"{self.spec.name}/catch-up"), 0)
@@ -308,7 +308,7 @@ def new_tables(layout: StorageLayout, spec: StreamSpec, event_time: bool = True)
     when missing."""
     tables = bronze_tables(layout, spec)
     for table in spec.state_tables:
-        tables += [state_new_table(layout, table), changelog_new_table(layout, table)]
+        tables.append(state_new_table(layout, table))
     for table in spec.event_time_tables if event_time else ():
         operator = windows if table.kind == "window" else sessions
         tables += event_time_new_tables(layout, spec, table, operator.state_schema(table))
@@ -368,8 +368,6 @@ def advance_stream(spark: SparkSession, layout: StorageLayout, spec: StreamSpec,
     with writer_lock(layout.locks, spec.name, settings.lock_timeout_s) as fence, storage_errors():
         create_tables_if_missing(spark, new_tables(layout, spec, settings.event_time))
         before = {name: table_version(spark, layout.table(name)) for name in names}
-        # The changelogs first: one refuses to follow a state table created again before that table is rebuilt.
-        changelogs = [changelog_stage(spark, layout, table) for table in spec.state_tables]
         states = [state_table_stage(spark, layout, spec, table) for table in spec.state_tables]
         event_time = _event_time_stages(spark, layout, spec, settings)
         if spec.topic is None:
@@ -413,7 +411,7 @@ def advance_stream(spark: SparkSession, layout: StorageLayout, spec: StreamSpec,
                                 if spec.topic is not None else None)
         topics = {table.name: changelog_topic_stage(layout, table, table_version(spark, layout.table(table.name)))
                   for table in spec.state_tables if table.changelog_topic is not None}
-        batch = StreamBatch(layout, spec, ingest, states, event_time, changelogs, fence, topics,
+        batch = StreamBatch(layout, spec, ingest, states, event_time, fence, topics,
                             settings.large_from_bytes)
         caught_up = batch.catch_up(spark)
         if spec.topic is None:

@@ -1,9 +1,12 @@
-"""A state table's Change Data Feed as its own Delta table, and rebuilding a state table from it.
+"""A state table's Change Data Feed kept as its own Delta table, and rebuilding a state table from it.
 
-`ChangelogStage`, the last step of the stream's micro-batch, appends the state table's change rows to
-`<state table>_changelog` (a table other jobs read, as a table or as a stream). `table_from_changelog`
-rebuilds the state table as of any version from the changelog alone: per key, the newest change at or
-before that version.
+The state table's Change Data Feed is its live change log: a micro-batch's MERGE writes it in the same commit as
+the rows. `<state table>_changelog` is that feed's durable copy, which VACUUM never shortens: `publish_changelog`
+appends the change rows of the state-table versions it does not cover yet, off the micro-batch (a copy per batch
+repeated a commit that the MERGE had already made). Table maintenance publishes before it VACUUMs, so no version's
+change rows are deleted before the copy holds them; so do the `publish_changelogs` job and `restore-changelog`.
+`table_from_changelog` rebuilds the state table as of any version from the changelog alone: per key, the newest
+change at or before that version.
 """
 
 from __future__ import annotations
@@ -38,21 +41,17 @@ def changelog_schema(table: StateTableSpec):
 
 
 class ChangelogStage:
-    """The changelog step of a stream's micro-batch, its last: the state table's change rows of the versions
-    after those the changelog covers, appended in one commit that records the version it now covers. The
-    record travels with the rows, so whichever attempt of a batch commits, no change row is appended twice
-    or missed: a replayed batch finds the versions covered and appends nothing."""
+    """A changelog as it stands: the state table's change rows of the versions after those it covers are appended
+    in one commit that records the version it then covers. The record travels with the rows, so whichever attempt
+    commits, no change row is appended twice or missed: one repeated after a crash finds the versions covered and
+    appends nothing."""
 
     def __init__(self, layout: StorageLayout, table: StateTableSpec, covers: int, state_table_id: str):
         self.layout, self.table, self.covers, self.state_table_id = layout, table, covers, state_table_id
 
     def advance(self, spark: SparkSession, app_id: str, batch_id: int) -> None:
+        """Append the change rows of every state-table version after those covered."""
         state_path = self.layout.table(self.table.name)
-        # Asked again at each batch: another copy of it may have appended since the run started (a killed run's
-        # query that went on in a Spark Connect server, until the fence stopped it: docs/recovery.md).
-        newest = coverage_record(spark, self.layout.table(changelog_name(self.table)))
-        if newest is not None and int(newest[COVERS]) > self.covers:
-            self.covers = int(newest[COVERS])
         now = table_version(spark, state_path)
         if now is None or now <= self.covers:
             return
@@ -63,6 +62,19 @@ class ChangelogStage:
                                              STATE_TABLE_ID: self.state_table_id}))
          .save(str(self.layout.table(changelog_name(self.table)))))
         self.covers = now
+
+
+def publish_changelog(spark: SparkSession, layout: StorageLayout, table: StateTableSpec, app_id: str) -> dict:
+    """Bring `table`'s changelog up to the state table's newest version; its figures. The caller holds the stream's
+    writer lock (pipelines/operate/maintenance.py), so no other copy appends meanwhile."""
+    stage = changelog_stage(spark, layout, table)
+    path = layout.table(changelog_name(table))
+    covered_before, (rows_before, _) = stage.covers, changelog_figures(spark, path)
+    stage.advance(spark, app_id, 0)
+    rows, newest = changelog_figures(spark, path)
+    return {"changelog": changelog_name(table), "state_table": table.name, "covered_before": covered_before,
+            "covers": stage.covers, "change_rows_appended": rows - rows_before, "change_rows_total": rows,
+            "newest_version_with_rows": -1 if newest is None else newest}
 
 
 def changelog_figures(spark: SparkSession, path: Path) -> tuple[int, int | None]:

@@ -1,7 +1,7 @@
 """A state table's changes as a compacted Kafka topic, and the state table rebuilt from that topic alone.
 
-After the changelog step of a micro-batch (pipelines/state/changelog.py), `ChangelogTopicStage` publishes what the
-changelog table gained: one record per key that changed, keyed by the state key, its value the key's row as of
+After a micro-batch's state-table MERGE, `ChangelogTopicStage` publishes the versions that table gained, from its
+Change Data Feed: one record per key that changed, keyed by the state key, its value the key's row as of
 the newest state-table version those changes reach, as JSON with that version in `_commit_version`; a key the
 table deleted gets a tombstone (no value). Every record carries two headers: `statetables.version` (its row's
 version) and `statetables.covers` (every state-table version up to this one is in the topic). The topic is
@@ -28,8 +28,8 @@ from pyspark.sql import functions as F
 from pipelines.declare.specs import KafkaTopic, StateTableSpec
 from pipelines.errors import ChangelogError, ConfigurationError
 from pipelines.ingest.kafka_source import client_config
-from pipelines.state.changelog import ChangelogStage, changelog_name
 from pipelines.state.tables import state_schema
+from pipelines.storage.delta_log import rows_changed, table_version
 from pipelines.storage.layout import StorageLayout
 
 VERSION_HEADER = "statetables.version"
@@ -138,18 +138,17 @@ def latest_changes(changes: DataFrame, table: StateTableSpec) -> DataFrame:
 
 
 class ChangelogTopicStage:
-    """Publishes the changelog table's rows after those the topic covers, one transaction a micro-batch."""
+    """Publishes the state table's change rows after those the topic covers, one transaction a micro-batch."""
 
     def __init__(self, layout: StorageLayout, table: StateTableSpec, published: int):
         self.layout, self.table, self.topic, self.published = layout, table, table.changelog_topic, published
 
-    def advance(self, spark: SparkSession, changelog: ChangelogStage) -> int:
-        """Publish every state-table version up to the one the changelog now covers; the records published."""
-        through = changelog.covers
+    def advance(self, spark: SparkSession) -> int:
+        """Publish every state-table version up to the newest; the records published."""
+        through = table_version(spark, self.layout.table(self.table.name)) or 0
         if through <= self.published:
             return 0
-        changes = (spark.read.format("delta").load(str(self.layout.table(changelog_name(self.table))))
-                   .where((F.col("_commit_version") > self.published) & (F.col("_commit_version") <= through)))
+        changes = rows_changed(spark, self.layout.table(self.table.name), self.published, through)
         columns = state_schema(self.table).fieldNames()
         rows = latest_changes(changes, self.table).select(
             record_key(self.table).alias("key"), F.col("_commit_version").alias("version"),

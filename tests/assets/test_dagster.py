@@ -24,6 +24,7 @@ from assets.continuous import ContinuousReport, QueryProgress
 from assets.automation import (
     LANDING_SENSOR_ENV, landing_files_sensor, landing_sensor_interval, recover_failed_stream, spark_engine_health,
 )
+from assets.maintenance import changelogs
 from assets.streams import build_stream_assets
 from assets import automation
 from resources.check_policy import DEEP_CHECK, blocking_check_names
@@ -37,6 +38,7 @@ from pipelines.ingest.generate import generate
 from pipelines.runtime.micro_batch import EVENT_TIME_ENV, event_time_streams, event_time_tables
 from pipelines.runtime.query import Continuous
 from pipelines.runtime.spark import delta_jars, engine_address, require_java, wait_for_engine
+from pipelines.storage.delta_log import table_version
 from pipelines.storage.layout import StorageLayout
 from tests.streams import advance, project_with_ttl, PAYMENTS
 from pipelines.declare.project import PROJECT_ENV, stream_spec
@@ -133,7 +135,8 @@ def test_a_grown_landing_file_warns_and_a_ttl_set_in_the_project_file_expires_ke
 def test_without_event_time_a_failing_blocking_check_fails_the_run_and_the_deep_check_names_the_key(
         spark, layout, monkeypatch):
     """$STATETABLES_EVENT_TIME=movie_ticket_sales: the code location gives payments no sessions, and its job
-    materializes bronze, quarantine, the state table and the changelog only, creating none of the sessions' tables.
+    materializes bronze, quarantine and the state table only, creating none of the sessions' tables nor the changelog,
+    which its own job publishes.
     Then the state table is corrupted behind the pipeline's back: the per-run check fails the next run, the
     operator's `warn_only` lets one run pass with a warning, and the nightly deep check names the key."""
     assert event_time_streams("movie_ticket_sales") == {"movie_ticket_sales"}
@@ -154,16 +157,20 @@ def test_without_event_time_a_failing_blocking_check_fails_the_run_and_the_deep_
         first = advance_payments(instance)
         assert first.success
         assert {event.asset_key.path[-1] for event in first.get_asset_materialization_events()} == {
-            "payments_bronze", "payments_quarantine", "payments_per_customer", "payments_per_customer_changelog"}
-        assert not any(layout.table(name).exists() for name in sessions_tables | {LATE})
-        # The changelog's figures in the UI against its rows.
+            "payments_bronze", "payments_quarantine", "payments_per_customer"}
+        assert not any(layout.table(name).exists()
+                       for name in sessions_tables | {LATE, "payments_per_customer_changelog"})
+        # Published by its own job, the changelog's figures in the UI against its rows.
+        published = dg.materialize([changelogs], instance=instance, resources={
+            "spark": SparkSessionResource(), "storage": StorageResource()})
         changelog = next(e.step_materialization_data.materialization.metadata
-                         for e in first.get_asset_materialization_events()
+                         for e in published.get_asset_materialization_events()
                          if e.asset_key.path[-1] == "payments_per_customer_changelog")
         versions = [r[0] for r in spark.read.format("delta").load(
             str(layout.table("payments_per_customer_changelog"))).select("_commit_version").collect()]
         assert changelog["change_rows_total"].value == len(versions) > 0
-        assert changelog["state_table_version_covered"].value == max(versions)
+        assert changelog["state_table_version_covered"].value == max(versions) == table_version(
+            spark, layout.table("payments_per_customer"))
         # corrupt the state table behind the pipeline's back: one customer counted twice
         table = DeltaTable.forPath(spark, str(layout.table("payments_per_customer")))
         key = table.toDF().first()["customer_id"]

@@ -10,7 +10,6 @@ from deltalake import DeltaTable as IndependentDeltaTable
 from pipelines import faults
 from pipelines.ingest.generate import generate
 from pipelines.runtime.micro_batch import StreamBatch, StreamSettings, _event_time_stages
-from pipelines.state.changelog import changelog_name, changelog_stage
 from pipelines.state.tables import state_table_stage
 from pipelines.storage.delta_log import table_version
 from tests.contract_oracle import expected_state, landing_files
@@ -19,10 +18,9 @@ from tests.streams import PAYMENTS, advance
 
 def _stages(spark, layout, spec) -> StreamBatch:
     """A run's steps after bronze, with the progress their tables record now (as a run reads it when it starts)."""
-    changelogs = [changelog_stage(spark, layout, table) for table in spec.state_tables]
     states = [state_table_stage(spark, layout, spec, table) for table in spec.state_tables]
     event_time = _event_time_stages(spark, layout, spec, StreamSettings())
-    return StreamBatch(layout, spec, None, states, event_time, changelogs)
+    return StreamBatch(layout, spec, None, states, event_time)
 
 
 @pytest.mark.long
@@ -38,8 +36,8 @@ def test_a_batch_folded_by_another_copy_after_the_run_started_is_not_folded_agai
 
     later, killed = _stages(spark, layout, spec), _stages(spark, layout, spec)  # both read the same progress
     killed.fold(spark, "killed-run", 1)  # the killed run's copy commits every step first
-    tables = [t.name for t in spec.state_tables] + [changelog_name(t) for t in spec.state_tables] + \
-        [t.name for t in spec.event_time_tables] + [t.state_table for t in spec.event_time_tables]
+    tables = [t.name for t in spec.state_tables] + [t.name for t in spec.event_time_tables] + \
+        [t.state_table for t in spec.event_time_tables]
     versions = {name: table_version(spark, layout.table(name)) for name in tables}
     later.fold(spark, "later-run", 1)
     assert {name: table_version(spark, layout.table(name)) for name in tables} == versions  # nothing committed
@@ -49,5 +47,3 @@ def test_a_batch_folded_by_another_copy_after_the_run_started_is_not_folded_agai
     rows = IndependentDeltaTable(str(layout.table(table.name))).to_pyarrow_table().to_pylist()
     assert {r[table.key]: (r[table.count_column], r[table.sum_column]) for r in rows} == \
         {k: (expected.counts[k], expected.sums[k]) for k in expected.counts}
-    changes = IndependentDeltaTable(str(layout.table(changelog_name(table)))).to_pyarrow_table().to_pylist()
-    assert len({(c["_commit_version"], c[table.key], c["_change_type"]) for c in changes}) == len(changes)

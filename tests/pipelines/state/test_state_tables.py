@@ -6,9 +6,10 @@ events) delivered in two runs; the table equals the seed query computed by tests
 decimals; one writer per stream (a run that finds the stream busy writes nothing); damaged checkpoint files
 detected; a table log that cannot be written fails the run with the fix, and the next run is exact: the batch's
 MERGE is made before the query starts, and the batch, replayed after its commits but before the checkpoint commit,
-writes nothing; Change Data Feed on, recording every upsert; the changelog alone rebuilds the table as of every
-version; a state table that records no bronze version (deleted) is rebuilt from bronze. The same for a table with a
-TTL, a crash and a lost checkpoint: tests/pipelines/state/test_state_ttl.py. Not covered: Dagster (tests/assets).
+writes nothing; Change Data Feed on, recording every upsert; runs write no changelog, which, published, holds that
+feed and alone rebuilds the table as of every version; a state table that records no bronze version (deleted) is
+rebuilt from bronze. The same for a table with a TTL, a crash and a lost checkpoint:
+tests/pipelines/state/test_state_ttl.py. Not covered: Dagster (tests/assets).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from deltalake import DeltaTable as IndependentDeltaTable
 from pipelines.errors import ChangelogError, StorageError, StreamBusyError
 from pipelines.ingest.generate import generate
 from pipelines.runtime.checkpoints import verify_checkpoint
+from pipelines.operate.maintenance import publish_changelogs
 from pipelines.runtime.locks import writer_lock
 from pipelines.state.changelog import changelog_name, restore_from_changelog
 from pipelines.storage.delta_log import table_version
@@ -164,7 +166,11 @@ def test_a_state_table_stays_exact_through_a_busy_stream_read_only_storage_a_rep
                        + [("update_postimage", key, *after_second[key]) for key in updated]),
     }
 
-    # The changelog holds that feed, each row once, and from it alone the table is rebuilt as of every version.
+    # No run wrote the changelog; published, it holds that feed, each row once (published again: nothing added), and
+    # from it alone the table is rebuilt as of every version.
+    assert table_version(spark, layout.table(changelog_name(TABLE))) is None
+    assert [f["covers"] for f in publish_changelogs(spark, layout, SPEC)] == [second]
+    assert [f["change_rows_appended"] for f in publish_changelogs(spark, layout, SPEC)] == [0]
     published = IndependentDeltaTable(str(layout.table(changelog_name(TABLE)))).to_pyarrow_table().to_pylist()
     assert sorted((r["_commit_version"], r["_change_type"], r[TABLE.key], r[TABLE.count_column], r[TABLE.sum_column])
                   for r in published) == sorted((version, *row) for version, rows in found.items() for row in rows)
@@ -179,15 +185,16 @@ def test_a_state_table_stays_exact_through_a_busy_stream_read_only_storage_a_rep
         rebuilt = restore_from_changelog(spark, layout, TABLE, version, f"rebuilt_v{version}")
         assert _all_columns(rebuilt) == _all_columns(layout.table(TABLE.name), version), version
 
-    # Deleted (with its changelog, refused while it holds the old table's changes), the table is built again from
-    # all of bronze, exactly, in one commit that records the bronze version; the changelog then starts from the new
-    # table's first version.
+    # Deleted, the table is built again from all of bronze, exactly, in one commit that records the bronze version;
+    # its changelog refuses to follow it while it holds the old table's changes, and moved aside, starts again from
+    # the new table's first version.
     shutil.rmtree(layout.table(TABLE.name))
-    with pytest.raises(ChangelogError, match="deleted and created again.*Fix: move"):
-        _advance(spark, layout)
-    shutil.rmtree(layout.table(changelog_name(TABLE)))
     result = _advance(spark, layout)
     assert result.built_through[TABLE.name] == table_version(spark, layout.table(SPEC.bronze_table))
     assert _read_state(layout) == after_second
+    with pytest.raises(ChangelogError, match="deleted and created again.*Fix: move"):
+        publish_changelogs(spark, layout, SPEC)
+    shutil.rmtree(layout.table(changelog_name(TABLE)))
+    publish_changelogs(spark, layout, SPEC)
     rebuilt_changelog = IndependentDeltaTable(str(layout.table(changelog_name(TABLE)))).to_pyarrow_table()
     assert rebuilt_changelog.num_rows == len(after_second)  # the rebuild's inserts
