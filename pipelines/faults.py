@@ -42,7 +42,7 @@ WINDOWS_BEFORE_CLOSING_COMMIT = "windows.before_closing_commit"
 SESSIONS_AFTER_LATE_COMMIT = "sessions.after_late_commit"
 SESSIONS_AFTER_STATE_COMMIT = "sessions.after_state_commit"
 SESSIONS_BEFORE_CLOSING_COMMIT = "sessions.before_closing_commit"
-# After the last commit of a batch (the changelog's): foreachBatch returns, Spark then writes the commit file.
+# After the last commit of a batch: foreachBatch returns, Spark then writes the commit file.
 STREAM_BATCH_END = "stream.batch_end"
 POINTS = (INGEST_AFTER_QUARANTINE_COMMIT, INGEST_AFTER_BRONZE_COMMIT, STATE_MERGE_START,
           STATE_AFTER_MERGE_COMMIT, STATE_BATCH_END, STATE_AFTER_REBUILD, INGEST_POISON,

@@ -75,7 +75,7 @@ NAMED_KILLS = [
     (faults.SESSIONS_AFTER_LATE_COMMIT, {}),  # late payments written, nothing else of the sessions batch
     (faults.SESSIONS_AFTER_STATE_COMMIT, {}),  # ... and the sessions' state; customer_activity not
     (faults.SESSIONS_BEFORE_CLOSING_COMMIT, {"delay": 0.3}),  # inside the closing commit
-    (faults.STREAM_BATCH_END, {"delay": 0.05}),  # the changelog written; while Spark writes the commit file
+    (faults.STREAM_BATCH_END, {"delay": 0.05}),  # the batch's last commit written; while Spark writes the commit file
 ]
 
 

@@ -119,7 +119,7 @@ def render(description: dict) -> str:
                     lines.append(f"    {option.replace('_', ' ')}: {table[option]}")
             if "merge" in table:
                 lines.append(f"    each micro-batch: {table['merge']}")
-                lines.append(f"    change feed as a table: {table['changelog_path']}")
+                lines.append(f"    change feed as a table (published daily): {table['changelog_path']}")
             if "operator_state_path" in table:
                 lines.append(f"    operator state: {table['operator_state_path']}")
             for top in table.get("top_n", ()):
