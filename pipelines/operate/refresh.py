@@ -6,8 +6,9 @@ aggregates) takes effect: runs refuse to fold into a table that an earlier defin
 `require_definition`). Under the stream's writer lock the table's new content is computed from bronze at one
 pinned version and replaces the old in one commit (CREATE OR REPLACE), which records the bronze version it
 reflects: a reader sees the old table or the new one, and the next run folds bronze after that version. The
-changelog first takes in the old table's last changes, then starts again from that commit, holding the new content
-as inserts; its earlier versions keep the old table's history (Delta time travel).
+changelog first takes in the old table's last changes (unless its declaration changed: then they stay in the table's
+own history), then starts again from that commit, holding the new content as inserts; its earlier versions keep the
+old table's history (Delta time travel).
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from pipelines.errors import ChangelogError, ConfigurationError
 from pipelines.runtime.locks import writer_lock
 from pipelines.state.changelog import COVERS, STATE_TABLE_ID, changelog_name, publish_changelog
 from pipelines.state.expiry import EXPIRED, TTL_PROPERTY, ExpiredTotals, expire_keys, newest_ingested_us
-from pipelines.state.tables import DEFINITION_PROPERTY, FOLDED_THROUGH, aggregate, definition_of
+from pipelines.state.tables import (
+    DEFINITION_PROPERTY, FOLDED_THROUGH, aggregate, changed_definitions, definition_of,
+)
 from pipelines.storage import delta_sql
 from pipelines.storage.delta_log import USER_METADATA, commit_confs, new_app_id, table_id, table_version
 from pipelines.storage.frames import frame_of_rows, kept
@@ -48,7 +51,10 @@ def refresh_state_table(spark: SparkSession, layout: StorageLayout, spec: Stream
         bronze_version, events = _bronze(spark, layout, spec, table.name)
         content = aggregate(events, table)
         app_id = new_app_id(f"{spec.name}/refresh")
-        if table_version(spark, path) is not None:
+        # The old table's last changes into its changelog first, when its rows have the declared columns: under a
+        # changed declaration they stay in the table's own change feed (its history), as the restart below begins
+        # the changelog again.
+        if table_version(spark, path) is not None and not changed_definitions(layout, [table]):
             try:
                 publish_changelog(spark, layout, table, app_id)
             except ChangelogError:
