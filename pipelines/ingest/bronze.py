@@ -9,6 +9,8 @@ name its app id and batch id in their metadata, so a batch replayed after a cras
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
+from contextvars import copy_context
 from decimal import Decimal
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
@@ -653,11 +655,12 @@ def _write_batch(lines: DataFrame, batch_id: int, settings: IngestSettings, inge
          settings.bronze_path, INGEST_AFTER_BRONZE_COMMIT),
     )
     bronze_before = table_version(lines.sparkSession, settings.bronze_path)
-    for frame, path, fault in writes:
+
+    def append(frame: DataFrame, path: str | None, fault: str) -> None:
         # A batch replayed after a crash skips the tables it already reached.
         if path is None or made_by_batch(lines.sparkSession, path, settings.app_id, batch_id):
             fault_point(fault)
-            continue
+            return
         retry_on_conflict(
             lambda: frame.write.format("delta").mode("append")
             # A stream that moved from a folder to a topic: its quarantine gains the record's columns.
@@ -666,6 +669,19 @@ def _write_batch(lines: DataFrame, batch_id: int, settings: IngestSettings, inge
             .save(path),
             f"append of micro-batch {batch_id} to {path}")
         fault_point(fault)
+
+    # Quarantine's append beside bronze's: bronze's one sorted file is written by one task, which left the other core
+    # idle. Their order does not matter to recovery: a replay skips whichever its batch made, and each line goes to
+    # one of them only. The thread runs in a copy of this one's context (whether the batch is small).
+    quarantined, bronze = writes
+    if quarantined[1] is None:
+        append(*quarantined)
+        append(*bronze)
+    else:
+        with ThreadPoolExecutor(1, thread_name_prefix="quarantine-append") as pool:
+            beside = pool.submit(copy_context().run, append, *quarantined)
+            append(*bronze)
+        beside.result()
     # One writer (the lock): a version after the one before is this batch's commit, not a replay that skipped it.
     bronze_after = table_version(lines.sparkSession, settings.bronze_path)
     newest_ms, oldest_ms = (accepted["newest_ms"], accepted["oldest_ms"]) if accepted else (None, None)
