@@ -36,7 +36,7 @@ def _changelog_spec(table: StateTableSpec) -> dg.AssetSpec:
 
 
 @dg.multi_asset(name="changelogs", specs=[_changelog_spec(table) for spec in streams().values()
-                                          for table in spec.state_tables] or None,
+                                          for table in spec.state_tables],
                 description="Every state table's changelog brought up to the table's newest version, each stream "
                             "under its writer lock.")
 def changelogs(context: dg.AssetExecutionContext, config: ChangelogConfig, spark: SparkSessionResource,

@@ -2,8 +2,8 @@
 
 The state table's Change Data Feed is its live change log: a micro-batch's MERGE writes it in the same commit as
 the rows. `<state table>_changelog` is that feed's durable copy, which VACUUM never shortens: `publish_changelog`
-appends the change rows of the state-table versions it does not cover yet, off the micro-batch (a copy per batch
-repeated a commit that the MERGE had already made). Table maintenance publishes before it VACUUMs, so no version's
+appends the change rows of the state-table versions it does not cover yet, off the micro-batch (whose MERGE commit
+already holds them). Table maintenance publishes before it VACUUMs, so no version's
 change rows are deleted before the copy holds them; so do the `publish_changelogs` job and `restore-changelog`.
 `table_from_changelog` rebuilds the state table as of any version from the changelog alone: per key, the newest
 change at or before that version.
@@ -71,10 +71,9 @@ def publish_changelog(spark: SparkSession, layout: StorageLayout, table: StateTa
     path = layout.table(changelog_name(table))
     covered_before, (rows_before, _) = stage.covers, changelog_figures(spark, path)
     stage.advance(spark, app_id, 0)
-    rows, newest = changelog_figures(spark, path)
+    rows, _ = changelog_figures(spark, path)
     return {"changelog": changelog_name(table), "state_table": table.name, "covered_before": covered_before,
-            "covers": stage.covers, "change_rows_appended": rows - rows_before, "change_rows_total": rows,
-            "newest_version_with_rows": -1 if newest is None else newest}
+            "covers": stage.covers, "change_rows_appended": rows - rows_before, "change_rows_total": rows}
 
 
 def changelog_figures(spark: SparkSession, path: Path) -> tuple[int, int | None]:
