@@ -103,7 +103,7 @@ def coverage_record(spark: SparkSession, path: Path) -> dict | None:
 
 
 def changelog_stage(spark: SparkSession, layout: StorageLayout, table: StateTableSpec) -> ChangelogStage:
-    """The changelog step as the changelog's newest commits left it. A changelog written by an earlier
+    """The changelog as its newest commits left it. A changelog written by an earlier
     statetables (a query of its own, without the record) covers the newest version its rows hold."""
     path, state_path = layout.table(changelog_name(table)), layout.table(table.name)
     create_tables_if_missing(spark, [state_new_table(layout, table), changelog_new_table(layout, table)])
