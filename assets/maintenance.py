@@ -19,10 +19,6 @@ from pipelines.operate.refresh import refresh_event_time_table, refresh_state_ta
 from resources import SparkSessionResource, StorageResource
 
 
-class ChangelogConfig(dg.Config):
-    lock_timeout_s: float = Field(default=600.0, description="How long to wait for each stream's writer lock.")
-
-
 def _changelog_spec(table: StateTableSpec) -> dg.AssetSpec:
     return dg.AssetSpec(
         changelog_key(table), deps=[state_key(table)], group_name=CHANGELOG_GROUP, kinds=KINDS, skippable=True,
@@ -37,14 +33,12 @@ def _changelog_spec(table: StateTableSpec) -> dg.AssetSpec:
 
 @dg.multi_asset(name="changelogs", specs=[_changelog_spec(table) for spec in streams().values()
                                           for table in spec.state_tables],
-                description="Every state table's changelog brought up to the table's newest version, each stream "
-                            "under its writer lock.")
-def changelogs(context: dg.AssetExecutionContext, config: ChangelogConfig, spark: SparkSessionResource,
-               storage: StorageResource):
+                description="Every state table's changelog brought up to the table's newest version, beside the "
+                            "streams' runs: a publish needs no writer lock.")
+def changelogs(context: dg.AssetExecutionContext, spark: SparkSessionResource, storage: StorageResource):
     session, layout = spark.spark_session, storage.layout()
     for spec in streams().values():
-        published = {f["state_table"]: f for f in publish_changelogs(session, layout, spec,
-                                                                     lock_timeout_s=config.lock_timeout_s)}
+        published = {f["state_table"]: f for f in publish_changelogs(session, layout, spec)}
         for table in spec.state_tables:
             figures = published.get(table.name)
             if figures is None:  # the state table does not exist yet

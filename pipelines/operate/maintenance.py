@@ -1,8 +1,8 @@
 """Table maintenance: the changelogs published, then OPTIMIZE (compact small files) and VACUUM (delete files no
 version in the retention needs).
 
-Run per stream under the stream's writer lock, so no run of it is between two commits of a batch meanwhile. What it
-never removes:
+OPTIMIZE and VACUUM run per stream under the stream's writer lock, so no run of it is between two commits of a batch
+meanwhile; publishing needs no lock (pipelines/state/changelog.py). What it never removes:
 - a file of any version a savepoint records: the retention of a table is stretched past the commit time of the
   oldest version any savepoint keeps of it (a savepoint restore reads that version by time travel);
 - a file of the last `retain` (at least 7 days, Delta's own safety floor, which stays on): what time travel and a
@@ -44,11 +44,10 @@ def _publish(spark, layout: StorageLayout, spec: StreamSpec) -> list[dict]:
             if table_version(spark, layout.table(table.name)) is not None]
 
 
-def publish_changelogs(spark, layout: StorageLayout, spec: StreamSpec, *, lock_timeout_s: float = 60.0) -> list[dict]:
-    """Bring every changelog of the stream up to its state table's newest version, under the stream's writer lock;
-    one dict of figures per changelog (`publish_changelog`)."""
-    with writer_lock(layout.locks, spec.name, lock_timeout_s):
-        return _publish(spark, layout, spec)
+def publish_changelogs(spark, layout: StorageLayout, spec: StreamSpec) -> list[dict]:
+    """Bring every changelog of the stream up to its state table's newest version, beside its runs (a continuous one
+    included): one dict of figures per changelog (`publish_changelog`)."""
+    return _publish(spark, layout, spec)
 
 
 def _retention(spark, path: Path, name: str, saved: dict[str, int], retain: timedelta) -> timedelta:

@@ -22,7 +22,8 @@ from pipelines.declare.specs import StateTableSpec
 from pipelines.errors import ChangelogError
 from pipelines.state.tables import state_new_table, state_schema
 from pipelines.storage.delta_log import (
-    NewTable, create_tables_if_missing, newest_commit_with, rows_changed, table_id, table_version,
+    NewTable, create_tables_if_missing, newest_commit_with, retry_on_conflict, rows_changed, table_id,
+    table_version,
 )
 from pipelines.storage.delta_rs import rows_and_max
 from pipelines.storage.layout import StorageLayout
@@ -44,7 +45,13 @@ class ChangelogStage:
     """A changelog as it stands: the state table's change rows of the versions after those it covers are appended
     in one commit that records the version it then covers. The record travels with the rows, so whichever attempt
     commits, no change row is appended twice or missed: one repeated after a crash finds the versions covered and
-    appends nothing."""
+    appends nothing.
+
+    Publishers need no lock (a continuous run holds the stream's writer lock for its whole life): the append is a
+    Delta idempotent write whose application id names the version it starts after, so of two publishers that read
+    the same coverage only one appends. The other's write is skipped when it starts after the first committed, or
+    conflicts when both are in flight (Delta's conflict check on the transaction id it read); retried, it reads the
+    new coverage."""
 
     def __init__(self, layout: StorageLayout, table: StateTableSpec, covers: int, state_table_id: str):
         self.layout, self.table, self.covers, self.state_table_id = layout, table, covers, state_table_id
@@ -56,8 +63,9 @@ class ChangelogStage:
         if now is None or now <= self.covers:
             return
         changes = rows_changed(spark, state_path, self.covers, now)
-        # The record of what the commit covers makes a replay append nothing.
+        # The record of what the commit covers makes a replay append nothing; the transaction id, a concurrent one.
         (changes.write.format("delta").mode("append")
+         .option("txnAppId", f"changelog-of-{self.state_table_id}-after-{self.covers}").option("txnVersion", 0)
          .option("userMetadata", json.dumps({"app_id": app_id, "batch_id": batch_id, COVERS: now,
                                              STATE_TABLE_ID: self.state_table_id}))
          .save(str(self.layout.table(changelog_name(self.table)))))
@@ -65,15 +73,18 @@ class ChangelogStage:
 
 
 def publish_changelog(spark: SparkSession, layout: StorageLayout, table: StateTableSpec, app_id: str) -> dict:
-    """Bring `table`'s changelog up to the state table's newest version; its figures. The caller holds the stream's
-    writer lock (pipelines/operate/maintenance.py), so no other copy appends meanwhile."""
-    stage = changelog_stage(spark, layout, table)
+    """Bring `table`'s changelog up to the state table's newest version; its figures. Safe beside runs and other
+    publishers (`ChangelogStage`): a conflicting append is retried from the coverage it then finds."""
     path = layout.table(changelog_name(table))
-    covered_before, (rows_before, _) = stage.covers, changelog_figures(spark, path)
-    stage.advance(spark, app_id, 0)
+    covered_before = changelog_stage(spark, layout, table).covers
+    rows_before, _ = changelog_figures(spark, path)
+    retry_on_conflict(lambda: changelog_stage(spark, layout, table).advance(spark, app_id, 0),
+                      f"publishing {changelog_name(table)}")
     rows, _ = changelog_figures(spark, path)
+    # Read again: another publisher may have appended what this one's skipped write held.
+    covers = changelog_stage(spark, layout, table).covers
     return {"changelog": changelog_name(table), "state_table": table.name, "covered_before": covered_before,
-            "covers": stage.covers, "change_rows_appended": rows - rows_before, "change_rows_total": rows}
+            "covers": covers, "change_rows_appended": rows - rows_before, "change_rows_total": rows}
 
 
 def changelog_figures(spark: SparkSession, path: Path) -> tuple[int, int | None]:

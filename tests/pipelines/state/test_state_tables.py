@@ -6,8 +6,8 @@ events) delivered in two runs; the table equals the seed query computed by tests
 decimals; one writer per stream (a run that finds the stream busy writes nothing); damaged checkpoint files
 detected; a table log that cannot be written fails the run with the fix, and the next run is exact: the batch's
 MERGE is made before the query starts, and the batch, replayed after its commits but before the checkpoint commit,
-writes nothing; Change Data Feed on, recording every upsert; runs write no changelog, which, published, holds that
-feed and alone rebuilds the table as of every version; a state table that records no bronze version (deleted) is
+writes nothing; Change Data Feed on, recording every upsert; runs write no changelog, which, published (by two
+publishers at once and a stale one), holds that feed once and alone rebuilds the table as of every version; a state table that records no bronze version (deleted) is
 rebuilt from bronze. The same for a table with a TTL, a crash and a lost checkpoint:
 tests/pipelines/state/test_state_ttl.py. Not covered: Dagster (tests/assets).
 """
@@ -17,6 +17,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from decimal import Decimal
 
@@ -29,7 +30,7 @@ from pipelines.ingest.generate import generate
 from pipelines.runtime.checkpoints import verify_checkpoint
 from pipelines.operate.maintenance import publish_changelogs
 from pipelines.runtime.locks import writer_lock
-from pipelines.state.changelog import changelog_name, restore_from_changelog
+from pipelines.state.changelog import changelog_name, changelog_stage, restore_from_changelog
 from pipelines.storage.delta_log import table_version
 from tests.streams import MOVIE_TICKET_SALES
 from tests.contract_oracle import Expected, expected_state, landing_files
@@ -167,9 +168,15 @@ def test_a_state_table_stays_exact_through_a_busy_stream_read_only_storage_a_rep
     }
 
     # No run wrote the changelog; published, it holds that feed, each row once (published again: nothing added), and
-    # from it alone the table is rebuilt as of every version.
+    # from it alone the table is rebuilt as of every version. Publishers take no lock (a continuous run holds it for
+    # its whole life): two at once, and one that read the coverage before them and writes after (stale), append each
+    # change row once.
     assert table_version(spark, layout.table(changelog_name(TABLE))) is None
-    assert [f["covers"] for f in publish_changelogs(spark, layout, SPEC)] == [second]
+    stale = changelog_stage(spark, layout, TABLE)
+    with writer_lock(layout.locks, SPEC.name, 5), ThreadPoolExecutor(2) as pool:
+        at_once = [done.result() for done in [pool.submit(publish_changelogs, spark, layout, SPEC) for _ in range(2)]]
+    assert [f["covers"] for figures in at_once for f in figures] == [second, second]
+    stale.advance(spark, "stale publisher", 0)
     assert [f["change_rows_appended"] for f in publish_changelogs(spark, layout, SPEC)] == [0]
     published = IndependentDeltaTable(str(layout.table(changelog_name(TABLE)))).to_pyarrow_table().to_pylist()
     assert sorted((r["_commit_version"], r["_change_type"], r[TABLE.key], r[TABLE.count_column], r[TABLE.sum_column])
