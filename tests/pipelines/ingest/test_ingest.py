@@ -50,6 +50,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipelines.faults import FAULTS_ENV, INGEST_POISON, arm
+from pipelines.ingest import bronze
 from pipelines.ingest.bronze import decide_in_order
 from pipelines.storage.layout import StorageLayout
 from tests.contract_oracle import DEFAULT_HORIZON, EPOCH, Oracle, file_lines, landing_files
@@ -898,15 +899,19 @@ def test_bronze_events_of_the_batch_ids_are_all_found_whatever_the_files_statist
     assert sorted((i, at) for i, at, _ in found) == [("a", micros), (long_id, micros)]
 
 
-# Every micro-batch decided by joins, as a batch of SMALL_BATCH_BYTES or more is (not in the driver).
+# Every micro-batch decided as a batch of SMALL_BATCH_BYTES or more is (its lines not read into the driver).
 EVERY_BATCH_LARGE = {"large_from_bytes": 0}
 
 
+@pytest.mark.parametrize("suspects_in_driver", [bronze.SUSPECTS_IN_DRIVER, 0], ids=["suspects in the driver", "joins"])
 @settings(max_examples=1, **SEARCH)  # each example is two runs of the stream: the search is in its drawn lines
 @given(data=st.data())
 def test_movie_ticket_sales_malformed_kinds_redeliveries_allowance_in_flight_files_and_a_replayed_batch(
-        spark, tmp_path_factory, data):
-    _movie_ticket_sales_scenario(spark, tmp_path_factory, data)
+        spark, tmp_path_factory, data, suspects_in_driver):
+    """A large batch decides its suspect lines in the driver, or, with more than SUSPECTS_IN_DRIVER, all by joins."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(bronze, "SUSPECTS_IN_DRIVER", suspects_in_driver)
+        _movie_ticket_sales_scenario(spark, tmp_path_factory, data)
 
 
 def _movie_ticket_sales_scenario(spark, tmp_path_factory, data) -> None:
@@ -936,7 +941,6 @@ def _movie_ticket_sales_scenario(spark, tmp_path_factory, data) -> None:
 def test_a_large_batch_writes_bronze_files_of_bounded_rows_each_one_range_of_event_time(spark, tmp_path, monkeypatch):
     """A large batch's bronze rows go into files of about BRONZE_FILE_ROWS rows (never fewer files than cores), and
     no two files' event times overlap: a later batch's dedup lookup reads only the files its range meets."""
-    from pipelines.ingest import bronze
     monkeypatch.setattr(bronze, "BRONZE_FILE_ROWS", 10)
     base = datetime(2026, 11, 1, tzinfo=timezone.utc)
     # 60 events an hour apart, in shuffled order, so the layout is not the input's
