@@ -238,9 +238,11 @@ def _suspects_decided(candidates: DataFrame, repeated: DataFrame, repeated_lines
     when there are more than SUSPECTS_IN_DRIVER suspects and bronze events: the caller decides by joins."""
     if repeated_lines > SUSPECTS_IN_DRIVER:
         return None
-    prior_rows = [] if prior is None else [tuple(r.values()) for r in prior.toArrow().to_pylist()]
-    if repeated_lines + len(prior_rows) > SUSPECTS_IN_DRIVER:
+    held = None if prior is None else prior.toArrow()
+    # Counted as Arrow first: a re-sent file's bronze rows never become Python objects.
+    if repeated_lines + (held.num_rows if held is not None else 0) > SUSPECTS_IN_DRIVER:
         return None
+    prior_rows = [] if held is None else [tuple(r.values()) for r in held.to_pylist()]
     suspects = {r[0] for r in prior_rows} | (
         {r["_key"] for r in repeated.toArrow().to_pylist()} if repeated_lines else set())
     spark = candidates.sparkSession
@@ -436,7 +438,7 @@ def _classify(lines: DataFrame, batch_id: int, settings: IngestSettings, ingeste
     are, with reason `unprocessable` and the error that made the batch fail. Unless `may_repeat`,
     no line of the batch can be in bronze or quarantine yet, and they are not looked up there; `bronze_empty`: bronze
     holds no event, and no line is compared with it (`_outcomes`). A small batch
-    (`is_small_batch`) is decided in the driver (`_decided_in_driver`), a larger one by joins.
+    (`is_small_batch`) is decided in the driver (`_decided_in_driver`), a larger one's suspects too (`_outcomes`).
     """
     spec = settings.spec
     spark = lines.sparkSession
