@@ -32,6 +32,16 @@ def _over(aggregate: Column, window: WindowSpec | None) -> Column:
     return aggregate if window is None else aggregate.over(window)
 
 
+def _rank(a: Aggregate) -> str:
+    return f"_rank_{a.name}"
+
+
+def _best(a: Aggregate, value: Column, window: WindowSpec | None) -> Column:
+    """`value` where a window's rows are ranked (`ranks`) among the best `a.n`, otherwise NULL (which a list skips);
+    `value` itself in an aggregation."""
+    return value if window is None else F.when(F.col(_rank(a)) <= a.n, value)
+
+
 def _counted(column: str | None) -> Column:
     """COUNT(column) of one row: 1, or 0 where the column is NULL; COUNT(*) when there is none."""
     return (F.lit(1) if column is None else F.when(F.col(column).isNotNull(), 1).otherwise(0)).cast(LongType())
@@ -74,6 +84,11 @@ class AggregateKind:
         """The partial columns of each row of the stream alone (a projection, no aggregation): `partial` over that
         one row, so that `combined` reads rows of the stream and rows of partials alike."""
         raise NotImplementedError
+
+    def ranks(self, a: Aggregate, over: WindowSpec, combining: bool) -> dict[str, Column]:
+        """Columns that `partial` (or, `combining`, `combined`) over the window `over` reads, added to the rows
+        before it (`window_ranks`); none for most kinds."""
+        return {}
 
     def combined(self, a: Aggregate, kinds: dict[str, str], over: WindowSpec | None = None) -> list[Column]:
         """The partial columns over rows of partial columns: several batches' partials of one key as one (`over`:
@@ -254,10 +269,23 @@ class _ExtremeBy(AggregateKind):
         # NULL when the ordering is: Spark's MIN_BY/MAX_BY skip such rows, as collect_list and MIN/MAX of NULL do.
         return F.when(F.col(a.by).isNotNull(), F.struct(F.col(a.by).alias("by"), F.col(a.column).alias("value")))
 
+    def ranks(self, a, over, combining):
+        # Over a window, every row of a partition holds the aggregate's value: a list of all its pairs would be
+        # copied to each row and sorted there, n² in the rows of a key (a key with 20,000 events in one session
+        # took seconds a batch). Each row is ranked instead, its pair (`combining`: the best pair of its list, a
+        # list's best n coming from the n lists of the best pairs), and only the best n are collected.
+        if not a.n:
+            return {}
+        best = ((F.array_max if self.function == "max_by" else F.array_min)(F.col(_by(a))) if combining
+                else self._pair(a))
+        order = best.desc_nulls_last() if self.function == "max_by" else best.asc_nulls_last()
+        return {_rank(a): F.row_number().over(over.orderBy(order))}
+
     def partial(self, a, kinds, over=None):
         pair = self._pair(a)
-        return [(self._newest(_over(F.collect_list(pair), over), a) if a.n else _over(self._pick(pair), over))
-                .alias(_by(a))]
+        if a.n:
+            return [self._newest(_over(F.collect_list(_best(a, pair, over)), over), a).alias(_by(a))]
+        return [_over(self._pick(pair), over).alias(_by(a))]
 
     def of_row(self, a, kinds):
         # A list of its one pair, or none (flatten of a NULL list would make the combined list NULL).
@@ -266,7 +294,8 @@ class _ExtremeBy(AggregateKind):
 
     def combined(self, a, kinds, over=None):
         if a.n:
-            return [self._newest(F.flatten(_over(F.collect_list(_by(a)), over)), a).alias(_by(a))]
+            return [self._newest(F.flatten(_over(F.collect_list(_best(a, F.col(_by(a)), over)), over)), a)
+                    .alias(_by(a))]
         return [_over(self._pick(F.col(_by(a))), over).alias(_by(a))]
 
     def final(self, a, kinds):
@@ -294,8 +323,15 @@ def kind_of(a: Aggregate) -> AggregateKind:
     return KINDS[a.function]
 
 
+def window_ranks(aggregates, over: WindowSpec, combining: bool = False) -> dict[str, Column]:
+    """The columns `partial_columns` (`combining`: `combined_columns`) over the window `over` reads: added to the
+    rows first."""
+    return {name: c for a in aggregates for name, c in kind_of(a).ranks(a, over, combining).items()}
+
+
 def partial_columns(aggregates, kinds: dict[str, str], over: WindowSpec | None = None) -> list[Column]:
-    """Every aggregate's partial columns over rows of the stream (`over`: over that window, on each of its rows)."""
+    """Every aggregate's partial columns over rows of the stream (`over`: over that window, on each of its rows,
+    which hold `window_ranks`' columns)."""
     return [c for a in aggregates for c in kind_of(a).partial(a, kinds, over)]
 
 

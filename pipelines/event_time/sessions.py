@@ -36,7 +36,9 @@ from pyspark.sql import Column, DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 from pyspark.sql.types import BooleanType, LongType, StructField, StructType, TimestampType
 
-from pipelines.declare.aggregates import combined_columns, final_column, partial_columns, row_columns
+from pipelines.declare.aggregates import (
+    combined_columns, final_column, partial_columns, row_columns, window_ranks,
+)
 from pipelines.declare.specs import FIELD_TYPES, EventTimeTableSpec, OutputColumn, StreamSpec
 from pipelines.event_time.watermark import (
     NO_PROGRESS, EventTimeStage, FoldedBatch, append_late, behind_watermark, declared_columns,
@@ -132,17 +134,18 @@ def fold_sessions(table: EventTimeTableSpec, spec: StreamSpec, state: DataFrame 
     # A session's aggregates over the window of its pieces, kept on its first piece (each session has one piece that
     # starts it): one sort of the cut pieces by session, then one pass. As a GROUP BY, an aggregation of a list
     # (MAX_BY with a count is a collect_list, an object aggregate) ran twice, partial then final on the same
-    # partitions, and each fell back to sorting all the pieces.
+    # partitions, and each fell back to sorting all the pieces. A list (MAX_BY with a count) collects only the best of
+    # the session's pieces, which `window_ranks` ranks first: the whole list on every piece grew as the square of a
+    # key's pieces.
     session = Window.partitionBy(*keys, "_session")
     first_piece = F.col("_starts") == 1
     if state is None:
         # Every session is made of events alone: their partial aggregates are its state, over the cut events as the
         # window left them (partitioned by key), with nothing to keep in between.
         state = frame_of_rows(events.sparkSession, [], schema)
-        aggregated = (cut(arrived).select(*keys, "_session", "_starts",
-                                          *partial_columns(table.aggregates, kinds, session),
-                                          F.min(FIRST).over(session).alias(FIRST),
-                                          F.max(LAST).over(session).alias(LAST))
+        aggregated = (cut(arrived).withColumns(window_ranks(table.aggregates, session))
+                      .select(*keys, "_session", "_starts", *partial_columns(table.aggregates, kinds, session),
+                              F.min(FIRST).over(session).alias(FIRST), F.max(LAST).over(session).alias(LAST))
                       .where(first_piece).drop("_starts"))
     else:
         # Sessions are cut on (key, first, last) alone: the state's partial columns travel renamed, beside the
@@ -154,10 +157,9 @@ def fold_sessions(table: EventTimeTableSpec, spec: StreamSpec, state: DataFrame 
         own = row_columns(table.aggregates, kinds)
         as_partials = pieces.select(*keys, "_session", "_starts", FIRST, LAST, *(
             F.when(F.col("_held"), F.col(f"_s{p}")).otherwise(row).alias(p) for p, row in zip(partials, own)))
-        aggregated = (as_partials.select(*keys, "_session", "_starts",
-                                         *combined_columns(table.aggregates, kinds, session),
-                                         F.min(FIRST).over(session).alias(FIRST),
-                                         F.max(LAST).over(session).alias(LAST))
+        aggregated = (as_partials.withColumns(window_ranks(table.aggregates, session, combining=True))
+                      .select(*keys, "_session", "_starts", *combined_columns(table.aggregates, kinds, session),
+                              F.min(FIRST).over(session).alias(FIRST), F.max(LAST).over(session).alias(LAST))
                       .where(first_piece).drop("_starts"))
     if newest_ms is None:
         aggregated = kept(aggregated)  # the watermark's job reads it too

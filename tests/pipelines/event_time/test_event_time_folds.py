@@ -13,6 +13,7 @@ once: every action on them is a Spark job of its own.
 from __future__ import annotations
 
 import datetime as dt
+from dataclasses import replace
 from decimal import Decimal
 from functools import reduce
 
@@ -130,6 +131,41 @@ def test_a_first_fold_without_state_gives_what_a_fold_from_an_empty_state_gives(
                        "watermark": f.watermark_ms} for f in folds)
     assert first == general
     assert len(general["closed"]) == 3 and len(general["state"]) == 3  # 3 sessions closed, 1 open and 2 keys carried
+
+
+def _open_list(state: list, customer: str) -> list:
+    (row,) = [r for r in state if r["_open"] and r["customer_id"] == customer]
+    return [p["value"] for p in row["_by_last_payment_ids"]]
+
+
+def test_a_long_session_keeps_the_extreme_five_of_all_its_pieces(spark):
+    """A session's MAX_BY(..., 5) list over many payments and over pieces of several batches (an open session's list
+    and new payments): each piece is ranked, and the five of the greatest time, ties to the greater id, come from
+    all of them; MIN_BY the same from the other end."""
+    spec = declared(PAYMENTS, watermark_delay=dt.timedelta(hours=2))
+    many = [(f"p{i:03d}", "hot", "1", at("10:00:00")) for i in range(300)]  # 300 at one instant: ties by id
+    first = fold_sessions(ACTIVITY, spec, None, payments(spark, [
+        *many, ("q", "hot", "1", at("10:00:01")), ("c", "cold", "1", at("10:00:00"))]), 0)
+    state = first.state.collect()
+    assert _open_list(state, "hot") == ["q", "p299", "p298", "p297", "p296"]
+    assert _open_list(state, "cold") == ["c"]
+    second = fold_sessions(ACTIVITY, spec, first.state, payments(spark, [
+        *((f"r{i:03d}", "hot", "1", at("10:00:00.5")) for i in range(200)), ("a", "hot", "1", at("10:00:02")),
+        ("p999", "hot", "1", at("10:00:00"))]), first.watermark_ms)  # ties with the open list's p2xx, greater
+    assert _open_list(second.state.collect(), "hot") == ["a", "q", "r199", "r198", "r197"]
+    third = fold_sessions(ACTIVITY, spec, second.state, payments(spark, [("clock", "clock", "1", at("13:00:00"))]),
+                          second.watermark_ms)  # the watermark moves to 11:00: the session closes
+    assert [r["last_payment_ids"] for r in third.closed.collect() if r["customer_id"] == "hot"] == [
+        ["a", "q", "r199", "r198", "r197"]]
+
+    least = replace(ACTIVITY, aggregates=tuple(replace(a, function="min_by") if a.function == "max_by" else a
+                                               for a in ACTIVITY.aggregates))
+    first = fold_sessions(least, spec, None, payments(spark, [*many, ("q", "hot", "1", at("09:59:59"))]), 0)
+    assert _open_list(first.state.collect(), "hot") == ["q", "p000", "p001", "p002", "p003"]
+    second = fold_sessions(least, spec, first.state, payments(spark, [
+        ("b", "hot", "1", at("09:59:58")), ("o", "hot", "1", at("10:00:00")), ("p0000", "hot", "1", at("10:00:00"))]),
+        first.watermark_ms)
+    assert _open_list(second.state.collect(), "hot") == ["b", "q", "o", "p000", "p0000"]  # p0000 before p001
 
 
 def test_the_ttl_forgets_the_previous_session_and_the_days_spend(spark):
