@@ -423,7 +423,8 @@ def _every_table_increment(spark, landing: Path, out: Path, watermark_us: int, h
                            & (F.abs(at - F.col("_prior_at")) <= DEDUP_HORIZON_US), "left").localCheckpoint()
     conflicts = looked_up.where(F.col("_prior_id").isNotNull() & (F.col("_prior_content") != content))
     step("dedup")
-    _quarantine_rows(lines.where(bad)).unionByName(_quarantine_rows(conflicts.withColumn("_corrupt_record", F.lit(None)))) \
+    conflicting = _quarantine_rows(conflicts.withColumn("_corrupt_record", F.lit(None)))
+    _quarantine_rows(lines.where(bad)).unionByName(conflicting) \
         .write.format("delta").mode("append").save(str(out / "quarantine"))
     step("quarantine")
     events = looked_up.where(F.col("_prior_id").isNull()).drop("_prior_id", "_prior_at", "_prior_content")
