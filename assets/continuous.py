@@ -190,7 +190,7 @@ class ContinuousReport:
         return evaluations
 
 
-@dg.op(tags={CONTINUOUS_TAG: "true"}, description=(
+@dg.op(out={}, tags={CONTINUOUS_TAG: "true"}, description=(
     "Keeps every stream's streaming query running (each micro-batch through ingest, state table, windows or "
     "sessions, changelog topic) and reports each table to Dagster every `report_every_seconds`. Cancel the run to "
     "stop: each query finishes its current micro-batch first."))
@@ -207,9 +207,17 @@ def keep_streams_running(context: dg.OpExecutionContext, config: ContinuousConfi
         for _ in ticks:
             yield from report.events()
             if report.failed_checks:
-                # Blocking checks: the queries stop and the run fails with the checks named (Dagster raises).
+                # Blocking checks: the queries stop after their current batch, then the run fails naming them.
                 context.log.error(f"blocking checks failed: {', '.join(report.failed_checks)}; stopping")
                 continuous.stop.set()
+    if report.failed_checks:
+        raise dg.Failure(
+            description=f"Blocking checks failed: {', '.join(sorted(set(report.failed_checks)))}. The queries "
+                        f"stopped after their current micro-batch. Fix: compare the disputed keys (each check's "
+                        f"metadata) with an independent read of bronze, as docs/recovery.md says ('A blocking check "
+                        f"fails'): a wrong table is restored from a savepoint; a wrong check is listed in "
+                        f"check_policy.warn_only.",
+            metadata={"failed_checks": sorted(set(report.failed_checks))})
 
 
 @dg.job(name=CONTINUOUS_JOB, tags={CONTINUOUS_TAG: "true"}, description=(

@@ -65,12 +65,15 @@ class SparkSessionResource(LazyPySparkResource):
             context.instance.add_run_tags(context.run.run_id, {ENGINE_TAG: self.engine()})
 
     def session_of_its_own(self) -> Any:
-        """A session for one of several streaming queries running side by side (the continuous job). In the embedded
-        and standalone engines that is the run's session: each query's foreachBatch gets a session of its own.
-        Over Connect, foreachBatch runs in the session that started the query, so queries sharing one would share
-        the per-batch transaction confs (pipelines/storage/delta_log.py): each gets a new Connect session, same confs."""
+        """A session for one of several streams advanced side by side (the continuous job), with the run's confs
+        and a SQL conf of its own. A stream's commits carry their metadata in a session conf
+        (pipelines/storage/delta_log.py, `commit_confs`): two streams sharing one session could commit under each
+        other's app id and bronze version, and a run reading that version would fold bronze again. Embedded or
+        standalone, a new session of the run's JVM (its confs are the context's, which the run's were built into);
+        over Connect, a new Connect session with the same confs, as foreachBatch runs in the session that started
+        the query."""
         if not self.remote:
-            return self.spark_session
+            return self.spark_session.newSession()
         return new_connect_session(SparkSettings(remote=self.remote,
                                                  conf={k: str(v) for k, v in self.spark_config.items()}))
 

@@ -2,10 +2,9 @@
 
 A step is a stream's `advance_stream` (pipelines/runtime/micro_batch.py), called with a `Continuous`: it takes the
 stream's writer lock, verifies its checkpoint exactly as an orchestrated run does, then keeps its query
-running with a processing-time trigger. Spark runs concurrent streaming queries side by side; each query's
-foreachBatch must have a session of its own, so the per-batch transaction confs of one query never reach another's
-commit. The embedded and standalone engines give it one; over Spark Connect foreachBatch runs in the session that
-started the query, so each step is given its own Connect session (resources/spark.py, `session_of_its_own`).
+running with a processing-time trigger. Spark runs concurrent streaming queries side by side. Each step has a
+session of its own (resources/spark.py, `session_of_its_own`), so the transaction confs of one stream's commits
+(its catch-up before the query, and each micro-batch) never reach another's.
 
 A stop (a cancel in Dagster arrives as an exception in the calling thread) lets each query finish its current
 micro-batch, then stops it; whatever the stop interrupts is replayed by the next run from the checkpoint.

@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import dagster as dg
@@ -38,7 +39,7 @@ from pipelines.ingest.generate import generate
 from pipelines.runtime.micro_batch import EVENT_TIME_ENV, event_time_streams, event_time_tables
 from pipelines.runtime.query import Continuous
 from pipelines.runtime.spark import delta_jars, engine_address, require_java, wait_for_engine
-from pipelines.storage.delta_log import table_version
+from pipelines.storage.delta_log import USER_METADATA, commit_confs, commit_metadata, history_rows, table_version
 from pipelines.storage.layout import StorageLayout
 from tests.streams import advance, project_with_ttl, PAYMENTS
 from pipelines.declare.project import PROJECT_ENV, stream_spec
@@ -180,6 +181,9 @@ def test_without_event_time_a_failing_blocking_check_fails_the_run_and_the_deep_
         warned = advance_payments(instance, CheckPolicyResource(warn_only=["payments_per_customer:totals_match_bronze"]))
         # the code location's nightly job of deep checks compares every key with all of bronze and names the key
         deep = _job("reconcile_state_tables").execute_in_process(instance=instance, raise_on_error=False)
+        # the continuous job's first report runs the same check: its queries stop and the run fails naming it
+        continuous = _job(CONTINUOUS_JOB).execute_in_process(instance=instance, raise_on_error=False, run_config={
+            "ops": {"keep_streams_running": {"config": {"report_every_seconds": 1.0, "event_time_steps": False}}}})
     assert not result.success
     failed = [e.event_specific_data for e in result.all_events
               if e.event_type_value == "ASSET_CHECK_EVALUATION" and not e.event_specific_data.passed]
@@ -197,6 +201,10 @@ def test_without_event_time_a_failing_blocking_check_fails_the_run_and_the_deep_
                    if e.event_type_value == "ASSET_CHECK_EVALUATION" and not e.event_specific_data.passed]
     assert [c.check_name for c in deep_failed] == ["reconciles_with_bronze"]
     assert deep_failed[0].metadata["mismatched_keys"].value == 1
+    assert not continuous.success
+    stopped = continuous.failure_data_for_node("keep_streams_running").user_failure_data
+    assert stopped.description.startswith("Blocking checks failed: payments_per_customer:totals_match_bronze."), (
+        stopped.description)
 
 
 def test_a_continuous_runs_first_report_covers_every_table_as_found(spark, layout):
@@ -419,3 +427,32 @@ def test_cli_refuses_an_unknown_stream_before_touching_data(tmp_path):
 
 def test_spark_resource_reuses_the_one_session(spark):
     assert SparkSessionResource().spark_session is spark
+
+
+def test_streams_advanced_side_by_side_commit_under_their_own_metadata(spark, tmp_path):
+    """The continuous job advances each stream in a thread of its own, on `session_of_its_own`. A commit's metadata
+    (app id, bronze version folded) is a session conf set for the commit (`commit_confs`): set in one stream's
+    session, it must not reach the other stream's commit made at the same moment."""
+    resource, errors = SparkSessionResource(), []
+    together = threading.Barrier(2, timeout=120)
+
+    def stream(name: str) -> None:
+        session = resource.session_of_its_own()
+        try:
+            with commit_confs(session, {USER_METADATA: json.dumps({"app_id": name})}):
+                together.wait()  # both streams' metadata set before either commits
+                session.range(1).write.format("delta").save(str(tmp_path / name))
+                together.wait()  # neither unset before both committed
+        except Exception as exc:  # surfaced by the assertion below
+            errors.append(exc)
+            together.abort()
+
+    threads = [threading.Thread(target=stream, args=(name,)) for name in ("payments", "movie_ticket_sales")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(180)
+    assert not errors, errors
+    assert {name: commit_metadata(history_rows(spark, tmp_path / name, 1)[0])["app_id"]
+            for name in ("payments", "movie_ticket_sales")} == {"payments": "payments",
+                                                                "movie_ticket_sales": "movie_ticket_sales"}
