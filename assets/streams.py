@@ -31,7 +31,7 @@ from pipelines.ingest.bronze import DEFAULT_MAX_FILES_PER_TRIGGER
 from pipelines.operate import table_checks
 from pipelines.operate.table_checks import quarantine_reasons, state_totals
 from pipelines.runtime.micro_batch import StreamSettings, advance_stream, event_time_streams
-from pipelines.runtime.query import StreamRunResult
+from pipelines.runtime.query import NEW_PROCESS_SMALL_BATCH_BYTES, SMALL_BATCH_BYTES, StreamRunResult
 from pipelines.state.expiry import EXPIRY
 from pipelines.state.tables import changed_definitions, folded_through, state_schema
 from resources import CheckPolicyResource, SparkSessionResource, StorageResource
@@ -44,8 +44,11 @@ class StreamConfig(dg.Config):
     lock_timeout_s: float = Field(default=60.0, description="How long to wait for the stream's writer lock.")
     quarantine_warn_rate: float = Field(default=0.05, description="Share of quarantined lines in a run that warns.")
 
-    def settings(self) -> StreamSettings:
-        return StreamSettings(max_files_per_trigger=self.max_files_per_trigger, lock_timeout_s=self.lock_timeout_s)
+    def settings(self, new_process: bool = False) -> StreamSettings:
+        """`new_process`: the run's engine is a JVM of its own that ends with it (`statetables run` embedded), whose
+        small batches stay interpreted up to a larger size (pipelines/runtime/query.py, `SMALL_BATCH_BYTES`)."""
+        return StreamSettings(max_files_per_trigger=self.max_files_per_trigger, lock_timeout_s=self.lock_timeout_s,
+                              large_from_bytes=NEW_PROCESS_SMALL_BATCH_BYTES if new_process else SMALL_BATCH_BYTES)
 
 
 def current_declaration(loaded: StreamSpec) -> StreamSpec:
@@ -116,7 +119,8 @@ def build_stream_assets(spec: StreamSpec, keeps_event_time: bool = True) -> list
                storage: StorageResource, check_policy: CheckPolicyResource):
         session, layout = spark.spark_session, storage.layout()
         current = current_declaration(spec)
-        result = advance_stream(session, layout, current, replace(config.settings(), event_time=event_time))
+        settings = config.settings(new_process=spark.one_command and not spark.remote)
+        result = advance_stream(session, layout, current, replace(settings, event_time=event_time))
         bronze_commits = result.commits[spec.bronze_table]
         counts = {k: sum(c["user"].get(k, 0) for c in bronze_commits)
                   for k in ("files", "lines", "accepted", "quarantined", "duplicates", "already_ingested",

@@ -30,7 +30,7 @@ from pipelines import faults
 from pipelines.declare.project import SHIPPED, load_project
 from pipelines.ingest.generate import generate
 from pipelines.operate.status import stream_status
-from pipelines.runtime import micro_batch
+from pipelines.runtime.query import RECORD_BYTES
 from pipelines.state.changelog_topic import COVERS_HEADER, VERSION_HEADER
 from statetables.servers import kafka_broker
 from pipelines.storage.layout import StorageLayout
@@ -108,17 +108,16 @@ def _assert_published_once(bootstrap: str, topic: str, live: list[dict], table) 
     assert {k for k, v in newest.items() if v is not None} == {r[table.key] for r in live}
 
 
-def test_topics_in_equal_the_oracle_and_a_table_restores_from_its_changelog_topic(spark, layout, broker, tmp_path,
-                                                                                    monkeypatch):
+def test_topics_in_equal_the_oracle_and_a_table_restores_from_its_changelog_topic(spark, layout, broker, tmp_path):
     path = kafka_project(broker.bootstrap, tmp_path)
     specs = load_project(path.read_text(), path).streams
     # A batch is sized by the offsets its checkpoint plans: here a batch of 350 records or more is a large one.
-    monkeypatch.setattr(micro_batch, "SMALL_BATCH_RECORDS", 350)
+    large = {"large_from_bytes": 350 * RECORD_BYTES}
     for spec in specs.values():
         generate(spec, spec.topic, events=700, malformed=0.03, duplicates=0.03, conflicts=0.01, seed=1,
                  events_per_file=350)
         with batch_lines() as lines:
-            first = advance(spark, layout, spec, event_time=False)
+            first = advance(spark, layout, spec, event_time=False, **large)
         assert first.micro_batches >= 2  # max_records_per_batch: 400
         assert [r.figures["small"] for r in lines] == [r.figures["lines"] < 350 for r in lines], lines
         assert {r.figures["small"] for r in lines} == {True, False}, lines  # 400 records, then the rest
@@ -132,12 +131,12 @@ def test_topics_in_equal_the_oracle_and_a_table_restores_from_its_changelog_topi
         assert redeliver(broker.bootstrap, spec.topic.topic, spec.id_field, 40, random.Random(5)) == 40
     payments, sales = specs["payments"], specs["movie_ticket_sales"]
     # A topic's checkpoint is trusted by the next run (Spark's Kafka source writes its first file after a zero byte).
-    assert advance(spark, layout, sales, event_time=False).recovery is None
+    assert advance(spark, layout, sales, event_time=False, **large).recovery is None
     assert not layout.set_aside_checkpoints.exists() or not any(layout.set_aside_checkpoints.iterdir())
     # payments' checkpoint is lost: the new query starts where bronze's newest commit says, nothing read twice.
     shutil.rmtree(layout.checkpoint(payments.name))
     with batch_lines() as lines:
-        second = advance(spark, layout, payments, event_time=False)
+        second = advance(spark, layout, payments, event_time=False, **large)
     assert second.rows_read == 440  # 400 new records, 40 re-delivered: none of the first run's read again
     # The new checkpoint's first batch is sized too, from the offsets the query started at (where bronze ends).
     assert [r.figures["small"] for r in lines] == [r.figures["lines"] < 350 for r in lines], lines
@@ -149,13 +148,13 @@ def test_topics_in_equal_the_oracle_and_a_table_restores_from_its_changelog_topi
     assert topic_status["pending"] == 0 and topic_status["offsets_in_tables"] == topic_status["end_offsets"]
     generate(payments, payments.topic, events=5, malformed=0, duplicates=0, conflicts=0, seed=3)
     assert stream_status(spark, layout, payments, None)["topic"]["pending"] == 5
-    advance(spark, layout, payments, event_time=False)
+    advance(spark, layout, payments, event_time=False, **large)
 
     # A run with nothing new publishes nothing.
     table = payments.state_tables[0]
     topic = table.changelog_topic.topic
     before = len(_consume(broker.bootstrap, topic))
-    advance(spark, layout, payments, event_time=False)
+    advance(spark, layout, payments, event_time=False, **large)
     assert len(_consume(broker.bootstrap, topic)) == before
     live = _table(layout.table(table.name))
     _assert_published_once(broker.bootstrap, topic, live, table)

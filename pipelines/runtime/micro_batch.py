@@ -68,7 +68,7 @@ from pipelines.runtime.checkpoints import (
 )
 from pipelines.runtime.locks import Fence, LocalFence, writer_lock
 from pipelines.runtime.query import (
-    KEPT_IN_MEMORY_FACTOR, SMALL_BATCH_BYTES, SMALL_BATCH_CONFS, SMALL_BATCH_RECORDS, Continuous, StreamRunResult,
+    KEPT_IN_MEMORY_BYTES, RECORD_BYTES, SMALL_BATCH_BYTES, SMALL_BATCH_CONFS, Continuous, StreamRunResult,
     TableVersions, require_writable, run_query, session_confs_during, storage_errors,
 )
 from pipelines.runtime.spark import require_kafka_jars
@@ -89,10 +89,12 @@ class StreamSettings:
     max_files_per_trigger: int = DEFAULT_MAX_FILES_PER_TRIGGER  # landing units per micro-batch
     lock_timeout_s: float = 60.0
     event_time: bool = True  # keep the stream's windowed and session tables; False: they cost nothing
-    # A batch of files with this many landing bytes or more runs as a large one (joins and kept frames, not decided
-    # in the driver), its frames kept on disk from KEPT_IN_MEMORY_FACTOR times it; the engine's warm-up sets 0 for the
-    # batch that warms that path.
+    # A batch with this many landing bytes or more (a topic's: records of RECORD_BYTES) runs as a large one (joins
+    # and kept frames, not decided in the driver): pipelines/runtime/query.py says why a warm engine and a new process
+    # differ. Its frames are kept on disk from `kept_on_disk_from_bytes`. The engine's warm-up sets both to 0 for the
+    # batches that warm those paths.
     large_from_bytes: int = SMALL_BATCH_BYTES
+    kept_on_disk_from_bytes: int = KEPT_IN_MEMORY_BYTES
 
 
 EVENT_TIME_ENV = "STATETABLES_EVENT_TIME"
@@ -186,9 +188,9 @@ class StreamBatch:
     def __init__(self, layout: StorageLayout, spec: StreamSpec, ingest: IngestSettings,
                  states: list[StateTableStage], event_time: list[EventTimeStage],
                  fence: Fence | LocalFence | None = None, topics: dict[str, ChangelogTopicStage] | None = None,
-                 large_from_bytes: int = SMALL_BATCH_BYTES):
+                 large_from_bytes: int = SMALL_BATCH_BYTES, kept_on_disk_from_bytes: int = KEPT_IN_MEMORY_BYTES):
         self.layout, self.spec, self.ingest = layout, spec, ingest
-        self.large_from_bytes = large_from_bytes
+        self.large_from_bytes, self.kept_on_disk_from_bytes = large_from_bytes, kept_on_disk_from_bytes
         self.states, self.event_time = states, event_time
         self.fence = fence
         self.topics = topics or {}  # state table → its changelog topic's stage
@@ -199,14 +201,15 @@ class StreamBatch:
         spark, topic = units.sparkSession, self.spec.topic
         if topic is None:
             listed, recorded = BatchUnits.of(units), None
-            small = listed.landing_bytes < self.large_from_bytes
-            in_memory = listed.landing_bytes < self.large_from_bytes * KEPT_IN_MEMORY_FACTOR
+            landing_bytes = listed.landing_bytes
         else:
             # A topic's batch is sized by the offsets its checkpoint plans, before any record is read.
             listed, recorded = None, recorded_offsets(spark, self.layout.table(self.spec.bronze_table), topic)
             records = planned_records(topic, batch_source_offsets(self.layout.checkpoint(self.spec.name), batch_id))
-            small = records is not None and records < SMALL_BATCH_RECORDS
-            in_memory = records is not None and records < SMALL_BATCH_RECORDS * KEPT_IN_MEMORY_FACTOR
+            # Not planned (unknown size): the large path, on disk.
+            landing_bytes = records * RECORD_BYTES if records is not None else None
+        small = landing_bytes is not None and landing_bytes < self.large_from_bytes
+        in_memory = landing_bytes is not None and landing_bytes < self.kept_on_disk_from_bytes
         steps_s: dict[str, float] = {}
         with session_confs_during(spark, SMALL_BATCH_CONFS if small else {}), small_batch(small, in_memory), \
                 ThreadPoolExecutor(1, thread_name_prefix=f"{self.spec.name}-state-ahead") as ahead:
@@ -412,7 +415,7 @@ def advance_stream(spark: SparkSession, layout: StorageLayout, spec: StreamSpec,
         topics = {table.name: changelog_topic_stage(layout, table, table_version(spark, layout.table(table.name)))
                   for table in spec.state_tables if table.changelog_topic is not None}
         batch = StreamBatch(layout, spec, ingest, states, event_time, fence, topics,
-                            settings.large_from_bytes)
+                            settings.large_from_bytes, settings.kept_on_disk_from_bytes)
         caught_up = batch.catch_up(spark)
         if spec.topic is None:
             # One ledger commit file per micro-batch, in unit order (record_units writes them that way).

@@ -292,14 +292,21 @@ def storage_errors() -> Iterator[None]:
 # settings stand.
 SMALL_BATCH_CONFS = {"spark.sql.codegen.wholeStage": "false", "spark.sql.codegen.factoryMode": "NO_CODEGEN",
                      "spark.sql.adaptive.enabled": "false"}
-SMALL_BATCH_BYTES = 8 << 20  # of landing bytes (pipelines/ingest/landing.py `BatchUnits`)
+# Of landing bytes (pipelines/ingest/landing.py `BatchUnits`), in a warm engine: ~2,000 payment lines. There the
+# codegen cache holds the batch's classes, and on a 1M-payment home the large path, compiled, its steps side by side,
+# was as fast at 1,000-2,000 lines and faster from 5,000 (5,000 lines 2.49 s against 3.50 s; docs/performance.md):
+# interpreted, the event-time steps' joins with their operator state cost by the state's rows, not the batch's.
+SMALL_BATCH_BYTES = 256 << 10
+# In a process whose JVM ends with its run (`statetables run`) every class is compiled for the first time: there the
+# interpreted path stays cheaper up to ~64,000 lines (a new process on 5,000 lines 13.9 s against 15.0 s compiled).
+NEW_PROCESS_SMALL_BATCH_BYTES = 8 << 20
 # A topic's batch is sized in records before they are read: a record counts as a line of ~128 bytes (a payment's
 # JSON line is 130 on average), so the same events take the same path from a folder or a topic.
-SMALL_BATCH_RECORDS = SMALL_BATCH_BYTES // 128
-# A batch below this many times the small bound keeps its frames in memory (`storage.frames.kept`), not on disk.
-# Profiled, a warm +100k batch (12 MiB) spent about 8% of its JVM samples serializing its kept rows to disk and
-# reading them back; a 1M-line batch (120 MiB) needed a 4 GiB heap to hold its frames.
-KEPT_IN_MEMORY_FACTOR = 4
+RECORD_BYTES = 128
+# A batch under this many landing bytes keeps its frames in memory (`storage.frames.kept`), not on disk. Profiled, a
+# warm +100k batch (12 MiB) spent about 8% of its JVM samples serializing its kept rows to disk and reading them
+# back; a 1M-line batch (120 MiB) needed a 4 GiB heap to hold its frames.
+KEPT_IN_MEMORY_BYTES = 32 << 20
 
 
 @contextmanager

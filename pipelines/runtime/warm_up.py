@@ -73,7 +73,8 @@ def warm_up_engine(spark: SparkSession, specs: list[StreamSpec], *, batches: int
                          malformed=0.05, seed=100 * (number + 1) + round_, max_step_s=EVENT_STEP_S,
                          start=first + timedelta(seconds=EVENT_STEP_S * large_events * round_))
                 micro_batches += advance_stream(spark, layout, from_files,
-                                                StreamSettings(large_from_bytes=0)).micro_batches
+                                                StreamSettings(large_from_bytes=0, kept_on_disk_from_bytes=0)
+                                                ).micro_batches
             warmed.append(WarmedStream(spec.name, micro_batches, time.monotonic() - started))
             report(warmed[-1])
     finally:

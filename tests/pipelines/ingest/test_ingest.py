@@ -899,8 +899,8 @@ def test_bronze_events_of_the_batch_ids_are_all_found_whatever_the_files_statist
     assert sorted((i, at) for i, at, _ in found) == [("a", micros), (long_id, micros)]
 
 
-# Every micro-batch decided as a batch of SMALL_BATCH_BYTES or more is (its lines not read into the driver).
-EVERY_BATCH_LARGE = {"large_from_bytes": 0}
+# Every micro-batch decided as a large one (its lines not read into the driver, its frames kept on disk).
+EVERY_BATCH_LARGE = {"large_from_bytes": 0, "kept_on_disk_from_bytes": 0}
 
 
 @pytest.mark.parametrize("suspects_in_driver", [bronze.SUSPECTS_IN_DRIVER, 0], ids=["suspects in the driver", "joins"])
